@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# Creates .venv (if missing) and installs AFlex with the given extras.
+# Where there is no NVIDIA GPU, torch comes from the CPU build (torch==2.13.0): a bare `torch`
+# would pull a multi-GB CUDA build.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+extras=${1:-worker}
+python=${PYTHON:-python3}
+[ -x .venv/bin/python ] || "$python" -m venv .venv
+. .venv/bin/activate
+pip_quiet=(--quiet --disable-pip-version-check)
+if ! command -v nvidia-smi >/dev/null 2>&1 || ! nvidia-smi -L >/dev/null 2>&1; then
+  python -c 'import torch' 2>/dev/null || pip install "${pip_quiet[@]}" torch==2.13.0
+fi
+pip install "${pip_quiet[@]}" -e ".[${extras}]"

@@ -1,0 +1,104 @@
+"""The `aflex` command: one entry point for every service and tool.
+
+Subcommands are thin: they parse flags, build the real objects and run them, turning AFlex's
+typed errors into one clear line on stderr and exit status 2 (never a traceback).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from shared.errors import AFlexError
+
+
+def _parse_ids(text: str) -> list[int]:
+    try:
+        return [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--prompt-ids must be comma-separated integers, got {text!r}") from None
+
+
+def _add_generate(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("generate", help="run the in-process engine (both halves) on one prompt")
+    p.add_argument("--model", default="default", help="HF directory, .gguf file, or 'default' (SmolLM2)")
+    prompt = p.add_mutually_exclusive_group(required=True)
+    prompt.add_argument("--prompt", help="prompt text")
+    prompt.add_argument("--prompt-ids", type=_parse_ids, help="prompt as token ids: 1,2,3")
+    p.add_argument("--chat", action="store_true", help="wrap --prompt as a user message in the chat template")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--min-tokens", type=int, default=0)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--json", action="store_true", help="print one JSON object: token_ids and text")
+    p.set_defaults(func=_run_generate)
+
+
+def _run_generate(args: argparse.Namespace) -> int:
+    import orjson
+    import torch
+
+    from shared.errors import TokenizerError
+    from shared.model.checkpoint import open_checkpoint
+    from shared.model.engine import Engine
+    from shared.model.sampling import SamplingParams
+
+    checkpoint = open_checkpoint(args.model)
+    tokenizer = checkpoint.tokenizer
+    if args.prompt is not None:
+        if tokenizer is None:
+            raise TokenizerError(f"{checkpoint.path} has no tokenizer: give --prompt-ids instead of --prompt")
+        if args.chat:
+            text = tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}])
+            prompt_ids = tokenizer.encode(text)
+        else:
+            prompt_ids = tokenizer.encode(args.prompt, add_special_tokens=True)
+    else:
+        if args.chat:
+            raise AFlexError("--chat applies to --prompt text, not to --prompt-ids")
+        prompt_ids = args.prompt_ids
+    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
+                            max_tokens=args.max_tokens, min_tokens=args.min_tokens, stop=tuple(args.stop),
+                            ignore_eos=args.ignore_eos)
+    engine = Engine.from_checkpoint(checkpoint, dtype=getattr(torch, args.dtype), device=args.device)
+    completion = engine.generate([prompt_ids], params)[0]
+    if args.json:
+        sys.stdout.write(orjson.dumps({
+            "token_ids": completion.token_ids,
+            "text": completion.text,
+            "finish_reason": completion.finish_reason,
+            "prompt_tokens": len(prompt_ids),
+        }).decode() + "\n")
+    else:
+        print(completion.text)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="aflex", description=__doc__.splitlines()[0] if __doc__ else None)
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_generate(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args))
+    except AFlexError as exc:
+        print(f"aflex {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

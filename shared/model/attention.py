@@ -1,0 +1,229 @@
+"""The attention half of the split model.
+
+It owns everything that touches the token stream and the KV cache: the embeddings, every layer's
+attention (with its input norm, and the fused residual add + post-attention norm that produces
+the FFN's input), the final norm, the lm_head. The residual stream never leaves this half: the
+FFN half receives only the normalised FFN input and returns only its output (see seam.py).
+
+Module and parameter names mirror the HF layout (`layers.N.self_attn.q_proj`), so checkpoint
+names map on by a prefix.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from shared.model.config import ModelArgs
+from shared.model.layers import RMSNorm, RotaryEmbedding, apply_rope
+from shared.model.seam import add_rms_norm
+
+
+class PagedKVStore:
+    """K and V of every layer in a flat slot dimension: slot = block_id * block_size + offset.
+
+    The block bookkeeping (which slots a sequence owns) lives in kv_cache.BlockTables; this
+    class only holds the tensors.
+    """
+
+    def __init__(self, args: ModelArgs, num_slots: int, dtype: torch.dtype, device: torch.device) -> None:
+        shape = (num_slots, args.n_kv_heads, args.head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(args.n_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(args.n_layers)]
+        self.num_slots = num_slots
+
+
+@dataclass(frozen=True)
+class SequencePass:
+    """One sequence's share of a forward pass."""
+
+    start_pos: int  # tokens of this sequence already in the KV cache
+    n_new: int  # tokens it feeds in this pass (prompt chunk, or 1 when decoding)
+    ctx_slots: list[int]  # KV slots of positions [0, start_pos + n_new)
+    wants_logits: bool = True  # the pass ends at this sequence's last prompt token or a decode step
+
+
+@dataclass
+class PrefillGroup:
+    row_start: int
+    n_new: int
+    gather: Tensor  # [ctx] slots of the whole context
+    mask: Tensor | None  # [n_new, ctx] bool, None when the context is exactly the new tokens
+
+
+@dataclass
+class AttentionMeta:
+    """Index tensors of one pass, built once and reused by every layer."""
+
+    positions: Tensor  # [T] absolute positions of the pass's tokens
+    write_slots: Tensor  # [T] KV slots the new K/V go to
+    decode_rows: Tensor | None  # [Bd] rows of single-token sequences, None if all rows decode
+    decode_gather: Tensor | None  # [Bd, C] context slots (padded with slot 0)
+    decode_mask: Tensor | None  # [Bd, 1, 1, C] True where a key is part of the context
+    prefills: list[PrefillGroup]
+    logits_rows: Tensor  # [B'] rows whose logits are sampled
+    n_tokens: int
+
+    @classmethod
+    def build(cls, seqs: list[SequencePass], device: torch.device) -> AttentionMeta:
+        positions: list[int] = []
+        write_slots: list[int] = []
+        decode_rows: list[int] = []
+        decode_ctx: list[list[int]] = []
+        prefills: list[PrefillGroup] = []
+        logits_rows: list[int] = []
+        row = 0
+        for seq in seqs:
+            end = seq.start_pos + seq.n_new
+            positions.extend(range(seq.start_pos, end))
+            write_slots.extend(seq.ctx_slots[seq.start_pos:end])
+            if seq.n_new == 1:
+                decode_rows.append(row)
+                decode_ctx.append(seq.ctx_slots[:end])
+            else:
+                mask = None
+                if seq.start_pos > 0:
+                    key_pos = torch.arange(end, device=device)
+                    query_pos = torch.arange(seq.start_pos, end, device=device)
+                    mask = key_pos[None, :] <= query_pos[:, None]
+                gather = torch.tensor(seq.ctx_slots[:end], dtype=torch.long, device=device)
+                prefills.append(PrefillGroup(row, seq.n_new, gather, mask))
+            if seq.wants_logits:
+                logits_rows.append(row + seq.n_new - 1)
+            row += seq.n_new
+        d_rows = d_gather = d_mask = None
+        if decode_ctx:
+            longest = max(len(c) for c in decode_ctx)
+            d_gather = torch.tensor([c + [0] * (longest - len(c)) for c in decode_ctx], device=device)
+            lengths = torch.tensor([len(c) for c in decode_ctx], device=device)
+            d_mask = (torch.arange(longest, device=device)[None, :] < lengths[:, None])[:, None, None, :]
+            if len(decode_rows) != row:
+                d_rows = torch.tensor(decode_rows, dtype=torch.long, device=device)
+        return cls(
+            positions=torch.tensor(positions, dtype=torch.long, device=device),
+            write_slots=torch.tensor(write_slots, dtype=torch.long, device=device),
+            decode_rows=d_rows,
+            decode_gather=d_gather,
+            decode_mask=d_mask,
+            prefills=prefills,
+            logits_rows=torch.tensor(logits_rows, dtype=torch.long, device=device),
+            n_tokens=row,
+        )
+
+
+class SelfAttention(nn.Module):
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.n_kv_heads, args.head_dim
+        self.q_proj = nn.Linear(args.dim, args.q_dim, bias=args.attention_bias)
+        self.k_proj = nn.Linear(args.dim, args.kv_dim, bias=args.attention_bias)
+        self.v_proj = nn.Linear(args.dim, args.kv_dim, bias=args.attention_bias)
+        self.o_proj = nn.Linear(args.q_dim, args.dim, bias=False)
+        self.q_norm = RMSNorm(args.head_dim, args.norm_eps) if args.qk_norm else None
+        self.k_norm = RMSNorm(args.head_dim, args.norm_eps) if args.qk_norm else None
+
+    def project_qkv(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        # x: [T, D] -> q: [T, H, hd], k, v: [T, Hkv, hd], RoPE applied to q and k
+        n_tokens = x.shape[0]
+        q = self.q_proj(x).view(n_tokens, self.n_heads, self.head_dim)
+        k = self.k_proj(x).view(n_tokens, self.n_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(n_tokens, self.n_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, meta: AttentionMeta,
+                k_cache: Tensor, v_cache: Tensor) -> Tensor:
+        # x: [T, D]; caches: [slots, Hkv, hd]
+        q, k, v = self.project_qkv(x, cos, sin)
+        k_cache.index_copy_(0, meta.write_slots, k)
+        v_cache.index_copy_(0, meta.write_slots, v)
+        out = torch.empty_like(q)  # [T, H, hd]
+        if meta.decode_gather is not None:
+            rows = meta.decode_rows
+            q_dec = (q if rows is None else q[rows]).unsqueeze(2)  # [Bd, H, 1, hd]
+            k_ctx = k_cache[meta.decode_gather].transpose(1, 2)  # [Bd, Hkv, C, hd]
+            v_ctx = v_cache[meta.decode_gather].transpose(1, 2)
+            o = F.scaled_dot_product_attention(q_dec, k_ctx, v_ctx, attn_mask=meta.decode_mask,
+                                               enable_gqa=True).squeeze(2)  # [Bd, H, hd]
+            if rows is None:
+                out = o
+            else:
+                out[rows] = o
+        for group in meta.prefills:
+            rows_slice = slice(group.row_start, group.row_start + group.n_new)
+            q_seq = q[rows_slice].transpose(0, 1)  # [H, n, hd]
+            if group.mask is None:  # context == the new tokens: attend to them directly
+                k_seq, v_seq = k[rows_slice].transpose(0, 1), v[rows_slice].transpose(0, 1)
+            else:
+                k_seq = k_cache[group.gather].transpose(0, 1)  # [Hkv, ctx, hd]
+                v_seq = v_cache[group.gather].transpose(0, 1)
+            o = F.scaled_dot_product_attention(q_seq.unsqueeze(0), k_seq.unsqueeze(0), v_seq.unsqueeze(0),
+                                               attn_mask=group.mask, is_causal=group.mask is None,
+                                               enable_gqa=True)
+            out[rows_slice] = o.squeeze(0).transpose(0, 1)
+        return self.o_proj(out.reshape(x.shape[0], -1))
+
+    def forward_contiguous(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        """Plain causal attention over one whole sequence, no cache: the unsplit reference path."""
+        q, k, v = self.project_qkv(x, cos, sin)
+        o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None],
+                                           v.transpose(0, 1)[None], is_causal=True, enable_gqa=True)
+        return self.o_proj(o[0].transpose(0, 1).reshape(x.shape[0], -1))
+
+
+class AttentionBlock(nn.Module):
+    """Layer l's attention side: input norm, attention, residual add, post-attention norm."""
+
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(args.dim, args.norm_eps)
+        self.self_attn = SelfAttention(args)
+        self.post_attention_layernorm = RMSNorm(args.dim, args.norm_eps)
+
+
+class AttentionHalf(nn.Module):
+    """Embeddings, all layers' attention, final norm and lm_head."""
+
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.args = args
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.dim)
+        self.layers = nn.ModuleList(AttentionBlock(args) for _ in range(args.n_layers))
+        self.norm = RMSNorm(args.dim, args.norm_eps)
+        self.lm_head = None if args.tie_word_embeddings else nn.Linear(args.dim, args.vocab_size, bias=False)
+        with torch.device("cpu"):
+            self.rotary = RotaryEmbedding(args)
+
+    def embed(self, tokens: Tensor) -> Tensor:
+        # tokens: [T] -> residual: [T, D]
+        return self.embed_tokens(tokens)
+
+    def rope(self, positions: Tensor) -> tuple[Tensor, Tensor]:
+        return self.rotary(positions, self.embed_tokens.weight.dtype)
+
+    def attend(self, layer: int, residual: Tensor, ffn_out: Tensor | None, rope: tuple[Tensor, Tensor],
+               meta: AttentionMeta, kv: PagedKVStore) -> tuple[Tensor, Tensor]:
+        """Layer `layer`'s attention side; returns (residual, ffn_in) where ffn_in goes to the FFN.
+
+        `ffn_out` is the previous layer's FFN output (None at layer 0); its residual add and this
+        layer's input norm are fused.
+        """
+        block = self.layers[layer]
+        if ffn_out is None:
+            x = block.input_layernorm(residual)
+        else:
+            residual, x = add_rms_norm(residual, ffn_out, block.input_layernorm)
+        attn_out = block.self_attn(x, rope[0], rope[1], meta, kv.k[layer], kv.v[layer])
+        residual, ffn_in = add_rms_norm(residual, attn_out, block.post_attention_layernorm)
+        return residual, ffn_in
+
+    def logits(self, residual: Tensor, ffn_out: Tensor, rows: Tensor) -> Tensor:
+        """Last layer's residual add, final norm and lm_head, for the rows that sample: [B', V]."""
+        hidden = (residual[rows] + ffn_out[rows]) if rows.numel() != residual.shape[0] else residual + ffn_out
+        hidden = self.norm(hidden)
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()

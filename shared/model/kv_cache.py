@@ -1,0 +1,176 @@
+"""Bookkeeping of the paged KV cache: which blocks are free and which blocks hold which sequence.
+
+The tensor storage lives elsewhere and keeps K/V in one flat slot dimension, where
+`slot = block_id * block_size + offset`. This module only hands out block ids and turns token
+positions into slot ids, so it is pure Python: it runs on the decode hot path once per step for
+every sequence, and a list plus range arithmetic is cheaper there than any tensor op.
+"""
+
+from __future__ import annotations
+
+from shared.errors import KVCacheExhaustedError
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class BlockAllocator:
+    """A free list of `num_blocks` KV blocks of `block_size` token slots each.
+
+    `allocate` is all-or-nothing so that a failed grow never leaves a sequence half-extended; the
+    scheduler catches `KVCacheExhaustedError` and preempts or queues instead.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int) -> None:
+        if num_blocks < 0:
+            raise ValueError(f"num_blocks must be >= 0, got {num_blocks}")
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        self._num_blocks = num_blocks
+        self._block_size = block_size
+        # Reversed so that pop() hands out low ids first: easier to read in logs and tests.
+        self._free_stack: list[int] = list(range(num_blocks - 1, -1, -1))
+        self._is_free: list[bool] = [True] * num_blocks
+
+    @property
+    def num_blocks(self) -> int:
+        return self._num_blocks
+
+    @property
+    def block_size(self) -> int:
+        return self._block_size
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free_stack)
+
+    def allocate(self, n: int) -> list[int]:
+        """Take `n` free blocks, or none at all (raises `KVCacheExhaustedError(n, free)`)."""
+        if n < 0:
+            raise ValueError(f"cannot allocate a negative number of blocks ({n})")
+        free = len(self._free_stack)
+        if n > free:
+            raise KVCacheExhaustedError(n, free)
+        if n == 0:
+            return []
+        blocks = self._free_stack[free - n:]
+        del self._free_stack[free - n:]
+        blocks.reverse()  # pop order: lowest id first
+        is_free = self._is_free
+        for b in blocks:
+            is_free[b] = False
+        return blocks
+
+    def free(self, blocks: list[int]) -> None:
+        """Return `blocks` to the free list; checks every id first so that a bad call changes nothing.
+
+        A double free or an id this allocator never owned is a bookkeeping bug that would later hand
+        one block to two sequences (silently mixing their KV), so it raises `ValueError` at once.
+        """
+        is_free = self._is_free
+        seen: set[int] = set()
+        for b in blocks:
+            if not (isinstance(b, int) and 0 <= b < self._num_blocks):
+                raise ValueError(f"block id {b!r} does not belong to this allocator "
+                                 f"(valid ids: 0..{self._num_blocks - 1})")
+            if is_free[b] or b in seen:
+                raise ValueError(f"double free of KV block {b}")
+            seen.add(b)
+        for b in blocks:
+            is_free[b] = True
+        self._free_stack.extend(reversed(blocks))
+
+
+class BlockTables:
+    """Per-sequence block tables on top of one `BlockAllocator`.
+
+    A sequence's table only ever grows at the end (until `free_sequence`), so the slot of a token
+    position never changes once reserved: K/V written at a step stay valid for every later step.
+    """
+
+    def __init__(self, allocator: BlockAllocator) -> None:
+        self._allocator = allocator
+        self._block_size = allocator.block_size
+        self._tables: dict[str, list[int]] = {}
+
+    @property
+    def allocator(self) -> BlockAllocator:
+        return self._allocator
+
+    @property
+    def block_size(self) -> int:
+        return self._block_size
+
+    def _table(self, seq_id: str) -> list[int]:
+        try:
+            return self._tables[seq_id]
+        except KeyError:
+            raise KeyError(f"unknown sequence {seq_id!r}") from None
+
+    def add_sequence(self, seq_id: str) -> None:
+        """Register a sequence with an empty table; reserve capacity with `reserve`."""
+        if seq_id in self._tables:
+            raise ValueError(f"sequence {seq_id!r} already has a block table")
+        self._tables[seq_id] = []
+
+    def has_sequence(self, seq_id: str) -> bool:
+        return seq_id in self._tables
+
+    def sequences(self) -> list[str]:
+        return list(self._tables)
+
+    def block_table(self, seq_id: str) -> list[int]:
+        """A copy of the sequence's block ids, in token order (callers may keep or mutate it)."""
+        return list(self._table(seq_id))
+
+    def num_tokens_capacity(self, seq_id: str) -> int:
+        return len(self._table(seq_id)) * self._block_size
+
+    def blocks_needed(self, seq_id: str | None, total_tokens: int) -> int:
+        """Extra blocks a sequence (or a new one, for `None`) needs to hold `total_tokens` tokens."""
+        if total_tokens < 0:
+            raise ValueError(f"total_tokens must be >= 0, got {total_tokens}")
+        have = 0 if seq_id is None else len(self._table(seq_id))
+        return max(0, _ceil_div(total_tokens, self._block_size) - have)
+
+    def can_reserve(self, seq_id: str | None, total_tokens: int) -> bool:
+        return self.blocks_needed(seq_id, total_tokens) <= self._allocator.num_free_blocks
+
+    def reserve(self, seq_id: str, total_tokens: int) -> None:
+        """Grow the table so the sequence can hold `total_tokens` tokens; never shrinks it.
+
+        Atomic: on `KVCacheExhaustedError` the table and the allocator are unchanged.
+        """
+        table = self._table(seq_id)
+        if total_tokens < 0:
+            raise ValueError(f"total_tokens must be >= 0, got {total_tokens}")
+        needed = _ceil_div(total_tokens, self._block_size) - len(table)
+        if needed > 0:
+            table.extend(self._allocator.allocate(needed))
+
+    def slots(self, seq_id: str, start: int, count: int) -> list[int]:
+        """Flat slot ids of token positions [start, start + count), within the reserved capacity."""
+        table = self._table(seq_id)
+        bs = self._block_size
+        end = start + count
+        if start < 0 or count < 0 or end > len(table) * bs:
+            raise ValueError(f"token positions [{start}, {end}) of sequence {seq_id!r} are outside "
+                             f"its reserved capacity of {len(table) * bs} tokens")
+        if count == 1:  # decode: one token, no loop
+            return [table[start // bs] * bs + start % bs]
+        out: list[int] = []
+        pos = start
+        while pos < end:
+            block_index, offset = divmod(pos, bs)
+            run = min(bs - offset, end - pos)
+            base = table[block_index] * bs + offset
+            out.extend(range(base, base + run))
+            pos += run
+        return out
+
+    def free_sequence(self, seq_id: str) -> None:
+        """Return all of the sequence's blocks to the allocator and forget the sequence."""
+        table = self._table(seq_id)
+        self._allocator.free(table)
+        del self._tables[seq_id]

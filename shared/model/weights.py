@@ -1,0 +1,146 @@
+"""Checkpoint readers (safetensors, single or sharded) and loading of each half's tensors.
+
+Every reader exposes tensors under their HF names (`model.layers.0.self_attn.q_proj.weight`),
+so the halves ask for the same names whatever the file format (the GGUF reader in gguf_file.py
+maps llama.cpp names onto these). Each half asks only for its own tensors: an FFN worker never
+reads attention weights, nor the reverse. Every missing tensor or wrong shape is a typed error
+that names the tensor, the shapes and the file.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Protocol
+
+import torch
+from torch import nn
+
+from shared.errors import CheckpointError, MissingTensorError, TensorShapeError
+from shared.model.config import ModelArgs
+
+
+class TensorSource(Protocol):
+    """Read-only access to a checkpoint's tensors by HF name."""
+
+    source: str  # a path for error messages
+
+    def names(self) -> set[str]: ...
+
+    def read(self, name: str) -> torch.Tensor: ...
+
+    def where(self, name: str) -> str: ...
+
+
+class SafetensorsCheckpoint:
+    """`model.safetensors`, or shards listed in `model.safetensors.index.json`; reads lazily."""
+
+    def __init__(self, directory: Path) -> None:
+        from safetensors import safe_open
+
+        self.source = str(directory)
+        index_path = directory / "model.safetensors.index.json"
+        single_path = directory / "model.safetensors"
+        self._file_of: dict[str, Path] = {}
+        try:
+            if index_path.exists():
+                weight_map = json.loads(index_path.read_text())["weight_map"]
+                self._file_of = {name: directory / file for name, file in weight_map.items()}
+            elif single_path.exists():
+                with safe_open(str(single_path), "pt") as handle:
+                    self._file_of = dict.fromkeys(handle.keys(), single_path)
+            else:
+                raise CheckpointError(f"{directory} has neither model.safetensors nor "
+                                      "model.safetensors.index.json")
+        except (OSError, ValueError, KeyError) as exc:
+            raise CheckpointError(f"cannot read safetensors checkpoint in {directory}: {exc}") from None
+        self._handles: dict[Path, object] = {}
+
+    def names(self) -> set[str]:
+        return set(self._file_of)
+
+    def where(self, name: str) -> str:
+        path = self._file_of.get(name)
+        return str(path) if path else self.source
+
+    def read(self, name: str) -> torch.Tensor:
+        from safetensors import safe_open
+
+        path = self._file_of.get(name)
+        if path is None:
+            raise MissingTensorError(name, self.source)
+        handle = self._handles.get(path)
+        if handle is None:
+            try:
+                handle = safe_open(str(path), "pt")
+            except (OSError, ValueError) as exc:
+                raise CheckpointError(f"cannot open shard {path}: {exc}") from None
+            self._handles[path] = handle
+        try:
+            return handle.get_tensor(name)  # type: ignore[attr-defined, no-any-return]
+        except Exception as exc:  # safetensors raises its own error types
+            raise CheckpointError(f"cannot read tensor {name!r} from {path}: {exc}") from None
+
+
+def attention_tensor_name(key: str) -> str:
+    """AttentionHalf state-dict key -> HF checkpoint name."""
+    return key if key == "lm_head.weight" else f"model.{key}"
+
+
+_MIXTRAL_EXPERT = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
+
+
+def ffn_tensor_name(key: str, args: ModelArgs) -> str:
+    """FFNHalf state-dict key -> HF checkpoint name, per architecture."""
+    parts = key.split(".")  # layers.N.<rest>
+    layer, rest = parts[1], parts[2:]
+    if not args.is_moe_layer(int(layer)):
+        return f"model.layers.{layer}.mlp.{'.'.join(rest)}"
+    if args.arch == "mixtral":
+        if rest[0] == "experts":  # experts.E.gate_proj.weight
+            rest = ["experts", rest[1], _MIXTRAL_EXPERT[rest[2]], rest[3]]
+        return f"model.layers.{layer}.block_sparse_moe.{'.'.join(rest)}"
+    return f"model.layers.{layer}.mlp.{'.'.join(rest)}"
+
+
+def load_module(module: nn.Module, tensors: TensorSource, name_of: dict[str, str],
+                dtype: torch.dtype, device: torch.device) -> None:
+    """Fill a module built on the meta device with checkpoint tensors, checking every shape."""
+    available = tensors.names()
+    for key, name in name_of.items():
+        if name not in available:
+            raise MissingTensorError(name, tensors.source)
+    module.to_empty(device=device)
+    params = dict(module.named_parameters())
+    for key, name in name_of.items():
+        param = params[key]
+        value = tensors.read(name)
+        if tuple(value.shape) != tuple(param.shape):
+            raise TensorShapeError(name, tuple(param.shape), tuple(value.shape), tensors.where(name))
+        with torch.no_grad():
+            param.copy_(value.to(dtype))
+    module.to(dtype)
+    module.requires_grad_(False)
+    module.eval()
+
+
+def load_attention_half(args: ModelArgs, tensors: TensorSource, dtype: torch.dtype = torch.float32,
+                        device: torch.device | str = "cpu") -> nn.Module:
+    from shared.model.attention import AttentionHalf
+
+    with torch.device("meta"):
+        half = AttentionHalf(args)
+    name_of = {key: attention_tensor_name(key) for key, _ in half.named_parameters()}
+    load_module(half, tensors, name_of, dtype, torch.device(device))
+    return half
+
+
+def load_ffn_half(args: ModelArgs, tensors: TensorSource, dtype: torch.dtype = torch.float32,
+                  device: torch.device | str = "cpu") -> nn.Module:
+    from shared.model.ffn import FFNHalf
+
+    with torch.device("meta"):
+        half = FFNHalf(args)
+    name_of = {key: ffn_tensor_name(key, args) for key, _ in half.named_parameters()}
+    load_module(half, tensors, name_of, dtype, torch.device(device))
+    return half

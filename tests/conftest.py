@@ -1,0 +1,58 @@
+"""Shared fixtures: tiny random HF checkpoints made with `save_pretrained`, once per session."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+TINY_CONFIGS: dict[str, dict] = {
+    # untied embeddings, llama3 rope scaling
+    "llama": dict(
+        model_type="llama", vocab_size=320, hidden_size=64, intermediate_size=160, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, rope_theta=50000.0,
+        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                      "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
+        tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
+    ),
+    # tied embeddings, head_dim != hidden/heads, q/k RMSNorm
+    "qwen3": dict(
+        model_type="qwen3", vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=1, head_dim=32, max_position_embeddings=512,
+        rope_theta=1000000.0, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2,
+    ),
+    # experts without renormalisation, one dense layer among sparse ones
+    "qwen3_moe": dict(
+        model_type="qwen3_moe", vocab_size=320, hidden_size=64, intermediate_size=96, moe_intermediate_size=48,
+        num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=6,
+        num_experts_per_tok=2, norm_topk_prob=False, decoder_sparse_step=1, mlp_only_layers=[1],
+        max_position_embeddings=512, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
+    ),
+    "mixtral": dict(
+        model_type="mixtral", vocab_size=320, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
+        max_position_embeddings=512, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
+    ),
+}
+
+ARCHITECTURES = tuple(TINY_CONFIGS)
+
+
+def make_tiny_checkpoint(arch: str, directory: Path, seed: int = 0) -> Path:
+    """A random `arch` model saved with `save_pretrained`; weights large enough for sharp logits."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    settings = dict(TINY_CONFIGS[arch])
+    model_type = settings.pop("model_type")
+    config = AutoConfig.for_model(model_type, initializer_range=0.25, **settings)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.save_pretrained(directory)
+    return directory
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("tiny")
+    return {arch: make_tiny_checkpoint(arch, root / arch) for arch in ARCHITECTURES}
