@@ -6,4 +6,5 @@ cd "$(dirname "$0")/.."
 scripts/install.sh worker,dev
 . .venv/bin/activate
 ruff check .
+mypy
 python -m pytest -q "$@"

@@ -79,6 +79,17 @@ def test_a_sequence_samples_the_same_alone_or_in_any_batch() -> None:
         assert got == alone, f"target at row {position}"
 
 
+def test_batched_draw_equals_per_row_torch_multinomial() -> None:
+    logits = _logits_stream(9, 1, rows=8)[0]  # [8, V]
+    samplers = [SequenceSampler(SamplingParams(seed=100 + i, temperature=0.8)) for i in range(8)]
+    expected = [
+        torch.multinomial(torch.softmax(logits[i] / 0.8, dim=-1), 1,
+                          generator=torch.Generator().manual_seed(100 + i)).item()
+        for i in range(8)
+    ]
+    assert sample_next_tokens(logits, samplers) == expected
+
+
 def test_unseeded_sequences_get_their_own_streams() -> None:
     a = SequenceSampler(SamplingParams())
     b = SequenceSampler(SamplingParams())

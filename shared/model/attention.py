@@ -12,6 +12,7 @@ names map on by a prefix.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -198,6 +199,9 @@ class AttentionHalf(nn.Module):
         with torch.device("cpu"):
             self.rotary = RotaryEmbedding(args)
 
+    def block(self, layer: int) -> AttentionBlock:
+        return cast(AttentionBlock, self.layers[layer])
+
     def embed(self, tokens: Tensor) -> Tensor:
         # tokens: [T] -> residual: [T, D]
         return self.embed_tokens(tokens)
@@ -212,7 +216,7 @@ class AttentionHalf(nn.Module):
         `ffn_out` is the previous layer's FFN output (None at layer 0); its residual add and this
         layer's input norm are fused.
         """
-        block = self.layers[layer]
+        block = self.block(layer)
         if ffn_out is None:
             x = block.input_layernorm(residual)
         else:

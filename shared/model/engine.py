@@ -103,6 +103,7 @@ class Engine:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.eos_token_ids = tokenizer.eos_token_ids if tokenizer else self.args.eos_token_ids
+        self.num_preemptions = 0
 
     @classmethod
     def from_checkpoint(cls, checkpoint: Checkpoint, dtype: torch.dtype = torch.float32,
@@ -158,6 +159,7 @@ class Engine:
     def _preempt(self) -> None:
         """Free the newest running sequence's KV; it recomputes from its tokens when readmitted."""
         victim = self.running.pop()
+        self.num_preemptions += 1
         self._release(victim)
         self.waiting.appendleft(victim)
 
@@ -211,7 +213,7 @@ class Engine:
             token_ids.append(ids[start:start + n_new])
             passes.append(SequencePass(start, n_new, self.block_tables.slots(seq.seq_id, 0, start + n_new),
                                        wants_logits=start + n_new == len(ids)))
-        logits = []
+        logits: list[Tensor] = []
         groups = split_microbatches(passes, self.microbatches)
         states = []
         for group in groups:
@@ -223,6 +225,7 @@ class Engine:
                 residual, ffn_in = self.attention.attend(layer, residual, ffn_out, rope, meta, self.kv)
                 states[index] = (meta, rope, residual, self.ffn(layer, ffn_in))
         for meta, _, residual, ffn_out in states:
+            assert ffn_out is not None  # every model has at least one layer
             logits.append(self.attention.logits(residual, ffn_out, meta.logits_rows))
         return torch.cat(logits)
 
@@ -289,7 +292,8 @@ def forward_unsplit(attention: AttentionHalf, ffn: FFNHalf, token_ids: list[int]
     tokens = torch.tensor(token_ids, device=attention.embed_tokens.weight.device)
     cos, sin = attention.rope(torch.arange(len(token_ids), device=tokens.device))
     x = attention.embed(tokens)
-    for layer, block in enumerate(attention.layers):
+    for layer in range(attention.args.n_layers):
+        block = attention.block(layer)
         h = x + block.self_attn.forward_contiguous(block.input_layernorm(x), cos, sin)
         x = h + ffn(layer, block.post_attention_layernorm(h))
     weight = attention.embed_tokens.weight if attention.lm_head is None else attention.lm_head.weight

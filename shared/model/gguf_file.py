@@ -58,11 +58,19 @@ class _MoENames:
     projections: dict[str, str]  # gguf "gate"/"up"/"down" -> HF projection name
 
 
-_QWEN3_MOE = _MoENames("mlp.gate", "mlp.experts", {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"})
-_MIXTRAL = _MoENames("block_sparse_moe.gate", "block_sparse_moe.experts", {"gate": "w1", "up": "w3", "down": "w2"})
+_QWEN3_MOE = _MoENames(
+    router="mlp.gate", experts="mlp.experts",
+    projections={"gate": "gate_proj", "up": "up_proj", "down": "down_proj"},
+)
+_MIXTRAL = _MoENames(
+    router="block_sparse_moe.gate", experts="block_sparse_moe.experts",
+    projections={"gate": "w1", "up": "w3", "down": "w2"},
+)
 
 # `blk.N.STEM[.E].weight|bias`; the optional E is the per-expert layout of older Mixtral files.
-_BLOCK_TENSOR = re.compile(r"^blk\.(?P<layer>\d+)\.(?P<stem>[a-z_]+)(?:\.(?P<expert>\d+))?\.(?P<kind>weight|bias)$")
+_BLOCK_TENSOR = re.compile(
+    r"^blk\.(?P<layer>\d+)\.(?P<stem>[a-z_]+)(?:\.(?P<expert>\d+))?\.(?P<kind>weight|bias)$"
+)
 _STACKED_EXPERTS = re.compile(r"^ffn_(?P<proj>gate|up|down)_exps$")
 _SINGLE_EXPERT = re.compile(r"^ffn_(?P<proj>gate|up|down)$")
 
@@ -154,9 +162,7 @@ class GGUFCheckpoint:
     # --- names ----------------------------------------------------------------------------------
 
     def _map_names(self) -> dict[str, _Entry]:
-        n_heads, n_kv_heads = (0, 0)
-        if self.architecture == "llama":  # only llama's converter permutes Q/K rows
-            n_heads, n_kv_heads = self._head_counts()
+        permuted = self.architecture == "llama"  # only llama's converter permutes Q/K rows
         moe = _MIXTRAL if self.is_mixtral else _QWEN3_MOE
         entries: dict[str, _Entry] = {}
         for name, tensor in self._tensors.items():
@@ -176,14 +182,19 @@ class GGUFCheckpoint:
                 continue
             stacked = _STACKED_EXPERTS.match(stem)
             if stacked:
-                n_stacked = int(tensor.shape[-1]) if len(tensor.shape) == 3 else 1
-                for expert in range(n_stacked):
-                    hf = f"{prefix}.{moe.experts}.{expert}.{moe.projections[stacked['proj']]}.{kind}"
-                    entries[hf] = _Entry(tensor, expert=expert)
+                projection = moe.projections[stacked["proj"]]
+                if len(tensor.shape) != 3:  # a lone expert written unstacked
+                    entries[f"{prefix}.{moe.experts}.0.{projection}.{kind}"] = _Entry(tensor)
+                    continue
+                for expert in range(int(tensor.shape[-1])):  # GGUF ne order: [in, out, experts]
+                    entries[f"{prefix}.{moe.experts}.{expert}.{projection}.{kind}"] = _Entry(tensor, expert=expert)
             elif stem == "ffn_gate_inp":
                 entries[f"{prefix}.{moe.router}.{kind}"] = _Entry(tensor)
             elif stem in _BLOCK_NAMES:
-                heads = {"attn_q": n_heads, "attn_k": n_kv_heads}.get(stem) or None
+                heads = None
+                if permuted and stem in ("attn_q", "attn_k"):
+                    n_heads, n_kv_heads = self._head_counts()
+                    heads = n_heads if stem == "attn_q" else n_kv_heads
                 entries[f"{prefix}.{_BLOCK_NAMES[stem]}.{kind}"] = _Entry(tensor, unpermute_heads=heads)
         return entries
 
@@ -278,8 +289,8 @@ class GGUFCheckpoint:
         if bos is not None:
             out["bos_token_id"] = int(bos)
         eos_ids: list[int] = []
-        for key in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"):
-            value = self.metadata(key)
+        for key in ("eos_token_id", "eot_token_id", "eom_token_id"):
+            value = self.metadata(f"tokenizer.ggml.{key}")
             if value is not None and int(value) not in eos_ids:
                 eos_ids.append(int(value))
         if eos_ids:
@@ -356,14 +367,16 @@ def llama3_rope_factors(rope_theta: float, rope_dim: int, factor: float, low_fre
     """The per-frequency divisors llama.cpp's converter stores as `rope_freqs` for llama3 scaling."""
     inv_freq = 1.0 / (rope_theta ** (np.arange(0, rope_dim, 2, dtype=np.float64) / rope_dim))
     wavelen = 2 * math.pi / inv_freq
-    low_freq_wavelen = original_max_position_embeddings / low_freq_factor
-    high_freq_wavelen = original_max_position_embeddings / high_freq_factor
-    smooth = (original_max_position_embeddings / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    original = original_max_position_embeddings
+    low_freq_wavelen = original / low_freq_factor
+    high_freq_wavelen = original / high_freq_factor
+    smooth = (original / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
     mid = 1 / ((1 - smooth) / factor + smooth)
     return np.where(wavelen < high_freq_wavelen, 1.0, np.where(wavelen > low_freq_wavelen, factor, mid))
 
 
-def _fit_llama3_scaling(factors: np.ndarray, rope_theta: float, rope_dim: int, source: str) -> dict[str, Any]:
+def _fit_llama3_scaling(factors: np.ndarray, rope_theta: float, rope_dim: int,
+                        source: str) -> dict[str, Any] | None:
     """Recover llama3 rope parameters that reproduce `factors` exactly.
 
     The factors fix `factor` (their maximum) and, through the smooth band, the line
@@ -373,6 +386,8 @@ def _fit_llama3_scaling(factors: np.ndarray, rope_theta: float, rope_dim: int, s
     """
     original = 8192
     factor = float(factors.max())
+    if np.allclose(factors, 1.0):
+        return None  # all ones: no scaling at all
     candidates = [(1.0, 4.0)]
     inv_freq = 1.0 / (rope_theta ** (np.arange(0, rope_dim, 2, dtype=np.float64) / rope_dim))
     wavelen = 2 * math.pi / inv_freq

@@ -252,39 +252,46 @@ def sample_next_tokens(logits: torch.Tensor, samplers: Sequence[SequenceSampler]
         apply_penalties_(work, penalised, samplers)
         _mask_banned_(work, masked, samplers)
 
-    out: list[int] = [0] * batch
+    # One device tensor for the whole batch, read back once: a `.item()` per row would sync per row.
+    dev = work.device
+    out = torch.empty(batch, dtype=torch.long, device=dev)  # [B]
     if greedy:
-        rows = torch.tensor(greedy, device=work.device)
-        for i, tok in zip(greedy, work.index_select(0, rows).argmax(dim=-1).tolist(), strict=True):
-            out[i] = tok
+        rows = torch.tensor(greedy, device=dev)
+        out[rows] = work.index_select(0, rows).argmax(dim=-1)
 
     plain = [i for i, s in enumerate(samplers) if not s.params.is_greedy and not s.params.truncates]
     if plain:
-        rows = torch.tensor(plain, device=work.device)
-        temps = torch.tensor([samplers[i].params.temperature for i in plain], device=work.device)
+        rows = torch.tensor(plain, device=dev)
+        temps = torch.tensor([samplers[i].params.temperature for i in plain], device=dev)
         probs = torch.softmax(work.index_select(0, rows) / temps.unsqueeze(1), dim=-1)  # [N, V]
-        for j, i in enumerate(plain):
-            out[i] = _draw(probs[j], samplers[i], work.device)
+        out[rows] = _draw_rows(probs, [samplers[i] for i in plain])
 
     cut = [i for i, s in enumerate(samplers) if not s.params.is_greedy and s.params.truncates]
     if cut:
-        rows = torch.tensor(cut, device=work.device)
-        temps = torch.tensor([samplers[i].params.temperature for i in cut], device=work.device)
+        rows = torch.tensor(cut, device=dev)
+        temps = torch.tensor([samplers[i].params.temperature for i in cut], device=dev)
         scaled = work.index_select(0, rows) / temps.unsqueeze(1)  # [N, V]
         probs, sorted_ids = _top_k_top_p_probs(
             scaled, [samplers[i].params.top_k for i in cut], [samplers[i].params.top_p for i in cut]
         )
-        picks = [_draw(probs[j], samplers[i], work.device) for j, i in enumerate(cut)]
-        # sorted_ids: [N, V] -> the vocabulary id of each row's pick
-        chosen = sorted_ids.gather(1, torch.tensor(picks, device=work.device).unsqueeze(1)).squeeze(1)
-        for i, tok in zip(cut, chosen.tolist(), strict=True):
-            out[i] = tok
-    return out
+        picks = _draw_rows(probs, [samplers[i] for i in cut])  # [N], positions in sorted order
+        out[rows] = sorted_ids.gather(1, picks.unsqueeze(1)).squeeze(1)
+    return out.tolist()
 
 
-def _draw(probs: torch.Tensor, sampler: SequenceSampler, device: torch.device) -> int:
-    # probs: [V], sums to 1 over the kept tokens
-    return int(torch.multinomial(probs, 1, generator=sampler.generator(device)).item())
+def _draw_rows(probs: torch.Tensor, samplers: Sequence[SequenceSampler]) -> torch.Tensor:
+    """One categorical draw per row, each from its own sequence's generator (no shared RNG state).
+
+    This is `torch.multinomial(probs[j], 1, generator=g_j)` batched: multinomial draws one sample as
+    `argmax(p / q)` with `q ~ Exp(1)` (bit-identical on CPU), so only the noise is made per row and the
+    division and argmax run once for the batch. Tokens with probability 0 can never win.
+    """
+    # probs: [N, V], each row sums to 1 over its kept tokens -> [N] token positions
+    noise = torch.empty_like(probs)  # [N, V]
+    dev = probs.device
+    for j, s in enumerate(samplers):
+        noise[j].exponential_(generator=s.generator(dev))
+    return (probs / noise).argmax(dim=-1)
 
 
 class StopStringMatcher:

@@ -107,7 +107,7 @@ def load_module(module: nn.Module, tensors: TensorSource, name_of: dict[str, str
                 dtype: torch.dtype, device: torch.device) -> None:
     """Fill a module built on the meta device with checkpoint tensors, checking every shape."""
     available = tensors.names()
-    for key, name in name_of.items():
+    for name in name_of.values():
         if name not in available:
             raise MissingTensorError(name, tensors.source)
     module.to_empty(device=device)
