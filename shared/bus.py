@@ -1,0 +1,87 @@
+"""NATS connections for every service: all four callbacks, endless reconnect, explicit timeouts.
+
+Services never call `nats.connect` themselves: `connect()` here logs disconnects, reconnects,
+errors and closure under the service's name, and `request()` turns NATS's timeout and
+no-responders into typed errors that say which subject did not answer.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import nats
+from nats.aio.client import Client
+from nats.errors import NoRespondersError
+from nats.errors import TimeoutError as NatsTimeoutError
+
+from shared.errors import AFlexError
+
+log = logging.getLogger("aflex.bus")
+
+DEFAULT_NATS_URL = "nats://127.0.0.1:4222"
+MAX_PAYLOAD_BYTES = 8 * 1024 * 1024  # what the embedded and compose nats.conf set
+
+
+class BusError(AFlexError):
+    """The message bus could not deliver: no connection, nobody listening, or no reply in time."""
+
+
+class BusTimeoutError(BusError):
+    def __init__(self, subject: str, timeout_s: float) -> None:
+        super().__init__(f"no reply on {subject} within {timeout_s:.1f} s")
+        self.subject = subject
+
+
+class NoRespondersBusError(BusError):
+    def __init__(self, subject: str) -> None:
+        super().__init__(f"nobody is subscribed to {subject}")
+        self.subject = subject
+
+
+async def connect(url: str, name: str, *, connect_timeout_s: float = 5.0,
+                  reconnect_wait_s: float = 0.5, **options: Any) -> Client:
+    """Connect with logging callbacks; reconnects forever (a restarted nats-server is picked up)."""
+
+    async def error_cb(exc: Exception) -> None:
+        log.warning("%s: NATS error: %s", name, exc)
+
+    async def disconnected_cb() -> None:
+        log.warning("%s: disconnected from NATS", name)
+
+    async def reconnected_cb() -> None:
+        log.info("%s: reconnected to NATS at %s", name, nc.connected_url.netloc if nc.connected_url else url)
+
+    async def closed_cb() -> None:
+        log.info("%s: NATS connection closed", name)
+
+    try:
+        nc: Client = await nats.connect(
+            servers=[url], name=name, connect_timeout=connect_timeout_s, reconnect_time_wait=reconnect_wait_s,
+            max_reconnect_attempts=-1, allow_reconnect=True, error_cb=error_cb,
+            disconnected_cb=disconnected_cb, reconnected_cb=reconnected_cb, closed_cb=closed_cb, **options,
+        )
+    except Exception as exc:  # nats raises several unrelated types for "cannot connect"
+        raise BusError(f"{name}: cannot connect to NATS at {url}: {exc}") from None
+    return nc
+
+
+async def request(nc: Client, subject: str, payload: bytes, timeout_s: float) -> bytes:
+    """Request/reply with an explicit timeout; typed errors for timeout and no responders."""
+    try:
+        msg = await nc.request(subject, payload, timeout=timeout_s)
+    except NoRespondersError:
+        raise NoRespondersBusError(subject) from None
+    except NatsTimeoutError:
+        raise BusTimeoutError(subject, timeout_s) from None
+    return bytes(msg.data)
+
+
+async def close(nc: Client) -> None:
+    """Drain (deliver what is in flight, then close); fall back to close if draining fails."""
+    if nc.is_closed:
+        return
+    try:
+        await nc.drain()
+    except Exception:  # already closing / connection lost: nothing left to drain
+        await nc.close()

@@ -1,0 +1,227 @@
+"""Control-message schemas of the mesh, and their orjson codec.
+
+Every control message is a pydantic model: it validates what arrives (a malformed message is a
+typed `ProtocolError`, never a crash deep in a service), and `model_json_schema()` gives the
+JSON Schemas that docs/protocol.md publishes for outside subscribers. Seam tensors do not go
+through here: they are binary frames (wire.py) on the per-layer hot path.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Literal, TypeVar
+
+import orjson
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from shared.errors import AFlexError
+
+if TYPE_CHECKING:
+    from shared.model.sampling import SamplingParams
+
+
+class ProtocolError(AFlexError):
+    """A message on the bus is not valid JSON or does not match its schema."""
+
+
+class Message(BaseModel):
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+
+M = TypeVar("M", bound=Message)
+
+
+def encode(message: Message) -> bytes:
+    return orjson.dumps(message.model_dump(mode="json"))
+
+
+def decode(cls: type[M], data: bytes) -> M:
+    try:
+        return cls.model_validate(orjson.loads(data))
+    except (orjson.JSONDecodeError, ValidationError) as exc:
+        raise ProtocolError(f"invalid {cls.__name__} message: {exc}") from None
+
+
+class ErrorBody(Message):
+    """OpenAI-style error: what the gateway returns to the client."""
+
+    type: str  # invalid_request_error, server_error, overloaded_error, ...
+    message: str
+    code: str | None = None
+    param: str | None = None
+
+
+class SamplingSpec(Message):
+    """Sampling parameters as they travel; stop strings stay at the gateway (it has the text)."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    max_tokens: int = 16
+    min_tokens: int = 0
+    stop_token_ids: list[int] = Field(default_factory=list)
+    ignore_eos: bool = False
+
+    def to_params(self) -> SamplingParams:
+        from shared.model.sampling import SamplingParams
+
+        return SamplingParams(
+            temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, seed=self.seed,
+            presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+            max_tokens=self.max_tokens, min_tokens=self.min_tokens,
+            stop_token_ids=tuple(self.stop_token_ids), ignore_eos=self.ignore_eos,
+        )
+
+
+# -- gateway <-> scheduler ---------------------------------------------------------------------
+
+
+class SubmitRequest(Message):
+    """`aflex.v1.req.submit` (request/reply): a tokenized, validated request."""
+
+    request_id: str
+    model: str
+    prompt_ids: list[int]
+    sampling: SamplingSpec
+    arrival_ts: float  # unix seconds at the gateway
+
+
+class SubmitReply(Message):
+    request_id: str
+    accepted: bool
+    error: ErrorBody | None = None
+    retry_after_s: float | None = None  # set when rejected for overload
+
+
+class Usage(Message):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    energy_j: float | None = None
+
+
+FinishReason = Literal["stop", "length", "abort", "error"]
+
+
+class OutputDelta(Message):
+    """`aflex.v1.req.<rid>.out`: new tokens of a request; the last one has finish_reason."""
+
+    request_id: str
+    index: int  # 0, 1, 2, ... per request, so a subscriber can see a gap
+    token_ids: list[int]
+    finish_reason: FinishReason | None = None
+    usage: Usage | None = None
+    error: ErrorBody | None = None
+
+
+class CancelRequest(Message):
+    """`aflex.v1.req.<rid>.cancel`: the client went away, or a stop string matched."""
+
+    request_id: str
+    reason: str = "client_disconnected"
+
+
+# -- scheduler -> attention worker -> scheduler ---------------------------------------------------
+
+
+class SeqWork(Message):
+    """One sequence's share of a microbatch."""
+
+    seq_id: str
+    token_ids: list[int]  # tokens fed in this pass (a prompt chunk, or the last sampled token)
+    start_pos: int  # tokens of this sequence already in the worker's KV cache
+    sample: bool  # this pass ends at the sequence's last known token: sample the next one
+    sampling: SamplingSpec | None = None  # sent on the sequence's first pass on this worker
+    generated_ids: list[int] = Field(default_factory=list)  # on the first pass: tokens generated so far
+
+
+Phase = Literal["prefill", "decode", "mixed"]
+
+
+class MicrobatchDescriptor(Message):
+    """`aflex.v1.attn.<wid>.mb`: run one microbatch through every layer with FFN worker `ffn_worker`."""
+
+    mb_id: str
+    iteration: int
+    phase: Phase
+    ffn_worker: str
+    seqs: list[SeqWork]
+    release: list[str] = Field(default_factory=list)  # sequences whose KV blocks to free first
+
+
+class SeqResult(Message):
+    seq_id: str
+    token_id: int | None  # None when the pass did not sample (a prompt chunk)
+
+
+class MicrobatchDone(Message):
+    """`aflex.v1.sched.done`: what a microbatch produced, and the worker's KV state after it."""
+
+    mb_id: str
+    worker_id: str
+    results: list[SeqResult]
+    kv_free_blocks: int
+    kv_total_blocks: int
+    error: ErrorBody | None = None
+    failed_seq_ids: list[str] = Field(default_factory=list)  # e.g. KV exhausted: requeue them
+    attention_s: float = 0.0  # time computing attention, lm_head and sampling
+    ffn_wait_s: float = 0.0  # time waiting for the FFN worker (network + FFN compute)
+    total_s: float = 0.0
+
+
+# -- control --------------------------------------------------------------------------------------
+
+Role = Literal["attention", "ffn"]
+
+
+class Register(Message):
+    """`aflex.v1.control.register` (request/reply): a worker announces itself."""
+
+    worker_id: str
+    role: Role
+    model_id: str
+    n_layers: int
+    kv_total_blocks: int = 0
+    block_size: int = 0
+    max_seq_len: int = 0
+    pid: int = 0
+    started_ts: float = 0.0
+
+
+class RegisterReply(Message):
+    ok: bool
+    scheduler_id: str
+    error: ErrorBody | None = None
+
+
+class Heartbeat(Message):
+    """`aflex.v1.control.heartbeat.<wid>`: liveness and load, every heartbeat period."""
+
+    worker_id: str
+    role: Role
+    ts: float
+    kv_free_blocks: int = 0
+    kv_total_blocks: int = 0
+    queue_depth: int = 0
+
+
+class WorkerInfo(Message):
+    worker_id: str
+    role: Role
+    healthy: bool
+    kv_free_blocks: int = 0
+    kv_total_blocks: int = 0
+    last_seen_s_ago: float = 0.0
+
+
+class SchedulerStatus(Message):
+    """`aflex.v1.sched.status` reply: ready when at least one attention and one FFN worker are healthy."""
+
+    ready: bool
+    scheduler_id: str
+    model_id: str | None = None
+    workers: list[WorkerInfo] = Field(default_factory=list)
+    queue_depth: int = 0
+    running: int = 0

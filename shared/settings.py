@@ -1,0 +1,60 @@
+"""Settings of every service: one pydantic-settings class each, from flags or `AFLEX_*` env.
+
+The CLI builds these from its flags; a value not given on the command line comes from the
+environment (`AFLEX_NATS_URL`, `AFLEX_PORT`, ...) and then from the defaults here.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from shared.bus import DEFAULT_NATS_URL
+
+
+class ServiceSettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="AFLEX_", extra="ignore")
+
+    nats_url: str = DEFAULT_NATS_URL
+    log_level: str = "INFO"
+
+
+class GatewaySettings(ServiceSettings):
+    host: str = "0.0.0.0"
+    port: int = 8000
+    model: str = "default"  # path or `default`: the gateway reads only the tokenizer from it
+    served_model_name: str | None = None  # the id clients send; defaults to the checkpoint's id
+    submit_timeout_s: float = 10.0
+    request_timeout_s: float = 600.0  # longest a request may wait for its next token
+    api_key: str | None = None  # when set, `Authorization: Bearer <key>` is required
+
+
+class SchedulerSettings(ServiceSettings):
+    scheduler_id: str = "scheduler-0"
+    max_queue: int = 1024  # waiting requests beyond this are rejected with 429
+    max_batch_tokens: int = 2048  # tokens per iteration per attention worker (chunked prefill budget)
+    max_num_seqs: int = 256  # running sequences per attention worker
+    microbatch_depth: Literal["auto", "1", "2", "3", "4"] = "auto"
+    heartbeat_timeout_s: float = 5.0
+    microbatch_timeout_s: float = 120.0
+
+
+class WorkerSettings(ServiceSettings):
+    worker_id: str
+    model: str = "default"
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    device: str = "cpu"
+    heartbeat_period_s: float = 1.0
+    register_timeout_s: float = 60.0
+
+
+class AttentionWorkerSettings(WorkerSettings):
+    worker_id: str = "attn-0"
+    num_kv_blocks: int = 2048
+    block_size: int = 16
+
+
+class FFNWorkerSettings(WorkerSettings):
+    worker_id: str = "ffn-0"
+    merge_microbatches: bool = True  # stack queued microbatches of one layer into one GEMM

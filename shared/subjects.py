@@ -1,0 +1,67 @@
+"""Every NATS subject and queue group AFlex uses, in one place, versioned `aflex.v1.…`.
+
+Outside subscribers (dashboards, `aflex top`, recorders) depend on these names: a change here is
+a protocol change and goes with a version bump and docs/protocol.md.
+
+Layout, so that NATS per-user permissions can be written by prefix:
+    aflex.v1.req.*            gateway <-> scheduler (requests, outputs, cancellation)
+    aflex.v1.attn.<wid>.mb    scheduler / FFN worker -> attention worker
+    aflex.v1.ffn.<wid>.mb     attention worker -> FFN worker
+    aflex.v1.sched.*          workers -> scheduler
+    aflex.v1.freq.<wid>       scheduler -> worker (only the scheduler may publish)
+    aflex.v1.telemetry.>      anyone may read
+    aflex.v1.control.*        worker registration and heartbeats
+"""
+
+from __future__ import annotations
+
+PREFIX = "aflex.v1"
+
+REQ_SUBMIT = f"{PREFIX}.req.submit"
+SCHED_DONE = f"{PREFIX}.sched.done"
+CONTROL_REGISTER = f"{PREFIX}.control.register"
+CONTROL_HEARTBEAT_ALL = f"{PREFIX}.control.heartbeat.*"
+TELEMETRY_ALL = f"{PREFIX}.telemetry.>"
+
+# Queue groups: several schedulers could share submissions (only one runs today).
+SCHEDULER_QUEUE = "aflex-scheduler"
+
+
+def req_out(request_id: str) -> str:
+    return f"{PREFIX}.req.{request_id}.out"
+
+
+def req_cancel(request_id: str) -> str:
+    return f"{PREFIX}.req.{request_id}.cancel"
+
+
+REQ_CANCEL_ALL = f"{PREFIX}.req.*.cancel"
+
+
+def attn_mb(worker_id: str) -> str:
+    return f"{PREFIX}.attn.{worker_id}.mb"
+
+
+def ffn_mb(worker_id: str) -> str:
+    return f"{PREFIX}.ffn.{worker_id}.mb"
+
+
+def freq(worker_id: str) -> str:
+    return f"{PREFIX}.freq.{worker_id}"
+
+
+def telemetry(role: str, worker_id: str) -> str:
+    return f"{PREFIX}.telemetry.{role}.{worker_id}"
+
+
+def heartbeat(worker_id: str) -> str:
+    return f"{PREFIX}.control.heartbeat.{worker_id}"
+
+
+def check_token(token: str) -> str:
+    """Worker and request ids become subject tokens: no dots, spaces or wildcards."""
+    if not token or any(c in token for c in ".*> \t\r\n"):
+        raise ValueError(f"{token!r} cannot be a NATS subject token")
+    return token
+
+SCHED_STATUS = f"{PREFIX}.sched.status"  # request/reply: is the mesh ready, and how loaded
