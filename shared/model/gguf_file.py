@@ -16,13 +16,15 @@ import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import gguf
 import numpy as np
-import torch
 
 from shared.errors import CheckpointError, MissingTensorError, UnknownArchitectureError
+
+if TYPE_CHECKING:  # torch only where tensors are read: the gateway reads the tokenizer without it
+    import torch
 
 # `general.architecture` values this reader maps; Mixtral is stored as `llama` with experts.
 GGUF_ARCHITECTURES = ("llama", "qwen3", "qwen3moe")
@@ -221,6 +223,8 @@ class GGUFCheckpoint:
         values = _dequantize(raw, entry.tensor.tensor_type, self.where(name))
         if entry.unpermute_heads:
             values = unpermute_qk(values, entry.unpermute_heads)
+        import torch
+
         return torch.from_numpy(np.ascontiguousarray(values))
 
     def _read_raw(self, gguf_name: str) -> np.ndarray:
