@@ -82,3 +82,32 @@ def open_checkpoint(spec: str) -> Checkpoint:
 
     args = ModelArgs.from_json_file(config_path)
     return Checkpoint(path, path.name, args, SafetensorsCheckpoint(path))
+
+
+@dataclass
+class ModelCard:
+    """What the gateway and scheduler need of a model: its id, arguments and tokenizer, no tensors.
+
+    Reading it never imports torch, so those services install without it.
+    """
+
+    path: Path
+    model_id: str
+    args: ModelArgs
+    tokenizer: Tokenizer | None
+
+
+def open_model_card(spec: str) -> ModelCard:
+    from shared.model.tokenizer import Tokenizer
+
+    path = resolve_model_path(spec)
+    if path.is_file() and path.suffix == ".gguf":
+        from shared.model.gguf_file import GGUFCheckpoint
+
+        gguf = GGUFCheckpoint(path)
+        model_id = DEFAULT_MODEL_ID if spec == DEFAULT_MODEL else path.stem
+        args = ModelArgs.from_hf_config(gguf.hf_config(), source=str(path))
+        return ModelCard(path, model_id, args, Tokenizer.from_gguf(gguf))
+    if not (path / "config.json").exists():
+        open_checkpoint(spec)  # raises the same clear error the workers give
+    return ModelCard(path, path.name, ModelArgs.from_json_file(path / "config.json"), Tokenizer.from_hf_dir(path))
