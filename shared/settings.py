@@ -32,6 +32,7 @@ class GatewaySettings(ServiceSettings):
 
 class SchedulerSettings(ServiceSettings):
     scheduler_id: str = "scheduler-0"
+    model: str = "default"  # the scheduler reads the model card (id, context, EOS ids), never tensors
     max_queue: int = 1024  # waiting requests beyond this are rejected with 429
     max_batch_tokens: int = 2048  # tokens per iteration per attention worker (chunked prefill budget)
     max_num_seqs: int = 256  # running sequences per attention worker
