@@ -81,10 +81,108 @@ def _run_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _common_service_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--nats-url", help="NATS server URL (env AFLEX_NATS_URL)")
+    p.add_argument("--log-level", help="DEBUG, INFO, WARNING (env AFLEX_LOG_LEVEL)")
+
+
+def _worker_flags(p: argparse.ArgumentParser) -> None:
+    _common_service_flags(p)
+    p.add_argument("--worker-id", help="unique id; becomes a NATS subject token")
+    p.add_argument("--model", help="HF directory, .gguf file, or 'default' (env AFLEX_MODEL)")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--device", help="torch device, e.g. cpu or cuda:0")
+
+
+def _settings(cls: type, args: argparse.Namespace, fields: tuple[str, ...]) -> object:
+    """Settings from the flags that were given; the rest from AFLEX_* env, then defaults."""
+    given = {name: getattr(args, name) for name in fields if getattr(args, name, None) is not None}
+    return cls(**given)
+
+
+def _setup_logging(settings: object) -> None:
+    import logging
+
+    level = str(getattr(settings, "log_level", "INFO")).upper()
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+def _run_service(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from shared import settings as s
+
+    common = ("nats_url", "log_level")
+    worker = (*common, "worker_id", "model", "dtype", "device")
+    settings: object
+    if args.command == "gateway":
+        from services.gateway.app import serve as entry
+
+        settings = _settings(s.GatewaySettings, args, (*common, "host", "port", "model", "served_model_name",
+                                                       "api_key"))
+    elif args.command == "scheduler":
+        from services.scheduler.service import run as entry
+
+        settings = _settings(s.SchedulerSettings, args, (*common, "model", "max_queue", "max_batch_tokens",
+                                                         "max_num_seqs", "microbatch_depth"))
+    elif args.command == "attention-worker":
+        from services.attention_worker.worker import run as entry
+
+        settings = _settings(s.AttentionWorkerSettings, args, (*worker, "num_kv_blocks", "block_size"))
+    else:
+        from services.ffn_worker.worker import run as entry
+
+        settings = _settings(s.FFNWorkerSettings, args, (*worker, "merge_microbatches"))
+    _setup_logging(settings)
+    asyncio.run(entry(settings))  # type: ignore[arg-type]
+    return 0
+
+
+def _add_services(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("gateway", help="the OpenAI-compatible HTTP API")
+    _common_service_flags(p)
+    p.add_argument("--host")
+    p.add_argument("--port", type=int)
+    p.add_argument("--model", help="whose tokenizer and id the gateway serves (env AFLEX_MODEL)")
+    p.add_argument("--served-model-name", help="the model id clients send (default: the checkpoint's)")
+    p.add_argument("--api-key", help="require `Authorization: Bearer KEY` (env AFLEX_API_KEY)")
+    p.set_defaults(func=_run_service)
+
+    p = sub.add_parser("scheduler", help="admission, batching, microbatches, routing")
+    _common_service_flags(p)
+    p.add_argument("--model", help="the model served (env AFLEX_MODEL): its context and EOS ids")
+    p.add_argument("--max-queue", type=int, help="waiting requests before 429")
+    p.add_argument("--max-batch-tokens", type=int, help="tokens per iteration per attention worker")
+    p.add_argument("--max-num-seqs", type=int, help="running sequences per attention worker")
+    p.add_argument("--microbatch-depth", choices=["auto", "1", "2", "3", "4"])
+    p.set_defaults(func=_run_service)
+
+    p = sub.add_parser("attention-worker", help="the attention half and the KV cache")
+    _worker_flags(p)
+    p.add_argument("--num-kv-blocks", type=int)
+    p.add_argument("--block-size", type=int)
+    p.set_defaults(func=_run_service)
+
+    p = sub.add_parser("ffn-worker", help="the FFN half")
+    _worker_flags(p)
+    p.add_argument("--no-merge", dest="merge_microbatches", action="store_false", default=None,
+                   help="serve queued microbatches one by one instead of stacking them")
+    p.set_defaults(func=_run_service)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="aflex", description=__doc__.splitlines()[0] if __doc__ else None)
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)
+    _add_services(sub)
+    try:
+        from services.supervisor import add_up_arguments, up
+    except ImportError:  # the supervisor module lands with the mesh
+        pass
+    else:
+        p = sub.add_parser("up", help="the whole mesh: nats-server, scheduler, workers, gateway")
+        add_up_arguments(p)
+        p.set_defaults(func=up)
     return parser
 
 
