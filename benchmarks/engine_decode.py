@@ -4,9 +4,12 @@ Both run SmolLM2-135M-Instruct (the default GGUF, dequantised to float32 by each
 loader) with the same prompt, greedy, a fixed number of new tokens (EOS ignored), at each
 concurrency. Decode throughput = (sequences x decoded tokens) / decode time, where decode time is
 the whole generation minus the time of a prefill-only run (one new token) of the same batch.
-Ratios are measured in one run, back to back, because the machine is noisy.
+Ratios are measured in one run, back to back, because the machine is noisy. Each dtype in
+`--dtypes` compares the two at that same dtype (float32 is exact against the reference;
+bfloat16 halves the bytes each decode step reads).
 
-    python benchmarks/engine_decode.py [--concurrency 1,16] [--new-tokens 64] [--json out.json]
+    python benchmarks/engine_decode.py [--concurrency 1,16] [--new-tokens 64] [--dtypes float32,bfloat16]
+                                       [--json out.json]
 """
 
 from __future__ import annotations
@@ -62,6 +65,7 @@ def main() -> None:
     parser.add_argument("--concurrency", default="1,16")
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--dtypes", default="float32")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
     from transformers import AutoModelForCausalLM
@@ -71,18 +75,21 @@ def main() -> None:
     assert tokenizer is not None
     prompt_ids = tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": PROMPT}]))
     gguf = default_model_path()
-    hf = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32).eval()
-    hf.generation_config.eos_token_id = None
     results = []
-    for batch in (int(c) for c in args.concurrency.split(",")):
-        engine = Engine.from_checkpoint(checkpoint, num_kv_blocks=max(256, batch * 16), block_size=16)
-        ours = decode_tokens_per_s(_time_engine, engine, prompt_ids, batch, args.new_tokens, args.repeats)
-        theirs = decode_tokens_per_s(_time_hf, hf, prompt_ids, batch, args.new_tokens, args.repeats)
-        row = {"concurrency": batch, "aflex_decode_tok_s": round(ours, 1),
-               "transformers_decode_tok_s": round(theirs, 1), "ratio": round(ours / theirs, 2)}
-        results.append(row)
-        print(f"concurrency {batch:3d}: aflex {ours:8.1f} tok/s   transformers {theirs:8.1f} tok/s   "
-              f"ratio {ours / theirs:5.2f}x", flush=True)
+    for dtype_name in args.dtypes.split(","):
+        dtype = getattr(torch, dtype_name)
+        hf = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=dtype).eval()
+        hf.generation_config.eos_token_id = None
+        for batch in (int(c) for c in args.concurrency.split(",")):
+            engine = Engine.from_checkpoint(checkpoint, dtype=dtype, num_kv_blocks=max(256, batch * 16),
+                                            block_size=16)
+            ours = decode_tokens_per_s(_time_engine, engine, prompt_ids, batch, args.new_tokens, args.repeats)
+            theirs = decode_tokens_per_s(_time_hf, hf, prompt_ids, batch, args.new_tokens, args.repeats)
+            row = {"dtype": dtype_name, "concurrency": batch, "aflex_decode_tok_s": round(ours, 1),
+                   "transformers_decode_tok_s": round(theirs, 1), "ratio": round(ours / theirs, 2)}
+            results.append(row)
+            print(f"{dtype_name:9s} concurrency {batch:3d}: aflex {ours:8.1f} tok/s   "
+                  f"transformers {theirs:8.1f} tok/s   ratio {ours / theirs:5.2f}x", flush=True)
     report = {
         "model": "SmolLM2-135M-Instruct (GGUF Q4_1 dequantised to float32)",
         "prompt_tokens": len(prompt_ids),
