@@ -56,3 +56,24 @@ def make_tiny_checkpoint(arch: str, directory: Path, seed: int = 0) -> Path:
 def tiny_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("tiny")
     return {arch: make_tiny_checkpoint(arch, root / arch) for arch in ARCHITECTURES}
+
+
+@pytest.fixture(scope="session")
+def tiny_chat_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random llama with SmolLM2's real tokenizer and chat template (vocab 49152)."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    from shared.model.checkpoint import default_model_path
+
+    directory = tmp_path_factory.mktemp("tiny-chat") / "tiny-chat"
+    gguf = default_model_path()
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    config = AutoConfig.for_model(
+        "llama", vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024, tie_word_embeddings=True,
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, initializer_range=0.25,
+    )
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return directory

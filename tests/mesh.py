@@ -1,0 +1,67 @@
+"""Starting the real mesh for end-to-end tests: `aflex up` as a subprocess, stopped with SIGTERM."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from shared.nats_server import free_port
+
+
+class Mesh:
+    def __init__(self, process: subprocess.Popen[str], port: int, log: list[str]) -> None:
+        self.process, self.port, self.log = process, port, log
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}/v1"
+
+    def output(self) -> str:
+        return "".join(self.log)
+
+
+@contextmanager
+def aflex_up(model: str, *extra: str, timeout_s: float = 240.0) -> Iterator[Mesh]:
+    port, nats_port = free_port(), free_port()
+    env = {k: v for k, v in os.environ.items() if k != "AFLEX_NATS_URL"}
+    process = subprocess.Popen(
+        [sys.executable, "-m", "services.cli", "up", "--model", model, "--host", "127.0.0.1", "--port", str(port),
+         "--nats-port", str(nats_port), *extra],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=Path(__file__).parent.parent,
+    )
+    log: list[str] = []
+    assert process.stdout is not None
+    stdout = process.stdout
+    threading.Thread(target=lambda: log.extend(iter(stdout.readline, "")), daemon=True).start()
+    mesh = Mesh(process, port, log)
+    try:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if process.poll() is not None:
+                raise RuntimeError(f"aflex up exited with {process.returncode}:\n{mesh.output()}")
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/ready", timeout=2) as response:
+                    if response.status == 200:
+                        break
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"mesh not ready within {timeout_s} s:\n{mesh.output()}")
+            time.sleep(0.2)
+        yield mesh
+    finally:
+        if process.poll() is None:
+            process.send_signal(signal.SIGTERM)
+            try:
+                process.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()

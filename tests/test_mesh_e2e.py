@@ -1,0 +1,126 @@
+"""The whole mesh, started by `aflex up`, against the official `openai` client.
+
+Real nats-server, real scheduler, attention and FFN worker processes, real gateway. The tokens
+it serves are the tokens `aflex generate` (the in-process engine) gives for the same seed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from tests.mesh import Mesh, aflex_up
+
+QUESTION = "Tell me about the sea."
+
+
+def generate(model: Path | str, *, max_tokens: int, temperature: float, seed: int | None) -> dict:
+    command = [sys.executable, "-m", "services.cli", "generate", "--model", str(model), "--chat", "--prompt", QUESTION,
+               "--max-tokens", str(max_tokens), "--temperature", str(temperature), "--json", "--ignore-eos"]
+    if seed is not None:
+        command += ["--seed", str(seed)]
+    return json.loads(subprocess.run(command, capture_output=True, text=True, check=True, timeout=300).stdout)
+
+
+@pytest.fixture(scope="module")
+def tiny_mesh(tiny_chat_checkpoint: Path) -> Iterator[Mesh]:
+    with aflex_up(str(tiny_chat_checkpoint)) as mesh:
+        yield mesh
+
+
+def _client(mesh: Mesh) -> openai.OpenAI:
+    return openai.OpenAI(base_url=mesh.base_url, api_key="unused", max_retries=0, timeout=120)
+
+
+def _model_id(client: openai.OpenAI) -> str:
+    return client.models.list().data[0].id
+
+
+@pytest.mark.parametrize(("temperature", "seed"), [(0.0, None), (0.8, 42)])
+def test_stream_and_non_stream_give_generate_tokens(tiny_mesh: Mesh, tiny_chat_checkpoint: Path,
+                                                    temperature: float, seed: int | None) -> None:
+    expected = generate(tiny_chat_checkpoint, max_tokens=12, temperature=temperature, seed=seed)
+    client = _client(tiny_mesh)
+    model = _model_id(client)
+    messages = [{"role": "user", "content": QUESTION}]
+    extra = {"ignore_eos": True}
+    response = client.chat.completions.create(model=model, messages=messages, max_tokens=12,  # type: ignore[arg-type]
+                                              temperature=temperature, seed=seed, extra_body=extra)
+    assert response.choices[0].message.content == expected["text"]
+    assert response.usage is not None and response.usage.completion_tokens == len(expected["token_ids"])
+    stream = client.chat.completions.create(model=model, messages=messages, max_tokens=12,  # type: ignore[arg-type]
+                                            temperature=temperature, seed=seed, stream=True,
+                                            stream_options={"include_usage": True}, extra_body=extra)
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == expected["text"]
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 12
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["length"]
+
+
+def test_32_concurrent_streams_complete_with_their_lengths(tiny_mesh: Mesh) -> None:
+    async def one(client: openai.AsyncOpenAI, model: str, max_tokens: int) -> int:
+        stream = await client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": f"Count to {max_tokens}."}], max_tokens=max_tokens,
+            stream=True, stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+        usage = None
+        async for chunk in stream:
+            usage = chunk.usage or usage
+        assert usage is not None
+        return usage.completion_tokens
+
+    async def run() -> list[int]:
+        client = openai.AsyncOpenAI(base_url=tiny_mesh.base_url, api_key="unused", max_retries=0, timeout=300)
+        model = (await client.models.list()).data[0].id
+        return await asyncio.gather(*(one(client, model, 4 + i % 9) for i in range(32)))
+
+    assert asyncio.run(run()) == [4 + i % 9 for i in range(32)]
+
+
+@pytest.mark.parametrize(("body", "status"), [
+    ({"messages": []}, 400),
+    ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": -1}, 400),
+    ({"messages": [{"role": "user", "content": "hi"}], "temperature": "hot"}, 400),
+    ({"messages": "hi"}, 400),
+    ({"messages": [{"role": "user", "content": "hi"}], "model": "no-such-model"}, 404),
+    ({"messages": [{"role": "user", "content": "word " * 3000}]}, 400),
+])
+def test_bad_requests_get_4xx_and_the_mesh_keeps_serving(tiny_mesh: Mesh, body: dict, status: int) -> None:
+    model = _model_id(_client(tiny_mesh))
+    response = httpx.post(f"{tiny_mesh.base_url}/chat/completions", json={"model": model, **body}, timeout=60)
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert error["message"] and error["type"]
+    ok = _client(tiny_mesh).chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}],
+                                                    max_tokens=3, extra_body={"ignore_eos": True})
+    assert ok.usage is not None and ok.usage.completion_tokens == 3
+
+
+@pytest.mark.parametrize("topology", [("2", "1"), ("1", "2")], ids=["2attn-1ffn", "1attn-2ffn"])
+def test_topologies_serve_generate_tokens(tiny_chat_checkpoint: Path, topology: tuple[str, str]) -> None:
+    expected = generate(tiny_chat_checkpoint, max_tokens=8, temperature=0.0, seed=None)
+    with aflex_up(str(tiny_chat_checkpoint), "--attention-workers", topology[0], "--ffn-workers", topology[1]) as mesh:
+        client = _client(mesh)
+        model = _model_id(client)
+        for _ in range(3):  # several requests, so that both workers of the doubled role get work
+            response = client.chat.completions.create(model=model, messages=[{"role": "user", "content": QUESTION}],
+                                                      max_tokens=8, temperature=0, extra_body={"ignore_eos": True})
+            assert response.choices[0].message.content == expected["text"]
+
+
+def test_smollm2_answers_paris() -> None:
+    with aflex_up("default") as mesh:
+        client = _client(mesh)
+        response = client.chat.completions.create(
+            model=_model_id(client), messages=[{"role": "user", "content": "What is the capital of France?"}],
+            max_tokens=20, temperature=0)
+        assert "Paris" in (response.choices[0].message.content or "")
+        assert response.choices[0].finish_reason == "stop"
