@@ -112,29 +112,41 @@ def _run_service(args: argparse.Namespace) -> int:
 
     from shared import settings as s
 
+    from collections.abc import Callable, Coroutine
+    from typing import Any
+
+    entry: Callable[..., Coroutine[Any, Any, None]]
     common = ("nats_url", "log_level")
     worker = (*common, "worker_id", "model", "dtype", "device")
     settings: object
     if args.command == "gateway":
-        from services.gateway.app import serve as entry
+        from services.gateway.app import serve
+
+        entry = serve
 
         settings = _settings(s.GatewaySettings, args, (*common, "host", "port", "model", "served_model_name",
                                                        "api_key"))
     elif args.command == "scheduler":
-        from services.scheduler.service import run as entry
+        from services.scheduler.service import run as run_scheduler
+
+        entry = run_scheduler
 
         settings = _settings(s.SchedulerSettings, args, (*common, "model", "max_queue", "max_batch_tokens",
                                                          "max_num_seqs", "microbatch_depth"))
     elif args.command == "attention-worker":
-        from services.attention_worker.worker import run as entry
+        from services.attention_worker.worker import run as run_attention
+
+        entry = run_attention
 
         settings = _settings(s.AttentionWorkerSettings, args, (*worker, "num_kv_blocks", "block_size"))
     else:
-        from services.ffn_worker.worker import run as entry
+        from services.ffn_worker.worker import run as run_ffn
+
+        entry = run_ffn
 
         settings = _settings(s.FFNWorkerSettings, args, (*worker, "merge_microbatches"))
     _setup_logging(settings)
-    asyncio.run(entry(settings))  # type: ignore[arg-type]
+    asyncio.run(entry(settings))
     return 0
 
 

@@ -1,0 +1,135 @@
+"""Workers the scheduler knows: capabilities from `Register`, liveness and KV load from heartbeats.
+
+A worker is healthy while heartbeats (or MicrobatchDone reports) keep arriving within
+`heartbeat_timeout_s`. Each attention worker also carries its own queue and running set, because
+a request's KV lives on exactly one attention worker; FFN workers are stateless between
+microbatches, so any healthy one can serve any microbatch (round-robin).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from services.scheduler.state import RequestState
+from shared.messages import Heartbeat, Register, Role, WorkerInfo
+
+
+@dataclass(eq=False)
+class Worker:
+    worker_id: str
+    role: Role
+    registered: bool = False
+    model_id: str = ""
+    kv_total_blocks: int = 0
+    kv_free_blocks: int = 0
+    block_size: int = 0
+    max_seq_len: int = 0
+    last_seen: float = field(default_factory=time.monotonic)
+    healthy: bool = True
+    # -- attention workers only ----------------------------------------------------------------
+    waiting: deque[RequestState] = field(default_factory=deque)
+    running: list[RequestState] = field(default_factory=list)
+    pending_release: list[str] = field(default_factory=list)  # sent with the next descriptor
+    reserved_blocks: dict[str, int] = field(default_factory=dict)  # our estimate, until a report shows it
+    wake: asyncio.Event = field(default_factory=asyncio.Event)
+    epoch: int = 0  # bumped when the worker is lost or restarts: its KV can no longer be trusted
+    iteration: int = 0
+    task: asyncio.Task[None] | None = None
+
+    @property
+    def capacity_tokens(self) -> int:
+        """Longest sequence (prompt + max_tokens) this worker can hold; 0 when unknown."""
+        limits = [x for x in (self.kv_total_blocks * self.block_size, self.max_seq_len) if x > 0]
+        return min(limits) if limits and self.block_size > 0 else 0
+
+    @property
+    def est_free_blocks(self) -> int:
+        """Free KV blocks as last reported, less what we routed here since (our own estimate)."""
+        return self.kv_free_blocks - sum(self.reserved_blocks.values())
+
+    def blocks_for(self, tokens: int) -> int:
+        return math.ceil(tokens / self.block_size) if self.block_size > 0 else 0
+
+    def info(self, now: float) -> WorkerInfo:
+        return WorkerInfo(worker_id=self.worker_id, role=self.role, healthy=self.healthy,
+                          kv_free_blocks=self.kv_free_blocks, kv_total_blocks=self.kv_total_blocks,
+                          last_seen_s_ago=round(now - self.last_seen, 3))
+
+
+class Registry:
+    def __init__(self) -> None:
+        self.workers: dict[str, Worker] = {}
+        self._ffn_turn = 0
+
+    def register(self, msg: Register, now: float) -> tuple[Worker, bool]:
+        """Add or refresh a worker; returns (worker, restarted) where restarted means it was known."""
+        worker = self.workers.get(msg.worker_id)
+        restarted = worker is not None and worker.registered
+        if worker is None or worker.role != msg.role:
+            worker = Worker(msg.worker_id, msg.role)
+            self.workers[msg.worker_id] = worker
+        worker.registered = True
+        worker.model_id = msg.model_id
+        worker.kv_total_blocks = msg.kv_total_blocks
+        worker.kv_free_blocks = msg.kv_total_blocks  # a (re)started worker has an empty cache
+        worker.block_size = msg.block_size
+        worker.max_seq_len = msg.max_seq_len
+        worker.last_seen = now
+        worker.healthy = True
+        return worker, restarted
+
+    def heartbeat(self, msg: Heartbeat, now: float) -> tuple[Worker, bool]:
+        """Record liveness; returns (worker, revived) where revived means it was unhealthy."""
+        worker = self.workers.get(msg.worker_id)
+        if worker is None:  # e.g. the scheduler restarted: known from now on, capacity unknown
+            worker = Worker(msg.worker_id, msg.role)
+            self.workers[msg.worker_id] = worker
+        revived = not worker.healthy
+        worker.last_seen = now
+        worker.healthy = True
+        if msg.kv_total_blocks:
+            worker.kv_total_blocks = msg.kv_total_blocks
+            worker.kv_free_blocks = msg.kv_free_blocks
+        return worker, revived
+
+    def expire(self, now: float, timeout_s: float) -> list[Worker]:
+        """Mark workers silent for longer than `timeout_s` unhealthy; returns the newly unhealthy."""
+        lost = []
+        for worker in self.workers.values():
+            if worker.healthy and now - worker.last_seen > timeout_s:
+                worker.healthy = False
+                lost.append(worker)
+        return lost
+
+    def healthy(self, role: Role) -> list[Worker]:
+        return sorted((w for w in self.workers.values() if w.role == role and w.healthy),
+                      key=lambda w: w.worker_id)
+
+    def usable_attention(self) -> list[Worker]:
+        """Healthy attention workers whose capacity we know (they registered)."""
+        return [w for w in self.healthy("attention") if w.capacity_tokens > 0]
+
+    @property
+    def ready(self) -> bool:
+        return bool(self.usable_attention()) and bool(self.healthy("ffn"))
+
+    def context_limit(self) -> int:
+        return max((w.capacity_tokens for w in self.usable_attention()), default=0)
+
+    def best_attention(self, tokens: int) -> Worker | None:
+        """The usable attention worker able to hold `tokens` with the most free KV blocks (estimated)."""
+        fits = [w for w in self.usable_attention() if w.capacity_tokens >= tokens]
+        return max(fits, key=lambda w: (w.est_free_blocks, -len(w.running) - len(w.waiting)), default=None)
+
+    def next_ffn(self) -> Worker | None:
+        """Round-robin over healthy FFN workers, one turn per microbatch."""
+        ffn = self.healthy("ffn")
+        if not ffn:
+            return None
+        worker = ffn[self._ffn_turn % len(ffn)]
+        self._ffn_turn += 1
+        return worker

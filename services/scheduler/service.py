@@ -1,0 +1,467 @@
+"""The scheduler service: admission, routing, per-worker iteration loops, streaming, failures.
+
+One asyncio task per attention worker runs iterations: plan (batcher.py), publish the
+microbatch descriptors, wait for every `MicrobatchDone`, apply the sampled tokens, stream
+`OutputDelta`s. Everything runs on one event loop, so request state needs no locks; NATS
+callbacks only mutate state and set events, the loops do the waiting.
+
+Failure model: a request's token history lives here, a worker's KV is disposable. A sequence the
+worker refuses (`failed_seq_ids`, e.g. KV exhausted), a microbatch that errs or times out, and an
+attention worker that stops heartbeating or restarts all lead to the same thing: the sequence is
+re-routed and recomputed from its prompt + output tokens. After MAX_FAILURES errors (not KV
+refusals) a request ends with finish_reason "error".
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any
+
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+
+from services.scheduler.admission import validate_request
+from services.scheduler.batcher import Pass, microbatch_depth, phase_of, plan_iteration, split_microbatches
+from services.scheduler.model_info import ModelInfo, load_model_info
+from services.scheduler.registry import Registry, Worker
+from services.scheduler.state import RequestState, Status
+from shared import bus, subjects
+from shared.errors import AFlexError, InvalidRequestError
+from shared.messages import (
+    CancelRequest,
+    ErrorBody,
+    FinishReason,
+    Heartbeat,
+    MicrobatchDescriptor,
+    MicrobatchDone,
+    OutputDelta,
+    ProtocolError,
+    Register,
+    RegisterReply,
+    SchedulerStatus,
+    SubmitReply,
+    SubmitRequest,
+    Usage,
+    decode,
+    encode,
+)
+from shared.settings import SchedulerSettings
+
+log = logging.getLogger("aflex.scheduler")
+
+MAX_FAILURES = 3  # errored passes of one request before it ends with finish_reason "error"
+RETRY_AFTER_S = 1.0  # what overloaded / unavailable rejections suggest
+
+
+class WorkerLostError(AFlexError):
+    """The attention worker of an in-flight microbatch stopped heartbeating or restarted."""
+
+
+class Scheduler:
+    def __init__(self, settings: SchedulerSettings, nc: Client, model: ModelInfo) -> None:
+        self.settings, self.nc, self.model = settings, nc, model
+        self.registry = Registry()
+        self.requests: dict[str, RequestState] = {}
+        self.unplaced: list[RequestState] = []  # waiting while no attention worker can take them
+        self.futures: dict[str, tuple[str, asyncio.Future[MicrobatchDone]]] = {}  # mb_id -> (worker, done)
+        self._run_token = uuid.uuid4().hex[:8]  # keeps mb ids unique across scheduler restarts
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    # -- lifecycle ------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        nc = self.nc
+        await nc.subscribe(subjects.CONTROL_REGISTER, cb=self._guard(self._on_register))
+        await nc.subscribe(subjects.CONTROL_HEARTBEAT_ALL, cb=self._guard(self._on_heartbeat))
+        await nc.subscribe(subjects.SCHED_DONE, cb=self._guard(self._on_done))
+        await nc.subscribe(subjects.SCHED_STATUS, cb=self._guard(self._on_status))
+        await nc.subscribe(subjects.REQ_SUBMIT, queue=subjects.SCHEDULER_QUEUE, cb=self._guard(self._on_submit))
+        await nc.subscribe(subjects.REQ_CANCEL_ALL, cb=self._guard(self._on_cancel))
+        await nc.flush()
+        self._spawn(self._health_loop())
+
+    async def stop(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+        for task in list(self._tasks):
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
+        task = asyncio.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._task_done)
+        return task
+
+    def _task_done(self, task: asyncio.Task[None]) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("scheduler task %s died", task.get_name(), exc_info=task.exception())
+
+    def _guard(self, handler: Callable[[Msg], Awaitable[None]]) -> Callable[[Msg], Awaitable[None]]:
+        """Wrap a NATS callback: a malformed message is logged, never kills the subscription."""
+        async def cb(msg: Msg) -> None:
+            try:
+                await handler(msg)
+            except ProtocolError as exc:
+                log.warning("dropped a message on %s: %s", msg.subject, exc)
+            except Exception:
+                log.exception("error handling a message on %s", msg.subject)
+        return cb
+
+    # -- control --------------------------------------------------------------------------------
+
+    async def _on_register(self, msg: Msg) -> None:
+        try:
+            reg = decode(Register, msg.data)
+            subjects.check_token(reg.worker_id)
+        except (ProtocolError, ValueError) as exc:
+            reply = RegisterReply(ok=False, scheduler_id=self.settings.scheduler_id,
+                                  error=ErrorBody(type="invalid_request_error", message=str(exc)))
+            await msg.respond(encode(reply))
+            return
+        worker, restarted = self.registry.register(reg, time.monotonic())
+        log.info("worker %s (%s) registered%s", reg.worker_id, reg.role, " again: restarted" if restarted else "")
+        if worker.role == "attention" and restarted:
+            self._lose(worker, restarted=True)  # its KV is empty now: recompute what it held
+        await msg.respond(encode(RegisterReply(ok=True, scheduler_id=self.settings.scheduler_id)))
+        self._on_capacity_change()
+
+    async def _on_heartbeat(self, msg: Msg) -> None:
+        hb = decode(Heartbeat, msg.data)
+        worker, revived = self.registry.heartbeat(hb, time.monotonic())
+        if revived:
+            log.info("worker %s is healthy again", worker.worker_id)
+            self._on_capacity_change()
+
+    def _on_capacity_change(self) -> None:
+        """A worker joined or came back: place unplaced requests, start loops, wake every loop."""
+        for worker in self.registry.usable_attention():
+            if worker.task is None or worker.task.done():
+                worker.task = self._spawn(self._worker_loop(worker))
+        unplaced, self.unplaced = self.unplaced, []
+        for state in unplaced:
+            self._route(state)
+        for worker in self.registry.healthy("attention"):
+            worker.wake.set()
+
+    async def _health_loop(self) -> None:
+        timeout = self.settings.heartbeat_timeout_s
+        while True:
+            await asyncio.sleep(min(0.5, timeout / 4))
+            for worker in self.registry.expire(time.monotonic(), timeout):
+                log.warning("worker %s (%s) missed heartbeats for %.1f s: unhealthy", worker.worker_id,
+                            worker.role, timeout)
+                if worker.role == "attention":
+                    self._lose(worker, restarted=False)
+
+    def _lose(self, worker: Worker, *, restarted: bool) -> None:
+        """The worker's KV can no longer be trusted: fail its in-flight microbatches, let its loop evacuate."""
+        worker.epoch += 1
+        for mb_id, (wid, fut) in list(self.futures.items()):
+            if wid == worker.worker_id and not fut.done():
+                fut.set_exception(WorkerLostError(f"attention worker {wid} lost while running {mb_id}"))
+        if restarted:
+            worker.pending_release.clear()  # a restarted worker holds nothing to release
+        worker.wake.set()
+
+    async def _on_status(self, msg: Msg) -> None:
+        now = time.monotonic()
+        running = sum(len(w.running) for w in self.registry.workers.values())
+        status = SchedulerStatus(ready=self.registry.ready, scheduler_id=self.settings.scheduler_id,
+                                 model_id=self.model.model_id,
+                                 workers=[w.info(now) for w in self.registry.workers.values()],
+                                 queue_depth=self.queue_depth, running=running)
+        await msg.respond(encode(status))
+
+    @property
+    def queue_depth(self) -> int:
+        return len(self.unplaced) + sum(len(w.waiting) for w in self.registry.workers.values())
+
+    # -- admission ------------------------------------------------------------------------------
+
+    async def _on_submit(self, msg: Msg) -> None:
+        try:
+            req = decode(SubmitRequest, msg.data)
+        except ProtocolError as exc:
+            await msg.respond(encode(SubmitReply(request_id="", accepted=False, error=ErrorBody(
+                type="invalid_request_error", message=str(exc), code="invalid_message"))))
+            return
+        reply = self._admit(req)
+        await msg.respond(encode(reply))
+
+    def _admit(self, req: SubmitRequest) -> SubmitReply:
+        rid = req.request_id
+
+        def reject(type_: str, message: str, code: str, param: str | None = None,
+                   retry_after_s: float | None = None) -> SubmitReply:
+            return SubmitReply(request_id=rid, accepted=False, retry_after_s=retry_after_s,
+                               error=ErrorBody(type=type_, message=message, code=code, param=param))
+
+        try:
+            subjects.check_token(rid)
+        except ValueError as exc:
+            return reject("invalid_request_error", str(exc), "invalid_request_id", "request_id")
+        if rid in self.requests:
+            return reject("invalid_request_error", f"request {rid!r} is already running", "duplicate_request_id",
+                          "request_id")
+        if not self.registry.ready:
+            return reject("service_unavailable", "no attention and FFN workers are ready yet", "503",
+                          retry_after_s=RETRY_AFTER_S)
+        limit = self.registry.context_limit()
+        if self.model.max_seq_len:
+            limit = min(limit, self.model.max_seq_len)
+        try:
+            validate_request(req, context_limit=limit, vocab_size=self.model.vocab_size)
+        except InvalidRequestError as exc:
+            return reject("invalid_request_error", str(exc), "invalid_value", exc.param)
+        if self.queue_depth >= self.settings.max_queue:
+            return reject("overloaded_error", f"the scheduler queue is full ({self.settings.max_queue} waiting "
+                          "requests); retry later", "429", retry_after_s=RETRY_AFTER_S)
+        state = RequestState(rid, list(req.prompt_ids), req.sampling, req.arrival_ts)
+        self.requests[rid] = state
+        self._route(state)
+        return SubmitReply(request_id=rid, accepted=True)
+
+    def _route(self, state: RequestState, *, front: bool = False) -> None:
+        """Queue `state` on the attention worker with the most free KV (estimated), or leave it unplaced."""
+        need = len(state.prompt_ids) + state.sampling.max_tokens
+        worker = self.registry.best_attention(need)
+        state.status = Status.WAITING
+        if worker is None:
+            state.worker_id = None
+            self.unplaced.append(state)
+            return
+        state.worker_id = worker.worker_id
+        worker.reserved_blocks[state.request_id] = worker.blocks_for(need)
+        if front:
+            worker.waiting.appendleft(state)
+        else:
+            worker.waiting.append(state)
+        worker.wake.set()
+
+    # -- cancellation ---------------------------------------------------------------------------
+
+    async def _on_cancel(self, msg: Msg) -> None:
+        cancel = decode(CancelRequest, msg.data)
+        state = self.requests.get(cancel.request_id)
+        if state is None or state.finished:
+            return
+        log.info("request %s cancelled: %s", state.request_id, cancel.reason)
+        await self._finish(state, "abort")
+
+    # -- the per-worker loop --------------------------------------------------------------------
+
+    async def _worker_loop(self, worker: Worker) -> None:
+        epoch = worker.epoch
+        while True:
+            worker.wake.clear()
+            if worker.epoch != epoch or not worker.healthy:
+                await self._evacuate(worker)
+                if not worker.healthy:
+                    return
+                epoch = worker.epoch
+            passes, admitted = plan_iteration(
+                worker.running, worker.waiting, max_batch_tokens=self.settings.max_batch_tokens,
+                max_num_seqs=self.settings.max_num_seqs, can_admit=lambda s: self._fits(worker, s))
+            if not passes or not self.registry.healthy("ffn"):
+                if worker.pending_release and self.registry.healthy("ffn"):
+                    await self._publish_release_only(worker)
+                await worker.wake.wait()
+                continue
+            for state in admitted:
+                worker.waiting.remove(state)
+                worker.running.append(state)
+                state.status = Status.RUNNING
+            await self._run_iteration(worker, passes)
+
+    def _fits(self, worker: Worker, state: RequestState) -> bool:
+        """Admit while the worker's KV (as reported, less other reservations) holds the first chunk.
+
+        With nothing running we always admit: validation guaranteed a lone sequence fits, and
+        the worker answers `failed_seq_ids` if our estimate was wrong.
+        """
+        if not worker.running:
+            return True
+        own = worker.reserved_blocks.get(state.request_id, 0)
+        chunk = min(state.pending_tokens, self.settings.max_batch_tokens)
+        return worker.est_free_blocks + own >= worker.blocks_for(chunk)
+
+    async def _run_iteration(self, worker: Worker, passes: list[Pass]) -> None:
+        worker.iteration += 1
+        groups = split_microbatches(passes, microbatch_depth(self.settings.microbatch_depth, len(passes)))
+        sent: list[tuple[str, list[Pass], asyncio.Future[MicrobatchDone]]] = []
+        loop = asyncio.get_running_loop()
+        for k, group in enumerate(groups):
+            ffn = self.registry.next_ffn()
+            assert ffn is not None  # checked by the caller, nothing awaited since
+            mb_id = f"{self._run_token}-{worker.worker_id}-{worker.iteration}-{k}"
+            desc = MicrobatchDescriptor(mb_id=mb_id, iteration=worker.iteration, phase=phase_of(group),
+                                        ffn_worker=ffn.worker_id, seqs=[p.seq_work() for p in group],
+                                        release=worker.pending_release)
+            worker.pending_release = []
+            for p in group:
+                p.state.in_flight = True
+                p.state.first_pass_sent = True
+            fut: asyncio.Future[MicrobatchDone] = loop.create_future()
+            self.futures[mb_id] = (worker.worker_id, fut)
+            sent.append((mb_id, group, fut))
+            await self.nc.publish(subjects.attn_mb(worker.worker_id), encode(desc))
+        await asyncio.wait([f for _, _, f in sent], timeout=self.settings.microbatch_timeout_s)
+        for mb_id, group, fut in sent:
+            self.futures.pop(mb_id, None)
+            if fut.done() and fut.exception() is None:
+                await self._apply(worker, group, fut.result())
+                continue
+            reason = str(fut.exception()) if fut.done() else f"no MicrobatchDone for {mb_id} within " \
+                f"{self.settings.microbatch_timeout_s:.1f} s"
+            if not fut.done():
+                fut.cancel()
+            log.warning("microbatch %s failed: %s", mb_id, reason)
+            for p in group:
+                await self._requeue(worker, p.state, failure=True, reason=reason)
+
+    async def _on_done(self, msg: Msg) -> None:
+        done = decode(MicrobatchDone, msg.data)
+        worker = self.registry.workers.get(done.worker_id)
+        if worker is not None:
+            worker.last_seen = time.monotonic()  # a done is as good as a heartbeat
+            worker.kv_free_blocks, worker.kv_total_blocks = done.kv_free_blocks, done.kv_total_blocks
+        entry = self.futures.get(done.mb_id)
+        if entry is not None and not entry[1].done():
+            entry[1].set_result(done)
+
+    async def _apply(self, worker: Worker, group: list[Pass], done: MicrobatchDone) -> None:
+        failed = set(done.failed_seq_ids)
+        if done.error is not None and not failed:
+            failed = {p.state.request_id for p in group}
+        tokens = {r.seq_id: r.token_id for r in done.results}
+        for p in group:
+            state = p.state
+            state.in_flight = False
+            worker.reserved_blocks.pop(state.request_id, None)  # the worker's report now counts it
+            if state.finished or state.worker_id != worker.worker_id:
+                continue  # cancelled, or moved elsewhere, while in flight
+            if state.request_id in failed:
+                reason = done.error.message if done.error else "the worker refused it (KV cache exhausted)"
+                await self._requeue(worker, state, failure=done.error is not None, reason=reason)
+                continue
+            state.num_computed += p.n_new
+            if not p.samples:
+                continue
+            token = tokens.get(state.request_id)
+            if token is None:
+                await self._requeue(worker, state, failure=True, reason="the worker sampled no token")
+                continue
+            await self._append(state, token)
+
+    async def _requeue(self, worker: Worker, state: RequestState, *, failure: bool, reason: str) -> None:
+        """Take `state` off `worker` and route it again for recomputation (or fail it for good)."""
+        if state.finished or state.worker_id != worker.worker_id:
+            return  # cancelled, or already moved elsewhere
+        self._detach(worker, state)
+        if state.num_computed or state.first_pass_sent:
+            worker.pending_release.append(state.request_id)
+        state.reset_for_recompute()
+        if failure:
+            state.failures += 1
+            if state.failures >= MAX_FAILURES:
+                await self._finish(state, "error", ErrorBody(
+                    type="server_error", message=f"request failed {state.failures} times; last: {reason}",
+                    code="500"))
+                return
+        else:
+            state.preemptions += 1
+        self._route(state, front=True)
+
+    async def _evacuate(self, worker: Worker) -> None:
+        """The worker was lost or restarted: everything it held is recomputed elsewhere (or there again)."""
+        states = [*worker.running, *worker.waiting]
+        worker.reserved_blocks.clear()
+        for state in states:
+            if state.worker_id == worker.worker_id and not state.finished:
+                await self._requeue(worker, state, failure=False, reason=f"worker {worker.worker_id} lost")
+        if not worker.healthy:
+            worker.pending_release.clear()  # sent if it comes back without restarting: see _lose
+            worker.pending_release.extend(s.request_id for s in states)
+
+    def _detach(self, worker: Worker, state: RequestState) -> None:
+        if state in worker.running:
+            worker.running.remove(state)
+        if state in worker.waiting:
+            worker.waiting.remove(state)
+        if state in self.unplaced:
+            self.unplaced.remove(state)
+        worker.reserved_blocks.pop(state.request_id, None)
+
+    async def _publish_release_only(self, worker: Worker) -> None:
+        """Free KV of finished/cancelled sequences now, without waiting for more work.
+
+        No `MicrobatchDone` is awaited for it; if the worker sends one, it only updates KV counts.
+        """
+        ffn = self.registry.healthy("ffn")[0]
+        worker.iteration += 1
+        desc = MicrobatchDescriptor(mb_id=f"{self._run_token}-{worker.worker_id}-{worker.iteration}-r",
+                                    iteration=worker.iteration, phase="decode", ffn_worker=ffn.worker_id,
+                                    seqs=[], release=worker.pending_release)
+        worker.pending_release = []
+        await self.nc.publish(subjects.attn_mb(worker.worker_id), encode(desc))
+
+    # -- streaming ------------------------------------------------------------------------------
+
+    async def _append(self, state: RequestState, token: int) -> None:
+        reason = state.finish_reason_after(token, self.model.eos_token_ids)
+        state.output_ids.append(token)
+        if state.first_token_ts is None:
+            state.first_token_ts = time.time()
+        if reason is not None:
+            await self._finish(state, reason, last_tokens=[token])
+            return
+        await self._publish(state, OutputDelta(request_id=state.request_id, index=state.next_index,
+                                               token_ids=[token]))
+
+    async def _finish(self, state: RequestState, reason: FinishReason, error: ErrorBody | None = None,
+                      last_tokens: list[int] | None = None) -> None:
+        """End a request: free its place (KV released with the worker's next descriptor), send the final delta."""
+        state.status = Status.FINISHED
+        state.finish_reason = reason
+        self.requests.pop(state.request_id, None)
+        if state in self.unplaced:
+            self.unplaced.remove(state)
+        worker = self.registry.workers.get(state.worker_id or "")
+        if worker is not None:
+            had_kv = state in worker.running or state.first_pass_sent
+            self._detach(worker, state)
+            if had_kv:
+                worker.pending_release.append(state.request_id)
+                worker.wake.set()
+        usage = Usage(prompt_tokens=len(state.prompt_ids), completion_tokens=len(state.output_ids),
+                      total_tokens=state.num_tokens)
+        await self._publish(state, OutputDelta(request_id=state.request_id, index=state.next_index,
+                                               token_ids=last_tokens or [], finish_reason=reason, usage=usage,
+                                               error=error))
+
+    async def _publish(self, state: RequestState, delta: OutputDelta) -> None:
+        state.next_index += 1
+        await self.nc.publish(subjects.req_out(state.request_id), encode(delta))
+
+
+async def run(settings: SchedulerSettings, *, stop: asyncio.Event | None = None,
+              model: ModelInfo | None = None) -> None:
+    """Run the scheduler until `stop` is set (or forever). `model` overrides reading the model card."""
+    if model is None:
+        model = await asyncio.to_thread(load_model_info, settings.model)
+    nc = await bus.connect(settings.nats_url, f"scheduler {settings.scheduler_id}")
+    scheduler = Scheduler(settings, nc, model)
+    try:
+        await scheduler.start()
+        log.info("scheduler %s serving %s on %s", settings.scheduler_id, model.model_id, settings.nats_url)
+        await (stop or asyncio.Event()).wait()
+    finally:
+        await scheduler.stop()
+        await bus.close(nc)

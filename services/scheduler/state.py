@@ -1,0 +1,83 @@
+"""Per-request state: everything needed to stream a request and to re-run it on another worker.
+
+The scheduler, not the attention worker, owns a request's token history. A worker holds only KV
+entries that can be rebuilt, so losing a worker (or its KV blocks) costs recomputation, never the
+request: `reset_for_recompute` forgets the placement and the next pass feeds every token again.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from shared.messages import FinishReason, SamplingSpec
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"  # queued on a worker (or unplaced), nothing in that worker's KV yet
+    RUNNING = "running"  # admitted on `worker_id`: some of its tokens are in that worker's KV
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class RequestState:
+    request_id: str
+    prompt_ids: list[int]
+    sampling: SamplingSpec
+    arrival_ts: float  # unix seconds at the gateway
+    received_mono: float = field(default_factory=time.monotonic)
+    output_ids: list[int] = field(default_factory=list)
+    first_token_ts: float | None = None  # unix seconds when the first token was streamed
+    worker_id: str | None = None  # attention worker that holds (or will hold) its KV
+    num_computed: int = 0  # tokens whose K/V are in `worker_id`'s cache
+    first_pass_sent: bool = False  # sampling spec and generated_ids already sent to `worker_id`
+    status: Status = Status.WAITING
+    finish_reason: FinishReason | None = None
+    failures: int = 0  # passes lost to worker errors, timeouts or worker loss
+    preemptions: int = 0  # passes refused for lack of KV (failed_seq_ids)
+    next_index: int = 0  # index of the next OutputDelta
+    in_flight: bool = False  # part of a microbatch whose MicrobatchDone has not come back
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def pending_tokens(self) -> int:
+        """Tokens not yet fed to the current worker (1 for a sequence in decode)."""
+        return self.num_tokens - self.num_computed
+
+    @property
+    def finished(self) -> bool:
+        return self.status is Status.FINISHED
+
+    def reset_for_recompute(self) -> None:
+        """Forget the placement: the next worker rebuilds the KV from prompt + output tokens."""
+        self.worker_id = None
+        self.num_computed = 0
+        self.first_pass_sent = False
+        self.status = Status.WAITING
+        self.in_flight = False
+
+    def finish_reason_after(self, token_id: int, eos_token_ids: frozenset[int]) -> FinishReason | None:
+        """Why the request ends if `token_id` is appended now (call before appending), or None.
+
+        Mirrors `SequenceSampler.finish_reason_after` so the scheduler and the attention worker's
+        sampler agree: stop ids (and EOS unless ignore_eos) end it once min_tokens are generated;
+        otherwise the max_tokens-th token ends it with "length".
+        """
+        spec = self.sampling
+        generated = len(self.output_ids)
+        stop_ids = set(spec.stop_token_ids)
+        if not spec.ignore_eos:
+            stop_ids |= eos_token_ids
+        if token_id in stop_ids and generated >= spec.min_tokens:
+            return "stop"
+        if generated + 1 >= spec.max_tokens:
+            return "length"
+        return None
