@@ -109,41 +109,36 @@ def _setup_logging(settings: object) -> None:
 
 def _run_service(args: argparse.Namespace) -> int:
     import asyncio
-
-    from shared import settings as s
-
     from collections.abc import Callable, Coroutine
     from typing import Any
+
+    from shared import settings as s
 
     entry: Callable[..., Coroutine[Any, Any, None]]
     common = ("nats_url", "log_level")
     worker = (*common, "worker_id", "model", "dtype", "device")
-    settings: object
+    settings: Any
     if args.command == "gateway":
         from services.gateway.app import serve
 
         entry = serve
-
         settings = _settings(s.GatewaySettings, args, (*common, "host", "port", "model", "served_model_name",
                                                        "api_key"))
     elif args.command == "scheduler":
         from services.scheduler.service import run as run_scheduler
 
         entry = run_scheduler
-
         settings = _settings(s.SchedulerSettings, args, (*common, "model", "max_queue", "max_batch_tokens",
                                                          "max_num_seqs", "microbatch_depth"))
     elif args.command == "attention-worker":
         from services.attention_worker.worker import run as run_attention
 
         entry = run_attention
-
         settings = _settings(s.AttentionWorkerSettings, args, (*worker, "num_kv_blocks", "block_size"))
     else:
         from services.ffn_worker.worker import run as run_ffn
 
         entry = run_ffn
-
         settings = _settings(s.FFNWorkerSettings, args, (*worker, "merge_microbatches"))
     _setup_logging(settings)
     asyncio.run(entry(settings))
@@ -187,14 +182,11 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)
     _add_services(sub)
-    try:
-        from services.supervisor import add_up_arguments, up
-    except ImportError:  # the supervisor module lands with the mesh
-        pass
-    else:
-        p = sub.add_parser("up", help="the whole mesh: nats-server, scheduler, workers, gateway")
-        add_up_arguments(p)
-        p.set_defaults(func=up)
+    from services.supervisor import add_up_arguments, up
+
+    p = sub.add_parser("up", help="the whole mesh: nats-server, scheduler, workers, gateway")
+    add_up_arguments(p)
+    p.set_defaults(func=up)
     return parser
 
 

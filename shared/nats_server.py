@@ -79,7 +79,10 @@ class EmbeddedNatsServer:
         conf.write_text(NATS_CONF_TEMPLATE.format(host=self.host, port=self.port, monitor_port=self.monitor_port,
                                                   store_dir=Path(self._dir.name) / "js"))
         self.process = subprocess.Popen([str(nats_server_binary()), "-c", str(conf)],
-                                        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+                                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                        # its own process group: Ctrl-C reaches only `aflex up`, which
+                                        # stops the services first and the server last
+                                        process_group=0)
         try:
             wait_for_port(self.host, self.port, timeout_s)
         except NatsServerError:

@@ -1,0 +1,132 @@
+"""The attention worker's per-sequence state: KV block tables, computed-token counts, samplers.
+
+The scheduler owns a request's whole state; the worker keeps only what it must to continue a
+sequence across microbatches: where its K/V live, how many tokens of it are in the cache (so a
+descriptor whose `start_pos` disagrees is refused instead of silently attending to garbage), and
+its sampler (its RNG stream and the token counts that penalties and `min_tokens` use).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from shared.errors import AFlexError, KVCacheExhaustedError
+from shared.messages import SeqWork
+from shared.model.attention import SequencePass
+from shared.model.kv_cache import BlockTables
+from shared.model.sampling import SequenceSampler
+
+
+class SequenceRefused(AFlexError):
+    """One sequence of a microbatch cannot run; `code` says why (the others still run)."""
+
+    def __init__(self, code: str, message: str, error_type: str = "server_error") -> None:
+        super().__init__(message)
+        self.code, self.error_type = code, error_type
+
+
+@dataclass
+class SequenceState:
+    sampler: SequenceSampler
+    num_computed: int = 0  # tokens whose K/V are in this worker's cache
+
+
+@dataclass(frozen=True)
+class Admitted:
+    """A sequence accepted into a microbatch: its pass, and where its K/V will end."""
+
+    work: SeqWork
+    state: SequenceState
+    seq_pass: SequencePass
+    is_new: bool
+
+    @property
+    def end(self) -> int:
+        return self.work.start_pos + len(self.work.token_ids)
+
+
+class SequenceTable:
+    def __init__(self, block_tables: BlockTables, eos_token_ids: tuple[int, ...], vocab_size: int,
+                 max_seq_len: int) -> None:
+        self.block_tables = block_tables
+        self.eos_token_ids, self.vocab_size, self.max_seq_len = eos_token_ids, vocab_size, max_seq_len
+        self._states: dict[str, SequenceState] = {}
+
+    def __contains__(self, seq_id: str) -> bool:
+        return seq_id in self._states
+
+    def __len__(self) -> int:
+        return len(self._states)
+
+    @property
+    def free_blocks(self) -> int:
+        return self.block_tables.allocator.num_free_blocks
+
+    @property
+    def total_blocks(self) -> int:
+        return self.block_tables.allocator.num_blocks
+
+    def num_computed(self, seq_id: str) -> int:
+        state = self._states.get(seq_id)
+        return 0 if state is None else state.num_computed
+
+    def admit(self, work: SeqWork) -> Admitted:
+        """Check `work` against this worker's state and reserve its KV; raises `SequenceRefused`.
+
+        Atomic: a refused sequence leaves no trace (a new one is forgotten, an old one unchanged).
+        """
+        n_new = len(work.token_ids)
+        if n_new == 0:
+            raise SequenceRefused("invalid_tokens", f"sequence {work.seq_id}: no token ids to feed",
+                                  "invalid_request_error")
+        if any(not 0 <= t < self.vocab_size for t in work.token_ids):
+            raise SequenceRefused("invalid_tokens", f"sequence {work.seq_id}: token ids must lie in "
+                                  f"[0, {self.vocab_size})", "invalid_request_error")
+        end = work.start_pos + n_new
+        if end > self.max_seq_len:
+            raise SequenceRefused("context_length_exceeded", f"sequence {work.seq_id}: {end} tokens exceed "
+                                  f"the model's context of {self.max_seq_len}", "invalid_request_error")
+        state = self._states.get(work.seq_id)
+        is_new = state is None
+        if state is None:
+            if work.start_pos != 0:
+                raise SequenceRefused("start_pos_mismatch", f"sequence {work.seq_id}: start_pos is "
+                                      f"{work.start_pos} but this worker holds no KV for it (resend it from "
+                                      "start_pos 0 with its sampling and generated_ids)")
+            if work.sampling is None:
+                raise SequenceRefused("missing_sampling", f"sequence {work.seq_id}: its first pass on this "
+                                      "worker must carry `sampling`", "invalid_request_error")
+            params = work.sampling.to_params()
+            try:
+                params.validate()
+            except AFlexError as exc:
+                raise SequenceRefused("invalid_sampling", f"sequence {work.seq_id}: {exc}",
+                                      "invalid_request_error") from None
+            state = SequenceState(SequenceSampler(params, self.eos_token_ids))
+            for token_id in work.generated_ids:  # penalties and min_tokens see what came before
+                state.sampler.record(token_id)
+        elif work.start_pos != state.num_computed:
+            raise SequenceRefused("start_pos_mismatch", f"sequence {work.seq_id}: start_pos is {work.start_pos} "
+                                  f"but this worker has computed {state.num_computed} of its tokens")
+        if is_new:
+            self.block_tables.add_sequence(work.seq_id)
+        try:
+            self.block_tables.reserve(work.seq_id, end)
+        except KVCacheExhaustedError as exc:
+            if is_new:
+                self.block_tables.free_sequence(work.seq_id)
+            raise SequenceRefused("kv_cache_exhausted", f"sequence {work.seq_id}: {exc}",
+                                  "overloaded_error") from None
+        if is_new:
+            self._states[work.seq_id] = state
+        seq_pass = SequencePass(work.start_pos, n_new, self.block_tables.slots(work.seq_id, 0, end),
+                                wants_logits=work.sample)
+        return Admitted(work, state, seq_pass, is_new)
+
+    def free(self, seq_id: str) -> bool:
+        """Forget a sequence and return its KV blocks; False if it was unknown."""
+        if self._states.pop(seq_id, None) is None and not self.block_tables.has_sequence(seq_id):
+            return False
+        if self.block_tables.has_sequence(seq_id):
+            self.block_tables.free_sequence(seq_id)
+        return True

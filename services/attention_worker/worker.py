@@ -1,0 +1,392 @@
+"""The attention worker: runs microbatches through every layer, ping-ponging with an FFN worker.
+
+One subject, `attn.<wid>.mb`, carries two kinds of message: JSON `MicrobatchDescriptor`s from the
+scheduler and binary seam frames (`wire.MAGIC`) coming back from FFN workers. Each descriptor runs
+as its own asyncio task: it computes inline on the event loop and awaits the FFN's reply for each
+layer, and those awaits are where microbatches interleave (the A/F ping-pong pipeline: while the
+FFN works on one microbatch's layer l, this worker computes another's attention).
+
+Every descriptor gets exactly one `MicrobatchDone` on `sched.done`, whatever happens: sequences
+that cannot run are listed in `failed_seq_ids` and the rest still run; an exception fails the
+whole microbatch (all its sequences) but never the worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import orjson
+import torch
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+from torch import Tensor
+
+from services.attention_worker.sequences import Admitted, SequenceRefused, SequenceTable
+from services.worker_common import Presence, eos_token_ids, load_half, registration, stop_on_signals
+from shared import bus, subjects, wire
+from shared.errors import AFlexError
+from shared.messages import (
+    ErrorBody,
+    Heartbeat,
+    MicrobatchDescriptor,
+    MicrobatchDone,
+    ProtocolError,
+    SeqResult,
+    decode,
+    encode,
+)
+from shared.model.attention import AttentionHalf, AttentionMeta, PagedKVStore
+from shared.model.kv_cache import BlockAllocator, BlockTables
+from shared.model.sampling import sample_next_tokens
+from shared.settings import AttentionWorkerSettings
+
+log = logging.getLogger("aflex.attention_worker")
+
+FFN_REPLY_TIMEOUT_S = 60.0  # one layer's FFN round trip; beyond it the microbatch fails
+SHUTDOWN_GRACE_S = 10.0  # how long a stopping worker lets in-flight microbatches finish
+
+
+class FFNReplyError(AFlexError):
+    """The FFN worker answered a seam frame with an error, a wrong shape, or not at all."""
+
+
+class _Failures:
+    """Sequences refused in one microbatch, folded into the Done's single `error`."""
+
+    def __init__(self) -> None:
+        self.seq_ids: list[str] = []
+        self.errors: list[tuple[str, str, str]] = []  # (type, code, message)
+
+    def add(self, seq_id: str, error_type: str, code: str, message: str) -> None:
+        if seq_id not in self.seq_ids:
+            self.seq_ids.append(seq_id)
+        self.errors.append((error_type, code, message))
+
+    def body(self) -> ErrorBody | None:
+        if not self.errors:
+            return None
+        error_type, code, _ = self.errors[0]
+        return ErrorBody(type=error_type, code=code, message="; ".join(m for _, _, m in self.errors))
+
+
+class AttentionWorker:
+    def __init__(self, settings: AttentionWorkerSettings, *, ffn_reply_timeout_s: float = FFN_REPLY_TIMEOUT_S
+                 ) -> None:
+        self.settings = settings
+        self.worker_id = subjects.check_token(settings.worker_id)
+        self.subject = subjects.attn_mb(self.worker_id)
+        self.ffn_reply_timeout_s = ffn_reply_timeout_s
+        self.model: AttentionHalf | None = None
+        self.model_id = ""
+        self.kv: PagedKVStore | None = None
+        self.sequences: SequenceTable | None = None
+        self.nc: Client | None = None
+        self._accepting = False
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._busy: set[str] = set()  # sequences in an in-flight microbatch
+        self._release_later: set[str] = set()  # released while busy: freed when their microbatch ends
+        self._active_mbs: set[str] = set()
+        self._replies: dict[tuple[str, int], asyncio.Future[Tensor]] = {}
+        self._assembler = wire.FrameAssembler()
+
+    # -- lifecycle ------------------------------------------------------------------------------
+
+    def load(self) -> None:
+        """Load the attention half and allocate the KV cache (blocking)."""
+        s = self.settings
+        checkpoint, module = load_half(s.model, "attention", s.dtype, s.device)
+        assert isinstance(module, AttentionHalf)
+        self.model, self.model_id = module, checkpoint.model_id
+        weight = module.embed_tokens.weight
+        self.kv = PagedKVStore(module.args, s.num_kv_blocks * s.block_size, weight.dtype, weight.device)
+        tables = BlockTables(BlockAllocator(s.num_kv_blocks, s.block_size))
+        self.sequences = SequenceTable(tables, eos_token_ids(checkpoint), module.args.vocab_size,
+                                       module.args.max_seq_len)
+
+    async def run(self, stop: asyncio.Event | None = None) -> None:
+        """Serve until `stop` is set (or SIGTERM/SIGINT), then finish in-flight work, unsubscribe, drain."""
+        stop = stop or asyncio.Event()
+        with stop_on_signals(stop):
+            if self.model is None:
+                await asyncio.to_thread(self.load)
+            assert self.model is not None and self.sequences is not None
+            self.nc = nc = await bus.connect(self.settings.nats_url, name=f"aflex-attention-{self.worker_id}")
+            heartbeat_task: asyncio.Task[None] | None = None
+            sub = None
+            try:
+                sub = await nc.subscribe(self.subject, cb=self._on_message)
+                self._accepting = True
+                args = self.model.args
+                presence = Presence(
+                    nc, registration(self.worker_id, "attention", self.model_id, args.n_layers,
+                                     kv_total_blocks=self.sequences.total_blocks,
+                                     block_size=self.settings.block_size, max_seq_len=args.max_seq_len),
+                    self._heartbeat, period_s=self.settings.heartbeat_period_s,
+                    register_timeout_s=self.settings.register_timeout_s)
+                if await presence.register(stop) is not None:
+                    heartbeat_task = asyncio.create_task(presence.heartbeat_loop(stop))
+                    log.info("attention worker %s serving %s on %s", self.worker_id, self.model_id, self.subject)
+                    await stop.wait()
+            finally:
+                self._accepting = False
+                await self._finish_in_flight()
+                if heartbeat_task is not None:
+                    heartbeat_task.cancel()
+                    await asyncio.gather(heartbeat_task, return_exceptions=True)
+                if sub is not None:
+                    try:
+                        await sub.unsubscribe()
+                    except Exception as exc:  # connection already gone
+                        log.debug("unsubscribe failed: %s", exc)
+                await bus.close(nc)
+                log.info("attention worker %s stopped", self.worker_id)
+
+    async def _finish_in_flight(self) -> None:
+        if not self._tasks:
+            return
+        _, pending = await asyncio.wait(set(self._tasks), timeout=SHUTDOWN_GRACE_S)
+        for task in pending:
+            task.cancel()
+        if pending:
+            await asyncio.wait(pending)
+
+    def _heartbeat(self) -> Heartbeat:
+        assert self.sequences is not None
+        return Heartbeat(worker_id=self.worker_id, role="attention", ts=time.time(),
+                         kv_free_blocks=self.sequences.free_blocks, kv_total_blocks=self.sequences.total_blocks,
+                         queue_depth=len(self._active_mbs))
+
+    # -- dispatch -------------------------------------------------------------------------------
+
+    async def _on_message(self, msg: Msg) -> None:
+        data = msg.data
+        try:
+            if data[:4] == wire.MAGIC:
+                self._on_frame(data)
+            elif data.lstrip()[:1] == b"{":
+                self._on_descriptor(data)
+            else:
+                log.warning("dropped a message on %s that is neither a descriptor nor a seam frame (%d bytes)",
+                            self.subject, len(data))
+        except Exception:  # a bad message must never take the subscription down
+            log.exception("dropped a malformed message on %s", self.subject)
+
+    def _on_descriptor(self, data: bytes) -> None:
+        try:
+            desc = decode(MicrobatchDescriptor, data)
+        except ProtocolError as exc:
+            log.warning("%s", exc)
+            self._reject_undecodable(data, str(exc))
+            return
+        task = asyncio.create_task(self._microbatch(desc), name=f"mb-{desc.mb_id}")
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def _reject_undecodable(self, data: bytes, reason: str) -> None:
+        """An invalid descriptor that still names its mb_id gets a failed Done, so the scheduler moves on."""
+        try:
+            raw = orjson.loads(data)
+        except orjson.JSONDecodeError:
+            return
+        if not isinstance(raw, dict) or not isinstance(raw.get("mb_id"), str):
+            return
+        seqs = raw.get("seqs")
+        seq_ids = [s["seq_id"] for s in seqs if isinstance(s, dict) and isinstance(s.get("seq_id"), str)] \
+            if isinstance(seqs, list) else []
+        done = self._done(raw["mb_id"], [], seq_ids, ErrorBody(type="invalid_request_error",
+                                                              code="invalid_descriptor", message=reason))
+        task = asyncio.create_task(self._publish_done(done))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def _on_frame(self, data: bytes) -> None:
+        got = self._assembler.add(data)
+        if got is None:
+            return  # more chunks to come
+        header, tensor = got
+        key = (header.get("mb_id"), header.get("layer"))
+        future = self._replies.get(key)  # type: ignore[arg-type]
+        if header.get("direction") != "to_attention" or future is None or future.done():
+            log.debug("dropped a seam frame nobody waits for: mb %s layer %s", *key)
+            return
+        if header.get("error"):
+            future.set_exception(FFNReplyError(f"FFN worker {header.get('worker_id')} failed layer "
+                                               f"{key[1]} of microbatch {key[0]}: {header['error']}"))
+        else:
+            future.set_result(tensor)
+
+    # -- one microbatch -------------------------------------------------------------------------
+
+    def _release(self, seq_ids: Sequence[str]) -> None:
+        assert self.sequences is not None
+        for seq_id in seq_ids:
+            if seq_id in self._busy:
+                self._release_later.add(seq_id)
+            elif not self.sequences.free(seq_id):
+                log.debug("release of unknown sequence %s ignored", seq_id)
+
+    async def _microbatch(self, desc: MicrobatchDescriptor) -> None:
+        assert self.sequences is not None
+        started = time.perf_counter()
+        failures = _Failures()
+        admitted: list[Admitted] = []
+        results: list[SeqResult] = []
+        timing = {"attention_s": 0.0, "ffn_wait_s": 0.0}
+        claimed: list[str] = []
+        owns_mb_id = False
+        try:
+            self._release(desc.release)
+            if not self._accepting:
+                raise AFlexError(f"attention worker {self.worker_id} is shutting down")
+            if desc.mb_id in self._active_mbs:
+                raise AFlexError(f"microbatch {desc.mb_id} is already in flight on {self.worker_id}")
+            if desc.seqs:
+                subjects.check_token(desc.ffn_worker)
+            self._active_mbs.add(desc.mb_id)
+            owns_mb_id = True
+            for work in desc.seqs:
+                if work.seq_id in self._busy:
+                    failures.add(work.seq_id, "server_error", "sequence_busy",
+                                 f"sequence {work.seq_id} is already in an in-flight microbatch")
+                    continue
+                try:
+                    admitted.append(self.sequences.admit(work))
+                except SequenceRefused as exc:
+                    failures.add(work.seq_id, exc.error_type, exc.code, str(exc))
+                    continue
+                self._busy.add(work.seq_id)
+                claimed.append(work.seq_id)
+            if admitted:
+                tokens = await self._compute(desc, admitted, timing)
+                results = self._commit(admitted, tokens)
+        except asyncio.CancelledError:
+            self._fail_all(desc, admitted, failures, "worker stopped before the microbatch finished")
+            results = []
+            await self._publish_done(self._finish(desc, results, failures, timing, started))
+            raise
+        except Exception as exc:
+            log.warning("microbatch %s failed: %s", desc.mb_id, exc, exc_info=not isinstance(exc, AFlexError))
+            self._fail_all(desc, admitted, failures, str(exc))
+            results = []
+        finally:
+            if owns_mb_id:
+                self._active_mbs.discard(desc.mb_id)
+            for seq_id in claimed:
+                self._busy.discard(seq_id)
+            later = [s for s in claimed if s in self._release_later]
+            self._release_later.difference_update(later)
+            self._release(later)
+        await self._publish_done(self._finish(desc, results, failures, timing, started))
+
+    def _fail_all(self, desc: MicrobatchDescriptor, admitted: list[Admitted], failures: _Failures,
+                  message: str) -> None:
+        """Every sequence of the microbatch failed; new ones are forgotten, old ones keep their KV as it was."""
+        assert self.sequences is not None
+        for item in admitted:
+            if item.is_new:
+                self.sequences.free(item.work.seq_id)
+        failures.errors.insert(0, ("server_error", "microbatch_failed", f"microbatch {desc.mb_id}: {message}"))
+        for work in desc.seqs:
+            if work.seq_id not in failures.seq_ids:
+                failures.seq_ids.append(work.seq_id)
+
+    def _commit(self, admitted: list[Admitted], tokens: list[int]) -> list[SeqResult]:
+        """Advance the sequences' computed counts and record the sampled tokens in their samplers."""
+        results = []
+        sampled = iter(tokens)
+        for item in admitted:
+            item.state.num_computed = item.end
+            token: int | None = None
+            if item.work.sample:
+                token = next(sampled)
+                item.state.sampler.record(token)
+            results.append(SeqResult(seq_id=item.work.seq_id, token_id=token))
+        return results
+
+    def _finish(self, desc: MicrobatchDescriptor, results: list[SeqResult], failures: _Failures,
+                timing: dict[str, float], started: float) -> MicrobatchDone:
+        done = self._done(desc.mb_id, results, failures.seq_ids, failures.body())
+        return done.model_copy(update={**timing, "total_s": time.perf_counter() - started})
+
+    def _done(self, mb_id: str, results: list[SeqResult], failed: list[str], error: ErrorBody | None
+              ) -> MicrobatchDone:
+        assert self.sequences is not None
+        return MicrobatchDone(mb_id=mb_id, worker_id=self.worker_id, results=results,
+                              kv_free_blocks=self.sequences.free_blocks, kv_total_blocks=self.sequences.total_blocks,
+                              error=error, failed_seq_ids=failed)
+
+    async def _publish_done(self, done: MicrobatchDone) -> None:
+        assert self.nc is not None
+        try:
+            await self.nc.publish(subjects.SCHED_DONE, encode(done))
+        except Exception as exc:
+            log.error("could not publish the result of microbatch %s: %s", done.mb_id, exc)
+
+    async def _compute(self, desc: MicrobatchDescriptor, admitted: list[Admitted], timing: dict[str, float]
+                       ) -> list[int]:
+        """Embed, every layer's attention with an FFN round trip, then logits and sampling."""
+        model, kv = self.model, self.kv
+        assert model is not None and kv is not None
+        device = model.embed_tokens.weight.device
+        t = time.perf_counter()
+        with torch.inference_mode():
+            meta = AttentionMeta.build([a.seq_pass for a in admitted], device)
+            token_ids = torch.tensor([tok for a in admitted for tok in a.work.token_ids], device=device)
+            rope = model.rope(meta.positions)
+            residual = model.embed(token_ids)
+        timing["attention_s"] += time.perf_counter() - t
+        ffn_out: Tensor | None = None
+        for layer in range(model.args.n_layers):
+            t = time.perf_counter()
+            with torch.inference_mode():
+                residual, ffn_in = model.attend(layer, residual, ffn_out, rope, meta, kv)
+            attend_s = time.perf_counter() - t
+            t = time.perf_counter()
+            ffn_out = await self._ffn_round_trip(desc, layer, ffn_in)
+            wait_s = time.perf_counter() - t
+            timing["attention_s"] += attend_s
+            timing["ffn_wait_s"] += wait_s
+            log.debug("mb %s layer %d: attention %.2f ms, ffn wait %.2f ms (%d rows)",
+                      desc.mb_id, layer, attend_s * 1e3, wait_s * 1e3, meta.n_tokens)
+        assert ffn_out is not None
+        t = time.perf_counter()
+        with torch.inference_mode():
+            samplers = [a.state.sampler for a in admitted if a.work.sample]
+            tokens = []
+            if samplers:
+                logits = model.logits(residual, ffn_out, meta.logits_rows)
+                tokens = sample_next_tokens(logits, samplers)
+        timing["attention_s"] += time.perf_counter() - t
+        return tokens
+
+    async def _ffn_round_trip(self, desc: MicrobatchDescriptor, layer: int, ffn_in: Tensor) -> Tensor:
+        """Send layer `layer`'s ffn_in to the FFN worker and await its ffn_out (keyed by mb_id and layer)."""
+        assert self.nc is not None
+        key = (desc.mb_id, layer)
+        future: asyncio.Future[Tensor] = asyncio.get_running_loop().create_future()
+        self._replies[key] = future
+        try:
+            header: dict[str, Any] = {"mb_id": desc.mb_id, "layer": layer, "direction": "to_ffn",
+                                      "reply_to": self.subject, "worker_id": self.worker_id}
+            for frame in wire.encode_frames(header, ffn_in, self.nc.max_payload):
+                await self.nc.publish(subjects.ffn_mb(desc.ffn_worker), frame)
+            try:
+                out = await asyncio.wait_for(future, self.ffn_reply_timeout_s)
+            except TimeoutError:
+                raise FFNReplyError(f"FFN worker {desc.ffn_worker} did not answer layer {layer} of microbatch "
+                                    f"{desc.mb_id} within {self.ffn_reply_timeout_s:.0f} s") from None
+        finally:
+            self._replies.pop(key, None)
+        if tuple(out.shape) != tuple(ffn_in.shape):
+            raise FFNReplyError(f"FFN worker {desc.ffn_worker} returned shape {list(out.shape)} for layer {layer} "
+                                f"of microbatch {desc.mb_id}, expected {list(ffn_in.shape)}")
+        return out.to(device=ffn_in.device, dtype=ffn_in.dtype)
+
+
+async def run(settings: AttentionWorkerSettings, *, stop: asyncio.Event | None = None) -> None:
+    """The `aflex attention-worker` service: serve until `stop` is set or SIGTERM, then drain and exit."""
+    await AttentionWorker(settings).run(stop)

@@ -1,0 +1,215 @@
+"""The FFN worker: a stateless server of per-layer FFNs, merging microbatches that wait together.
+
+Seam frames arrive on `ffn.<wid>.mb` (chunks reassembled by `wire.FrameAssembler`) and queue up.
+A single loop takes the next frame plus every other queued frame of the same layer, stacks their
+rows into one [sum T, D] tensor and runs the layer's FFN once: with several microbatches (or
+several attention workers) in flight, one bigger GEMM replaces several small ones, which is where
+an FFN worker's throughput comes from. The output is split back by row counts and each part goes
+to its frame's `reply_to` with direction "to_attention", the same mb_id and layer.
+
+A frame that cannot be served (bad layer, bad shape, a failing forward) is answered with an
+error frame (header `error`, empty tensor) when it says where to reply, and dropped otherwise.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+from torch import Tensor
+
+from services.worker_common import Presence, load_half, registration, stop_on_signals
+from shared import bus, subjects, wire
+from shared.errors import AFlexError
+from shared.messages import Heartbeat
+from shared.model.ffn import FFNHalf
+from shared.settings import FFNWorkerSettings
+
+log = logging.getLogger("aflex.ffn_worker")
+
+_ASSEMBLY_KEY = ("reply_to", "mb_id", "layer", "direction")  # mb_ids of two attention workers may meet here
+
+
+class SeamFrameError(AFlexError):
+    """A seam frame this worker cannot serve: wrong direction, layer, shape or reply subject."""
+
+
+@dataclass(frozen=True)
+class _Work:
+    mb_id: str
+    layer: int
+    reply_to: str
+    hidden: Tensor  # [T, D] ffn_in as it arrived
+
+
+class FFNWorker:
+    def __init__(self, settings: FFNWorkerSettings) -> None:
+        self.settings = settings
+        self.worker_id = subjects.check_token(settings.worker_id)
+        self.subject = subjects.ffn_mb(self.worker_id)
+        self.model: FFNHalf | None = None
+        self.model_id = ""
+        self.nc: Client | None = None
+        self._queue: deque[_Work] = deque()
+        self._wakeup = asyncio.Event()
+        self._closing = False
+        self._assembler = wire.FrameAssembler()
+        self.forwards = 0  # FFN forward calls made
+        self.frames_served = 0  # frames answered with a result (> forwards when merging)
+
+    # -- lifecycle ------------------------------------------------------------------------------
+
+    def load(self) -> None:
+        s = self.settings
+        checkpoint, module = load_half(s.model, "ffn", s.dtype, s.device)
+        assert isinstance(module, FFNHalf)
+        self.model, self.model_id = module, checkpoint.model_id
+
+    async def run(self, stop: asyncio.Event | None = None) -> None:
+        """Serve until `stop` is set (or SIGTERM/SIGINT); then unsubscribe, serve what is queued, drain."""
+        stop = stop or asyncio.Event()
+        with stop_on_signals(stop):
+            if self.model is None:
+                await asyncio.to_thread(self.load)
+            assert self.model is not None
+            self.nc = nc = await bus.connect(self.settings.nats_url, name=f"aflex-ffn-{self.worker_id}")
+            self._closing = False
+            loop_task = asyncio.create_task(self._serve_loop(), name=f"ffn-{self.worker_id}")
+            heartbeat_task: asyncio.Task[None] | None = None
+            sub = None
+            try:
+                sub = await nc.subscribe(self.subject, cb=self._on_message)
+                presence = Presence(nc, registration(self.worker_id, "ffn", self.model_id, self.model.args.n_layers),
+                                    self._heartbeat, period_s=self.settings.heartbeat_period_s,
+                                    register_timeout_s=self.settings.register_timeout_s)
+                if await presence.register(stop) is not None:
+                    heartbeat_task = asyncio.create_task(presence.heartbeat_loop(stop))
+                    log.info("ffn worker %s serving %s on %s (merge=%s)", self.worker_id, self.model_id,
+                             self.subject, self.settings.merge_microbatches)
+                    await stop.wait()
+            finally:
+                if heartbeat_task is not None:
+                    heartbeat_task.cancel()
+                    await asyncio.gather(heartbeat_task, return_exceptions=True)
+                if sub is not None:
+                    try:
+                        await sub.unsubscribe()
+                    except Exception as exc:  # connection already gone
+                        log.debug("unsubscribe failed: %s", exc)
+                self._closing = True
+                self._wakeup.set()
+                await asyncio.gather(loop_task, return_exceptions=True)
+                await bus.close(nc)
+                log.info("ffn worker %s stopped", self.worker_id)
+
+    def _heartbeat(self) -> Heartbeat:
+        return Heartbeat(worker_id=self.worker_id, role="ffn", ts=time.time(), queue_depth=len(self._queue))
+
+    # -- receiving ------------------------------------------------------------------------------
+
+    async def _on_message(self, msg: Msg) -> None:
+        header: dict[str, Any] = {}
+        try:
+            got = self._assembler.add(msg.data, _ASSEMBLY_KEY)
+            if got is None:
+                return  # more chunks to come
+            header, tensor = got
+            self._queue.append(self._check(header, tensor))
+            self._wakeup.set()
+        except Exception as exc:  # never let a bad frame take the subscription down
+            log.warning("ffn worker %s: dropped a frame on %s: %s", self.worker_id, self.subject, exc)
+            reply_to = header.get("reply_to")
+            if isinstance(reply_to, str) and reply_to and isinstance(header.get("mb_id"), str):
+                await self._reply_error(reply_to, header["mb_id"], header.get("layer"), str(exc))
+
+    def _check(self, header: dict[str, Any], tensor: Tensor) -> _Work:
+        assert self.model is not None
+        mb_id, layer, reply_to = header.get("mb_id"), header.get("layer"), header.get("reply_to")
+        if not isinstance(reply_to, str) or not reply_to or not isinstance(mb_id, str):
+            raise SeamFrameError("frame header lacks mb_id or reply_to")
+        if header.get("direction") != "to_ffn":
+            raise SeamFrameError(f"frame direction is {header.get('direction')!r}, expected 'to_ffn'")
+        n_layers = self.model.args.n_layers
+        if not isinstance(layer, int) or isinstance(layer, bool) or not 0 <= layer < n_layers:
+            raise SeamFrameError(f"layer {layer!r} is not in [0, {n_layers})")
+        if tensor.dim() != 2 or tensor.shape[1] != self.model.args.dim:
+            raise SeamFrameError(f"ffn_in must be [tokens, {self.model.args.dim}], got {list(tensor.shape)}")
+        return _Work(mb_id, layer, reply_to, tensor)
+
+    # -- serving --------------------------------------------------------------------------------
+
+    def _take_batch(self) -> list[_Work]:
+        """The oldest frame, plus (when merging) every other queued frame of its layer and dtype."""
+        first = self._queue.popleft()
+        batch = [first]
+        if self.settings.merge_microbatches and self._queue:
+            rest: deque[_Work] = deque()
+            for work in self._queue:
+                same = work.layer == first.layer and work.hidden.dtype == first.hidden.dtype
+                (batch if same else rest).append(work)
+            self._queue = rest
+        return batch
+
+    def _forward(self, batch: list[_Work]) -> list[Tensor]:
+        """One FFN forward over the stacked rows of `batch`; the outputs split back per frame."""
+        model = self.model
+        assert model is not None
+        weight = next(model.parameters())
+        rows = [w.hidden.shape[0] for w in batch]
+        x = batch[0].hidden if len(batch) == 1 else torch.cat([w.hidden for w in batch])
+        with torch.inference_mode():
+            out = model(batch[0].layer, x.to(device=weight.device, dtype=weight.dtype))
+        self.forwards += 1
+        return [part.to(batch[0].hidden.dtype) for part in out.split(rows)]
+
+    async def _serve_loop(self) -> None:
+        while True:
+            if not self._queue:
+                if self._closing:
+                    return
+                self._wakeup.clear()
+                await self._wakeup.wait()
+                continue
+            batch = self._take_batch()
+            started = time.perf_counter()
+            try:
+                outputs = self._forward(batch)
+            except Exception as exc:
+                log.exception("ffn worker %s: layer %d forward failed", self.worker_id, batch[0].layer)
+                for work in batch:
+                    await self._reply_error(work.reply_to, work.mb_id, work.layer, f"FFN forward failed: {exc}")
+                continue
+            log.debug("ffn layer %d: %d frame(s), %d rows in one forward (%.2f ms)", batch[0].layer, len(batch),
+                      sum(o.shape[0] for o in outputs), (time.perf_counter() - started) * 1e3)
+            for work, out in zip(batch, outputs, strict=True):
+                await self._reply(work.reply_to, work.mb_id, work.layer, out)
+                self.frames_served += 1
+            await asyncio.sleep(0)  # let the subscription queue more frames before the next forward
+
+    async def _reply(self, reply_to: str, mb_id: str, layer: Any, tensor: Tensor,
+                     error: str | None = None) -> None:
+        assert self.nc is not None
+        header: dict[str, Any] = {"mb_id": mb_id, "layer": layer, "direction": "to_attention",
+                                  "worker_id": self.worker_id}
+        if error is not None:
+            header["error"] = error
+        try:
+            for frame in wire.encode_frames(header, tensor, self.nc.max_payload):
+                await self.nc.publish(reply_to, frame)
+        except Exception as exc:  # a bad reply subject or a lost connection: the attention side times out
+            log.warning("ffn worker %s: could not reply to %s: %s", self.worker_id, reply_to, exc)
+
+    async def _reply_error(self, reply_to: str, mb_id: str, layer: Any, error: str) -> None:
+        await self._reply(reply_to, mb_id, layer, torch.empty(0), error)
+
+
+async def run(settings: FFNWorkerSettings, *, stop: asyncio.Event | None = None) -> None:
+    """The `aflex ffn-worker` service: serve until `stop` is set or SIGTERM, then drain and exit."""
+    await FFNWorker(settings).run(stop)

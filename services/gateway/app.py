@@ -1,0 +1,332 @@
+"""The gateway's FastAPI app and its server loop.
+
+`create_app(settings, card, nc)` builds the app on an open NATS connection (tests use it directly);
+`serve(settings)` opens the model card, connects to NATS and runs uvicorn on the same event loop until
+`stop` is set or SIGTERM/SIGINT arrives, then closes the connection.
+
+Token budget: without `max_tokens`/`max_completion_tokens`, a chat completion may use the rest of the
+context, capped at `DEFAULT_CHAT_MAX_TOKENS`; a completion gets OpenAI's default of 16 tokens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import secrets
+import signal
+import threading
+import time
+import uuid
+from collections.abc import Coroutine, Iterator
+from dataclasses import dataclass
+from typing import Annotated, Any, TypeVar
+
+import uvicorn
+from fastapi import APIRouter, Depends, FastAPI, Request
+from nats.aio.client import Client
+from starlette.concurrency import run_in_threadpool
+from starlette.responses import Response, StreamingResponse
+
+from services.gateway.backend import Generation
+from services.gateway.errors import (
+    AUTHENTICATION,
+    NOT_FOUND,
+    APIError,
+    JSONResponse,
+    install_error_handlers,
+    invalid,
+)
+from services.gateway.openai_schema import ChatCompletionRequest, CompletionRequest, _GenerationRequest
+from services.gateway.streaming import SSE_HEADERS, ResponseShape, collect, stream
+from shared import bus, subjects
+from shared.errors import InvalidRequestError, TokenizerError
+from shared.messages import ProtocolError, SchedulerStatus, decode
+from shared.model.checkpoint import ModelCard, open_model_card
+from shared.model.tokenizer import Tokenizer
+from shared.settings import GatewaySettings
+
+log = logging.getLogger("aflex.gateway")
+
+DEFAULT_CHAT_MAX_TOKENS = 1024  # cap on "the rest of the context" when a chat request gives no max
+DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+STATUS_TIMEOUT_S = 2.0  # /ready: how long the scheduler may take to answer
+
+T = TypeVar("T")
+
+
+@dataclass
+class Gateway:
+    """What every route needs: settings, the model card and the NATS connection."""
+
+    settings: GatewaySettings
+    card: ModelCard
+    tokenizer: Tokenizer
+    nc: Client
+    served_model: str
+    started: int
+
+    @property
+    def max_seq_len(self) -> int:
+        return self.card.args.max_seq_len
+
+
+def _gateway(request: Request) -> Gateway:
+    gateway: Gateway = request.app.state.gateway
+    return gateway
+
+
+GatewayDep = Annotated[Gateway, Depends(_gateway)]
+
+
+def _check_api_key(request: Request) -> None:
+    expected = _gateway(request).settings.api_key
+    if not expected:
+        return
+    scheme, _, key = request.headers.get("authorization", "").partition(" ")
+    if scheme.lower() != "bearer" or not secrets.compare_digest(key.strip().encode(), expected.encode()):
+        raise APIError(401, "Incorrect or missing API key: send `Authorization: Bearer <key>`.",
+                       type=AUTHENTICATION, code="invalid_api_key")
+
+
+# -- probes ---------------------------------------------------------------------------------------
+
+probes = APIRouter()
+
+
+@probes.get("/health")
+async def health() -> dict[str, str]:
+    return {"status": "ok"}
+
+
+@probes.get("/ready")
+async def ready(gateway: GatewayDep) -> Response:
+    try:
+        data = await bus.request(gateway.nc, subjects.SCHED_STATUS, b"{}", STATUS_TIMEOUT_S)
+        status = decode(SchedulerStatus, data)
+    except (bus.BusError, ProtocolError, OSError) as exc:
+        return JSONResponse({"status": "not_ready", "reason": str(exc)}, status_code=503,
+                            headers={"Retry-After": "1"})
+    except Exception as exc:  # nats raises its own types when the connection is down
+        return JSONResponse({"status": "not_ready", "reason": f"NATS: {exc!r}"}, status_code=503,
+                            headers={"Retry-After": "1"})
+    body = {"status": "ready" if status.ready else "not_ready", "scheduler": status.model_dump(mode="json")}
+    return JSONResponse(body, status_code=200 if status.ready else 503,
+                        headers={} if status.ready else {"Retry-After": "1"})
+
+
+# -- OpenAI API -----------------------------------------------------------------------------------
+
+api = APIRouter(prefix="/v1", dependencies=[Depends(_check_api_key)])
+
+
+def _model_entry(gateway: Gateway) -> dict[str, Any]:
+    return {"id": gateway.served_model, "object": "model", "created": gateway.started, "owned_by": "aflex",
+            "root": gateway.card.model_id, "parent": None, "max_model_len": gateway.max_seq_len}
+
+
+@api.get("/models")
+async def list_models(gateway: GatewayDep) -> Response:
+    return JSONResponse({"object": "list", "data": [_model_entry(gateway)]})
+
+
+@api.get("/models/{model:path}")
+async def retrieve_model(model: str, gateway: GatewayDep) -> Response:
+    _check_model(gateway, model)
+    return JSONResponse(_model_entry(gateway))
+
+
+@api.post("/chat/completions")
+async def chat_completions(body: ChatCompletionRequest, request: Request, gateway: GatewayDep) -> Response:
+    _check_common(gateway, body)
+    if not body.messages:
+        raise invalid("messages must be a non-empty list", "messages")
+    try:
+        messages = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})}
+                    for m in body.messages]
+    except ValueError as exc:
+        raise invalid(str(exc), "messages") from None
+    prompt_ids = await run_in_threadpool(_render_chat, gateway.tokenizer, messages)
+    return await _generate(request, gateway, body, prompt_ids, chat=True, param="messages")
+
+
+@api.post("/completions")
+async def completions(body: CompletionRequest, request: Request, gateway: GatewayDep) -> Response:
+    _check_common(gateway, body)
+    if body.echo:
+        raise invalid("echo is not supported", "echo")
+    prompt = body.prompt
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
+        if len(prompt) != 1:
+            raise invalid("only one prompt per request is supported (batched prompts: send several requests)",
+                          "prompt")
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        prompt_ids = await run_in_threadpool(gateway.tokenizer.encode, prompt, True)
+    else:
+        prompt_ids = [int(t) for t in prompt]  # type: ignore[arg-type]  # list[int] here
+        vocab = gateway.tokenizer.vocab_size
+        if any(t >= vocab for t in prompt_ids):
+            raise invalid(f"prompt token ids must be below the vocabulary size {vocab}", "prompt")
+    return await _generate(request, gateway, body, prompt_ids, chat=False, param="prompt")
+
+
+def _check_model(gateway: Gateway, model: str | None) -> None:
+    if model is not None and model not in (gateway.served_model, gateway.card.model_id):
+        raise APIError(404, f"The model `{model}` does not exist.", type=NOT_FOUND, param="model",
+                       code="model_not_found")
+
+
+def _check_common(gateway: Gateway, body: _GenerationRequest) -> None:
+    _check_model(gateway, body.model)
+    if body.n != 1:
+        raise invalid(f"only n=1 is supported, got n={body.n}", "n")
+    if body.stream_options is not None and not body.stream:
+        raise invalid("Stream options can only be defined when `stream=True`.", "stream_options")
+    if body.logprobs:
+        raise invalid("logprobs are not supported", "logprobs")
+
+
+def _render_chat(tokenizer: Tokenizer, messages: list[dict[str, Any]]) -> list[int]:
+    try:
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    except InvalidRequestError as exc:
+        raise invalid(str(exc), exc.param or "messages") from None
+    except TokenizerError as exc:
+        raise invalid(str(exc), "messages") from None
+    # The rendered template carries its own BOS when the model wants one: add no special tokens.
+    return tokenizer.encode(text)
+
+
+def _max_tokens(gateway: Gateway, body: _GenerationRequest, n_prompt: int, param: str, chat: bool) -> int:
+    limit = gateway.max_seq_len
+    if n_prompt == 0:
+        raise invalid(f"the {param} must not be empty", param)
+    requested = body.requested_max_tokens()
+    if requested is None:
+        room = limit - n_prompt
+        if room < 1:
+            raise invalid(f"This model's maximum context length is {limit} tokens. However, your {param} "
+                          f"has {n_prompt} tokens. Please reduce the length of the {param}.", param,
+                          code="context_length_exceeded")
+        return min(room, DEFAULT_CHAT_MAX_TOKENS if chat else DEFAULT_COMPLETION_MAX_TOKENS)
+    if n_prompt + requested > limit:
+        raise invalid(f"This model's maximum context length is {limit} tokens. However, you requested "
+                      f"{n_prompt + requested} tokens ({n_prompt} in the {param}, {requested} in the completion). "
+                      f"Please reduce the length of the {param} or completion.", param,
+                      code="context_length_exceeded")
+    return requested
+
+
+async def _generate(request: Request, gateway: Gateway, body: _GenerationRequest, prompt_ids: list[int], *,
+                    chat: bool, param: str) -> Response:
+    max_tokens = _max_tokens(gateway, body, len(prompt_ids), param, chat)
+    if body.min_tokens > max_tokens:
+        raise invalid(f"min_tokens must be at most max_tokens={max_tokens}, got {body.min_tokens}", "min_tokens")
+    request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+    generation = Generation(
+        gateway.nc, request_id=request_id, model_id=gateway.card.model_id, prompt_ids=prompt_ids,
+        sampling=body.sampling(max_tokens), stop=body.stop_strings(), tokenizer=gateway.tokenizer,
+        submit_timeout_s=gateway.settings.submit_timeout_s, token_timeout_s=gateway.settings.request_timeout_s,
+    )
+    shape = ResponseShape(request_id, int(time.time()), body.model or gateway.served_model, chat)
+    headers = {"X-Request-Id": request_id}
+    try:
+        await generation.submit()
+    except APIError as exc:
+        await generation.release("submit_failed")
+        exc.headers.update(headers)
+        raise
+    except BaseException:
+        await generation.release("submit_failed")
+        raise
+    if body.stream:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        return StreamingResponse(stream(shape, generation, include_usage), media_type="text/event-stream",
+                                 headers={**SSE_HEADERS, **headers})
+    try:
+        result = await _unless_disconnected(request, collect(shape, generation))
+    except APIError as exc:
+        exc.headers.update(headers)
+        raise
+    finally:
+        await asyncio.shield(generation.release("client_disconnected"))
+    return JSONResponse(result, headers=headers)
+
+
+async def _unless_disconnected(request: Request, work: Coroutine[Any, Any, T]) -> T:
+    """Run `work`; if the client disconnects first, cancel it (the caller then cancels on the bus)."""
+
+    async def disconnected() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+    if task.cancelled():
+        raise APIError(499, "client closed the request", code="client_closed_request")
+    return task.result()
+
+
+# -- app and server -------------------------------------------------------------------------------
+
+
+def create_app(settings: GatewaySettings, card: ModelCard, nc: Client) -> FastAPI:
+    if card.tokenizer is None:
+        raise TokenizerError(f"{card.path} ships no tokenizer: the gateway needs one to serve text")
+    app = FastAPI(title="AFlex gateway", version="1", default_response_class=JSONResponse)
+    app.state.gateway = Gateway(settings, card, card.tokenizer, nc,
+                                settings.served_model_name or card.model_id, int(time.time()))
+    install_error_handlers(app)
+    app.include_router(probes)
+    app.include_router(api)
+    return app
+
+
+class _Server(uvicorn.Server):
+    """uvicorn without its own signal handling: `serve()` owns SIGTERM/SIGINT and shuts down cleanly."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+async def serve(settings: GatewaySettings, *, stop: asyncio.Event | None = None) -> None:
+    """Run the gateway until `stop` is set (or SIGTERM/SIGINT in the main thread); then close NATS."""
+    stop = stop or asyncio.Event()
+    card = await asyncio.to_thread(open_model_card, settings.model)
+    nc = await bus.connect(settings.nats_url, "aflex-gateway")
+    loop = asyncio.get_running_loop()
+    handled: list[signal.Signals] = []
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            with contextlib.suppress(NotImplementedError, RuntimeError):
+                loop.add_signal_handler(sig, stop.set)
+                handled.append(sig)
+    try:
+        app = create_app(settings, card, nc)
+        config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level.lower(),
+                                lifespan="off", access_log=False, timeout_graceful_shutdown=5)
+        server = _Server(config)
+
+        async def stop_when_asked() -> None:
+            await stop.wait()
+            server.should_exit = True
+
+        watcher = asyncio.create_task(stop_when_asked())
+        try:
+            log.info("gateway serving %s on http://%s:%d (NATS %s)", app.state.gateway.served_model,
+                     settings.host, settings.port, settings.nats_url)
+            await server.serve()
+        finally:
+            watcher.cancel()
+    finally:
+        for sig in handled:
+            loop.remove_signal_handler(sig)
+        await bus.close(nc)

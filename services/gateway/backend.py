@@ -1,0 +1,190 @@
+"""One request's life on the bus: subscribe to its outputs, submit it, turn token deltas into text.
+
+Order matters: the output subscription exists before the submission, so no delta can be missed. Deltas
+are put back in `index` order; text comes from an `IncrementalDetokenizer` (the prompt's last tokens as
+context) and stop strings are cut here, at the gateway, which then cancels the request on the bus.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import nats.errors
+from nats.aio.client import Client
+from nats.aio.subscription import Subscription
+
+from services.gateway.errors import (
+    SERVER_ERROR,
+    SERVICE_UNAVAILABLE,
+    TIMEOUT,
+    APIError,
+    from_error_body,
+    retry_after_headers,
+)
+from services.gateway.stops import StopStringMatcher
+from shared import subjects
+from shared.bus import BusError, BusTimeoutError, NoRespondersBusError, request
+from shared.messages import (
+    CancelRequest,
+    OutputDelta,
+    ProtocolError,
+    SamplingSpec,
+    SubmitReply,
+    SubmitRequest,
+    Usage,
+    decode,
+    encode,
+)
+from shared.model.tokenizer import IncrementalDetokenizer, Tokenizer
+
+log = logging.getLogger("aflex.gateway")
+
+UNAVAILABLE_RETRY_AFTER_S = 1.0
+
+
+@dataclass
+class TextEvent:
+    """New text of a request; the last event has `finish_reason` and `usage` (an OpenAI usage dict)."""
+
+    text: str
+    finish_reason: str | None = None
+    usage: dict[str, Any] | None = None
+
+
+def usage_dict(prompt_tokens: int, completion_tokens: int, energy_j: float | None = None) -> dict[str, Any]:
+    usage: dict[str, Any] = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                             "total_tokens": prompt_tokens + completion_tokens}
+    if energy_j is not None:
+        usage["energy_j"] = energy_j  # AFlex extension: joules the workers spent on this request
+    return usage
+
+
+def unavailable(message: str) -> APIError:
+    return APIError(503, message, type=SERVICE_UNAVAILABLE, code="scheduler_unavailable",
+                    headers=retry_after_headers(UNAVAILABLE_RETRY_AFTER_S))
+
+
+class Generation:
+    """A submitted request. Use `submit()`, then iterate `events()`, and always `release()` at the end."""
+
+    def __init__(self, nc: Client, *, request_id: str, model_id: str, prompt_ids: list[int],
+                 sampling: SamplingSpec, stop: tuple[str, ...], tokenizer: Tokenizer,
+                 submit_timeout_s: float, token_timeout_s: float) -> None:
+        self.nc = nc
+        self.request_id = request_id
+        self.model_id = model_id
+        self.prompt_ids = prompt_ids
+        self.sampling = sampling
+        self.stop = stop
+        self.tokenizer = tokenizer
+        self.submit_timeout_s = submit_timeout_s
+        self.token_timeout_s = token_timeout_s
+        self.finished = False  # the scheduler is done with it (finished, failed, rejected or cancelled by us)
+        self._sub: Subscription | None = None
+        self._pending: dict[int, OutputDelta] = {}
+        self._next_index = 0
+
+    async def submit(self) -> None:
+        """Subscribe to the outputs, then submit; raise `APIError` when the scheduler does not take it."""
+        self._sub = await self.nc.subscribe(subjects.req_out(self.request_id))
+        submission = SubmitRequest(request_id=self.request_id, model=self.model_id, prompt_ids=self.prompt_ids,
+                                   sampling=self.sampling, arrival_ts=time.time())
+        try:
+            data = await request(self.nc, subjects.REQ_SUBMIT, encode(submission), self.submit_timeout_s)
+            reply = decode(SubmitReply, data)
+        except NoRespondersBusError:
+            self.finished = True
+            raise unavailable("no scheduler is running: the request cannot be served now") from None
+        except BusTimeoutError:
+            await self.cancel("submit_timeout")  # it may still be accepted late: do not leave it running
+            raise unavailable(f"the scheduler did not answer within {self.submit_timeout_s:g} s") from None
+        except ProtocolError as exc:
+            await self.cancel("bad_submit_reply")
+            raise APIError(502, f"the scheduler sent an invalid reply: {exc}", type=SERVER_ERROR) from None
+        except (BusError, nats.errors.Error, OSError) as exc:
+            self.finished = True
+            raise unavailable(f"the message bus is unavailable: {exc}") from None
+        if not reply.accepted:
+            self.finished = True
+            raise from_error_body(reply.error, reply.retry_after_s)
+
+    async def events(self) -> AsyncIterator[TextEvent]:
+        """Text as it becomes final; raises `APIError` on a scheduler error or when a token takes too long."""
+        detok = IncrementalDetokenizer(self.tokenizer, self.prompt_ids)
+        matcher = StopStringMatcher(self.stop)
+        n_tokens = 0
+        while True:
+            delta = await self._next_delta()
+            if delta.error is not None:
+                self.finished = True
+                raise from_error_body(delta.error)
+            pieces: list[str] = []
+            for token_id in delta.token_ids:
+                n_tokens += 1
+                text, hit = matcher.feed(detok.push(token_id))
+                pieces.append(text)
+                if hit:  # tokens after the stop string in this delta are dropped, as is everything later
+                    await self.cancel("stop_string")
+                    yield TextEvent("".join(pieces), "stop", usage_dict(len(self.prompt_ids), n_tokens))
+                    return
+            if delta.finish_reason is None:
+                if any(pieces):
+                    yield TextEvent("".join(pieces))
+                continue
+            self.finished = True
+            if delta.finish_reason == "error":
+                raise APIError(500, "the request failed in the mesh", type=SERVER_ERROR)
+            text, hit = matcher.feed(detok.flush())
+            pieces.append(text if hit else text + matcher.flush())
+            yield TextEvent("".join(pieces), "stop" if hit else delta.finish_reason,
+                            self._final_usage(delta.usage, n_tokens))
+            return
+
+    def _final_usage(self, usage: Usage | None, n_tokens: int) -> dict[str, Any]:
+        if usage is None:
+            return usage_dict(len(self.prompt_ids), n_tokens)
+        return usage_dict(usage.prompt_tokens, usage.completion_tokens, usage.energy_j)
+
+    async def _next_delta(self) -> OutputDelta:
+        assert self._sub is not None, "submit() first"
+        while self._next_index not in self._pending:
+            try:
+                msg = await self._sub.next_msg(timeout=self.token_timeout_s)
+            except nats.errors.TimeoutError:
+                await self.cancel("timeout")
+                raise APIError(504, f"no output from the mesh within {self.token_timeout_s:g} s", type=TIMEOUT,
+                               code="timeout") from None
+            try:
+                delta = decode(OutputDelta, msg.data)
+            except ProtocolError as exc:
+                log.warning("%s: dropping an invalid output delta: %s", self.request_id, exc)
+                continue
+            if delta.index >= self._next_index:
+                self._pending[delta.index] = delta
+        self._next_index += 1
+        return self._pending.pop(self._next_index - 1)
+
+    async def cancel(self, reason: str) -> None:
+        """Tell the scheduler to stop this request (once; nothing after it finished)."""
+        if self.finished:
+            return
+        self.finished = True
+        try:
+            await self.nc.publish(subjects.req_cancel(self.request_id),
+                                  encode(CancelRequest(request_id=self.request_id, reason=reason)))
+        except Exception as exc:  # a closed or reconnecting connection: the scheduler's timeouts take over
+            log.warning("%s: could not publish cancel (%s): %s", self.request_id, reason, exc)
+
+    async def release(self, reason: str = "client_disconnected") -> None:
+        """Cancel if still running, and drop the output subscription."""
+        await self.cancel(reason)
+        sub, self._sub = self._sub, None
+        if sub is not None:
+            try:
+                await sub.unsubscribe()
+            except Exception as exc:  # connection closed: nothing left to unsubscribe from
+                log.debug("%s: unsubscribe failed: %s", self.request_id, exc)

@@ -1,0 +1,120 @@
+"""Request bodies of the OpenAI endpoints, as pydantic models (unknown extra fields are ignored).
+
+Numbers and booleans are strict (`"temperature": "hot"` or `"stream": "yes"` is a 400, an int where a
+float is expected is fine). Ranges follow OpenAI and vLLM; `SamplingSpec` is built from the validated
+fields. vLLM's extensions `top_k`, `min_tokens`, `ignore_eos` and `stop_token_ids` are honoured, the
+trace replayer needs them to force output lengths.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, Strict, field_validator
+
+from shared.messages import SamplingSpec
+
+Int = Annotated[int, Strict()]
+Float = Annotated[float, Strict()]
+Bool = Annotated[bool, Strict()]
+TokenId = Annotated[int, Strict(), Field(ge=0)]
+
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class StreamOptions(_Model):
+    include_usage: Bool = False
+
+
+class ContentPart(_Model):
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(_Model):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        """The content as one string; content-part arrays may only hold text parts."""
+        if self.content is None or isinstance(self.content, str):
+            return self.content or ""
+        texts = []
+        for part in self.content:
+            if part.type != "text" or part.text is None:
+                raise ValueError(f"content parts of type {part.type!r} are not supported (text only)")
+            texts.append(part.text)
+        return "".join(texts)
+
+
+class _GenerationRequest(_Model):
+    """Fields common to chat completions and completions."""
+
+    model: str | None = None
+    max_tokens: Annotated[int, Strict(), Field(ge=1)] | None = None
+    temperature: Annotated[float, Strict(), Field(ge=0.0, le=2.0)] | None = None
+    top_p: Annotated[float, Strict(), Field(gt=0.0, le=1.0)] | None = None
+    n: Int = 1
+    stream: Bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    seed: Annotated[int, Strict(), Field(ge=INT64_MIN, le=INT64_MAX)] | None = None
+    presence_penalty: Annotated[float, Strict(), Field(ge=-2.0, le=2.0)] | None = None
+    frequency_penalty: Annotated[float, Strict(), Field(ge=-2.0, le=2.0)] | None = None
+    user: str | None = None
+    logprobs: Bool | None = None
+    # vLLM extensions
+    top_k: Annotated[int, Strict(), Field(ge=-1)] | None = None
+    min_tokens: Annotated[int, Strict(), Field(ge=0)] = 0
+    ignore_eos: Bool = False
+    stop_token_ids: list[TokenId] | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _non_empty_stops(cls, value: str | list[str] | None) -> str | list[str] | None:
+        stops = [value] if isinstance(value, str) else value or []
+        if any(not s for s in stops):
+            raise ValueError("stop strings must be non-empty")
+        return value
+
+    def stop_strings(self) -> tuple[str, ...]:
+        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+
+    def requested_max_tokens(self) -> int | None:
+        return self.max_tokens
+
+    def sampling(self, max_tokens: int) -> SamplingSpec:
+        return SamplingSpec(
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            top_k=self.top_k or 0,
+            seed=self.seed,
+            presence_penalty=self.presence_penalty or 0.0,
+            frequency_penalty=self.frequency_penalty or 0.0,
+            max_tokens=max_tokens,
+            min_tokens=self.min_tokens,
+            stop_token_ids=list(self.stop_token_ids or ()),
+            ignore_eos=self.ignore_eos,
+        )
+
+
+class ChatCompletionRequest(_GenerationRequest):
+    messages: list[ChatMessage]
+    max_completion_tokens: Annotated[int, Strict(), Field(ge=1)] | None = None
+
+    def requested_max_tokens(self) -> int | None:
+        """`max_completion_tokens` wins over the deprecated `max_tokens`, as in vLLM."""
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+Prompt = str | list[str] | list[TokenId] | list[list[TokenId]]
+
+
+class CompletionRequest(_GenerationRequest):
+    prompt: Prompt
+    echo: Bool = False

@@ -1,0 +1,96 @@
+"""OpenAI response bodies: the whole response, and the SSE chunks of a streamed one.
+
+Streaming follows OpenAI and vLLM: the role chunk goes out with the first token's text (an early role
+chunk would fake a tiny TTFT in benchmarks), content chunks follow, the last content chunk carries
+`finish_reason`; with `stream_options.include_usage` every chunk has `"usage": null` and one more chunk
+with `"choices": []` carries the usage; `data: [DONE]` ends the stream, also after an error event.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import anyio
+import orjson
+
+from services.gateway.backend import Generation
+from services.gateway.errors import APIError
+
+DONE = b"data: [DONE]\n\n"
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+def sse(payload: dict[str, Any]) -> bytes:
+    return b"data: " + orjson.dumps(payload) + b"\n\n"
+
+
+@dataclass(frozen=True)
+class ResponseShape:
+    """Identity of one response: the same id, created and model on every chunk."""
+
+    id: str
+    created: int
+    model: str
+    chat: bool
+
+    def _envelope(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices}
+
+    def _choice(self, text: str, finish_reason: str | None, *, delta: dict[str, Any] | None = None
+                ) -> dict[str, Any]:
+        if self.chat:
+            key, value = ("delta", delta) if delta is not None else ("message", {"role": "assistant",
+                                                                                  "content": text})
+            return {"index": 0, key: value, "logprobs": None, "finish_reason": finish_reason}
+        return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+
+    def response(self, text: str, finish_reason: str, usage: dict[str, Any]) -> dict[str, Any]:
+        obj = "chat.completion" if self.chat else "text_completion"
+        return {**self._envelope(obj, [self._choice(text, finish_reason)]), "usage": usage}
+
+    def chunk(self, text: str, finish_reason: str | None = None, *, role: bool = False) -> dict[str, Any]:
+        if self.chat:
+            delta: dict[str, Any] = {"role": "assistant", "content": text} if role else (
+                {"content": text} if text or finish_reason is None else {})
+            return self._envelope("chat.completion.chunk", [self._choice(text, finish_reason, delta=delta)])
+        return self._envelope("text_completion", [self._choice(text, finish_reason)])
+
+    def usage_chunk(self, usage: dict[str, Any]) -> dict[str, Any]:
+        obj = "chat.completion.chunk" if self.chat else "text_completion"
+        return {**self._envelope(obj, []), "usage": usage}
+
+
+async def collect(shape: ResponseShape, generation: Generation) -> dict[str, Any]:
+    """The whole response of a non-streamed request; `APIError` when the request failed."""
+    texts: list[str] = []
+    async for event in generation.events():
+        texts.append(event.text)
+        if event.finish_reason is not None:
+            return shape.response("".join(texts), event.finish_reason, event.usage or {})
+    raise AssertionError("events() ended without a finish reason")
+
+
+async def stream(shape: ResponseShape, generation: Generation, include_usage: bool) -> AsyncIterator[bytes]:
+    """SSE bytes of a streamed request. Cancels the request when the client goes away before the end."""
+    extra: dict[str, Any] = {"usage": None} if include_usage else {}
+    sent_role = not shape.chat
+    try:
+        async for event in generation.events():
+            if not sent_role:
+                sent_role = True
+                yield sse({**shape.chunk("", role=True), **extra})
+            if event.finish_reason is None:
+                yield sse({**shape.chunk(event.text), **extra})
+                continue
+            yield sse({**shape.chunk(event.text, event.finish_reason), **extra})
+            if include_usage:
+                yield sse(shape.usage_chunk(event.usage or {}))
+        yield DONE
+    except APIError as exc:  # the status line is sent already: an error event, then the end
+        yield sse(exc.body())
+        yield DONE
+    finally:
+        with anyio.CancelScope(shield=True):  # runs inside Starlette's cancelled scope on disconnect
+            await generation.release("client_disconnected")

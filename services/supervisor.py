@@ -1,0 +1,381 @@
+"""`aflex up`: the whole mesh on one machine, each service a supervised subprocess.
+
+Why subprocesses and not tasks in one event loop: every service runs exactly as it does in
+compose (its own process, its own `aflex <service>` command, NATS in between), so what works here
+works there, and a worker that crashes or hangs cannot take the others down with it.
+
+What the supervisor does and does not do:
+- Starts an embedded nats-server unless `AFLEX_NATS_URL` names one, then the scheduler, the
+  attention workers, the FFN workers and the gateway, in that order, each in its own process
+  group (Ctrl-C reaches only the supervisor, which then stops the children in a chosen order).
+- Prefixes every line a child writes (`[attn-0] ...`), keeping stdout and stderr apart.
+- Waits until the gateway's `GET /ready` answers 200, then prints one "AFlex is serving" line.
+- A child that dies is reported (`aflex up: attn-0 exited with status 1`) and never restarted:
+  a restart would hide the fault, and a worker's state (KV cache, GPU clock) is not recoverable
+  by starting it again blindly. The scheduler notices a missing worker by its heartbeats. When
+  the gateway or the scheduler dies, nothing can serve, so the supervisor stops everything and
+  exits 1; when a worker dies the others keep serving.
+- On SIGINT/SIGTERM: stops the gateway (no new requests), the scheduler, then the workers
+  (SIGTERM, then SIGKILL after a grace period), then the nats-server, and exits 0.
+- Calls the `on_child_death` hooks for every child that died on its own or had to be killed
+  (a later issue resets the dead worker's GPU clock there).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import IO, Literal
+
+from shared.errors import AFlexError
+
+Role = Literal["scheduler", "attention-worker", "ffn-worker", "gateway"]
+
+# Children the mesh cannot serve without: if one dies, the supervisor stops everything.
+CRITICAL_ROLES: frozenset[str] = frozenset({"gateway", "scheduler"})
+# Stop order: the gateway first (no new requests), then the scheduler, then the workers.
+STOP_ORDER: tuple[str, ...] = ("gateway", "scheduler", "attention-worker", "ffn-worker")
+WILDCARD_HOSTS = frozenset({"0.0.0.0", "::", ""})
+
+
+class SupervisorError(AFlexError):
+    """The mesh could not be brought up."""
+
+
+class ChildDiedError(SupervisorError):
+    """A child exited before the mesh was ready."""
+
+    def __init__(self, name: str, returncode: int) -> None:
+        super().__init__(f"{name} {describe_status(returncode)} before AFlex was ready")
+        self.name = name
+        self.returncode = returncode
+
+
+class ReadinessTimeoutError(SupervisorError):
+    """The gateway did not report ready in time."""
+
+
+@dataclass(frozen=True)
+class ChildSpec:
+    """One service to run: a display name (the output prefix), its role and the full argv."""
+
+    name: str
+    role: Role
+    argv: list[str]
+
+
+@dataclass(frozen=True)
+class ChildExit:
+    """What the `on_child_death` hooks receive."""
+
+    name: str
+    role: Role
+    pid: int
+    returncode: int
+    killed: bool  # True when the supervisor had to SIGKILL it (it could not clean up after itself)
+
+
+ChildDeathHook = Callable[[ChildExit], None]
+CommandBuilder = Callable[[argparse.Namespace], list[ChildSpec]]
+
+# Hooks every `aflex up` registers on its supervisor (a later issue appends the GPU clock reset).
+DEFAULT_CHILD_DEATH_HOOKS: list[ChildDeathHook] = []
+
+
+def describe_status(returncode: int) -> str:
+    if returncode < 0:
+        try:
+            signame = signal.Signals(-returncode).name
+        except ValueError:
+            signame = f"signal {-returncode}"
+        return f"exited with status {returncode} ({signame})"
+    return f"exited with status {returncode}"
+
+
+def _load_prctl() -> Callable[..., int] | None:
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        import ctypes
+
+        return ctypes.CDLL("libc.so.6", use_errno=True).prctl  # type: ignore[no-any-return]
+    except (OSError, AttributeError):
+        return None
+
+
+_PRCTL = _load_prctl()  # resolved here: between fork and exec the child should do as little as possible
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    """Linux: the child gets SIGTERM if the supervisor itself dies (even by SIGKILL).
+
+    The children run in their own process groups, so without this a killed supervisor would leave
+    them orphaned and holding GPUs and ports.
+    """
+    if _PRCTL is not None:
+        _PRCTL(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+@dataclass
+class Child:
+    spec: ChildSpec
+    process: subprocess.Popen[bytes]
+    threads: list[threading.Thread] = field(default_factory=list)
+    reported: bool = False
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+
+class Supervisor:
+    """Starts, watches and stops the children; knows nothing about NATS or HTTP."""
+
+    def __init__(self, specs: Sequence[ChildSpec], env: dict[str, str] | None = None, *,
+                 stdout: IO[str] | None = None, stderr: IO[str] | None = None, grace_s: float = 10.0,
+                 on_child_death: Iterable[ChildDeathHook] = ()) -> None:
+        self.specs = list(specs)
+        self.env = dict(os.environ if env is None else env)
+        self.env.setdefault("PYTHONUNBUFFERED", "1")  # lines reach the prefixer as they are written
+        self.stdout = stdout or sys.stdout
+        self.stderr = stderr or sys.stderr
+        self.grace_s = grace_s
+        self.on_child_death: list[ChildDeathHook] = list(on_child_death)
+        self.children: list[Child] = []
+        self._write_lock = threading.Lock()
+
+    # -- output ------------------------------------------------------------------------------
+    def _pump(self, name: str, source: IO[bytes], sink: IO[str]) -> None:
+        for raw in iter(source.readline, b""):
+            line = raw.decode("utf-8", errors="replace").rstrip("\r\n")
+            self._write(sink, f"[{name}] {line}")
+        source.close()
+
+    def _write(self, sink: IO[str], line: str) -> None:
+        with self._write_lock:
+            try:
+                sink.write(line + "\n")
+                sink.flush()
+            except (OSError, ValueError):  # a closed or broken terminal must not kill the supervisor
+                pass
+
+    def report(self, message: str) -> None:
+        self._write(self.stderr, f"aflex up: {message}")
+
+    # -- lifecycle ---------------------------------------------------------------------------
+    def start(self) -> None:
+        """Start every child in the order given (scheduler, workers, gateway by default)."""
+        for spec in self.specs:
+            process = subprocess.Popen(spec.argv, env=self.env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                       stderr=subprocess.PIPE, process_group=0, preexec_fn=_die_with_parent)
+            child = Child(spec, process)
+            for source, sink in ((process.stdout, self.stdout), (process.stderr, self.stderr)):
+                assert source is not None
+                thread = threading.Thread(target=self._pump, args=(spec.name, source, sink),
+                                          name=f"aflex-up-{spec.name}", daemon=True)
+                thread.start()
+                child.threads.append(thread)
+            self.children.append(child)
+
+    def poll(self) -> list[Child]:
+        """Children that died since the last poll: reported on stderr and passed to the hooks."""
+        dead = []
+        for child in self.children:
+            if child.reported or child.process.poll() is None:
+                continue
+            child.reported = True
+            for thread in child.threads:  # let its last words out before the death notice
+                thread.join(timeout=1.0)
+            self.report(f"{child.name} {describe_status(child.process.returncode)}")
+            self._run_hooks(child, killed=False)
+            dead.append(child)
+        return dead
+
+    def _run_hooks(self, child: Child, *, killed: bool) -> None:
+        event = ChildExit(child.name, child.spec.role, child.process.pid, int(child.process.returncode), killed)
+        for hook in self.on_child_death:
+            try:
+                hook(event)
+            except Exception as exc:  # a failing hook must not stop the others or the shutdown
+                self.report(f"on-child-death hook {getattr(hook, '__name__', hook)!r} failed for {child.name}: {exc}")
+
+    def wait_ready(self, probe: Callable[[], bool], timeout_s: float, interval_s: float = 0.25) -> None:
+        """Poll `probe` until it returns True; raise ChildDiedError as soon as any child exits."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            dead = self.poll()
+            if dead:
+                raise ChildDiedError(dead[0].name, int(dead[0].process.returncode))
+            if probe():
+                return
+            if time.monotonic() >= deadline:
+                raise ReadinessTimeoutError(f"AFlex was not ready within {timeout_s:.0f} s")
+            time.sleep(interval_s)
+
+    def serve(self, stop: threading.Event, interval_s: float = 0.2) -> int:
+        """Watch the children until `stop` is set (0) or a critical child dies (1)."""
+        while not stop.wait(interval_s):
+            for child in self.poll():
+                if child.spec.role in CRITICAL_ROLES:
+                    self.report(f"{child.name} is needed to serve: stopping AFlex")
+                    return 1
+            if self.children and all(child.reported for child in self.children):
+                self.report("every service has exited")
+                return 1
+        return 0
+
+    def stop(self) -> None:
+        """Stop the running children in STOP_ORDER: SIGTERM, wait up to grace_s, then SIGKILL."""
+        rank = {role: i for i, role in enumerate(STOP_ORDER)}
+        for child in sorted(self.children, key=lambda c: rank.get(c.spec.role, len(rank))):
+            process = child.process
+            killed = False
+            if process.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    process.send_signal(signal.SIGTERM)
+                try:
+                    process.wait(timeout=self.grace_s)
+                except subprocess.TimeoutExpired:
+                    self.report(f"{child.name} did not stop within {self.grace_s:.0f} s: killing it")
+                    with contextlib.suppress(ProcessLookupError):
+                        process.kill()
+                    process.wait()
+                    killed = True
+            for thread in child.threads:
+                thread.join(timeout=1.0)
+            if killed:
+                child.reported = True
+                self._run_hooks(child, killed=True)
+            elif not child.reported:
+                child.reported = True  # stopped on request: not a death to report
+
+
+# -- `aflex up` ------------------------------------------------------------------------------
+def add_up_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags of `aflex up`; the lead registers the subcommand with `set_defaults(func=up)`."""
+    parser.add_argument("--model", default="default", help="HF directory, .gguf file, or 'default' (SmolLM2)")
+    parser.add_argument("--host", default="127.0.0.1", help="address the gateway listens on")
+    parser.add_argument("--port", type=int, default=8000, help="port of the OpenAI API")
+    parser.add_argument("--nats-port", type=int, default=4222,
+                        help="port of the embedded nats-server (0 picks a free one); unused when AFLEX_NATS_URL is set")
+    parser.add_argument("--attention-workers", type=_positive, default=1, metavar="N")
+    parser.add_argument("--ffn-workers", type=_positive, default=1, metavar="M")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
+                        help="weights and activations of the workers (default: the workers' own)")
+    parser.add_argument("--microbatch-depth", choices=["auto", "1", "2", "3", "4"], default=None,
+                        help="microbatches in flight per attention worker (default: the scheduler's own)")
+    parser.add_argument("--ready-timeout", type=float, default=300.0, metavar="SECONDS",
+                        help="how long to wait for the gateway's /ready")
+    parser.add_argument("--grace", type=float, default=10.0, metavar="SECONDS",
+                        help="how long a child may take to stop after SIGTERM before it is killed")
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def build_commands(args: argparse.Namespace) -> list[ChildSpec]:
+    """The real services, in start order: `python -m services.cli <subcommand> <flags>`.
+
+    NATS is passed by the `AFLEX_NATS_URL` environment variable, not by a flag.
+    """
+    cli = [sys.executable, "-m", "services.cli"]
+    model = ["--model", str(args.model)]
+    dtype = ["--dtype", args.dtype] if args.dtype else []
+    depth = ["--microbatch-depth", args.microbatch_depth] if args.microbatch_depth else []
+    specs = [ChildSpec("scheduler", "scheduler", [*cli, "scheduler", *model, *depth])]
+    specs += [ChildSpec(f"attn-{i}", "attention-worker",
+                        [*cli, "attention-worker", "--worker-id", f"attn-{i}", *model, *dtype])
+              for i in range(args.attention_workers)]
+    specs += [ChildSpec(f"ffn-{i}", "ffn-worker", [*cli, "ffn-worker", "--worker-id", f"ffn-{i}", *model, *dtype])
+              for i in range(args.ffn_workers)]
+    specs.append(ChildSpec("gateway", "gateway",
+                           [*cli, "gateway", "--host", str(args.host), "--port", str(args.port), *model]))
+    return specs
+
+
+def local_host(host: str) -> str:
+    """Where to reach a server bound to `host` from this machine."""
+    return "127.0.0.1" if host in WILDCARD_HOSTS else host
+
+
+def http_ready(base_url: str) -> Callable[[], bool]:
+    def probe() -> bool:
+        try:
+            with urllib.request.urlopen(f"{base_url}/ready", timeout=2.0) as response:
+                return int(response.status) == 200
+        except (urllib.error.URLError, OSError, ValueError):
+            return False
+
+    return probe
+
+
+def served_model_id(base_url: str, fallback: str) -> str:
+    """The id clients should send, from the gateway's `/v1/models`; `fallback` if it cannot say."""
+    try:
+        with urllib.request.urlopen(f"{base_url}/v1/models", timeout=5.0) as response:
+            data = json.loads(response.read())
+        return str(data["data"][0]["id"])
+    except (urllib.error.URLError, OSError, ValueError, KeyError, IndexError, TypeError):
+        return fallback
+
+
+def up(args: argparse.Namespace, *, command_builder: CommandBuilder = build_commands,
+       on_child_death: Iterable[ChildDeathHook] = ()) -> int:
+    """Run the mesh until SIGINT/SIGTERM (exit 0) or until the gateway or the scheduler dies (exit 1)."""
+    from shared.nats_server import EmbeddedNatsServer
+
+    stop = threading.Event()
+    previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
+    nats: EmbeddedNatsServer | None = None
+    supervisor: Supervisor | None = None
+    try:
+        env = dict(os.environ)
+        if env.get("AFLEX_NATS_URL"):
+            print(f"aflex up: using NATS at {env['AFLEX_NATS_URL']}", file=sys.stderr, flush=True)
+        else:
+            nats = EmbeddedNatsServer(port=args.nats_port or None).start()
+            env["AFLEX_NATS_URL"] = nats.url
+            print(f"aflex up: nats-server at {nats.url}", file=sys.stderr, flush=True)
+        supervisor = Supervisor(command_builder(args), env, grace_s=args.grace,
+                                on_child_death=[*DEFAULT_CHILD_DEATH_HOOKS, *on_child_death])
+        supervisor.start()
+        base_url = f"http://{local_host(args.host)}:{args.port}"
+        try:
+            supervisor.wait_ready(_unless(stop, http_ready(base_url)), timeout_s=args.ready_timeout)
+        except SupervisorError as exc:
+            supervisor.report(str(exc))
+            return 1
+        if stop.is_set():
+            return 0
+        model_id = served_model_id(base_url, fallback=str(args.model))
+        print(f"AFlex is serving {model_id} at http://{args.host}:{args.port}/v1 "
+              f"({args.attention_workers} attention + {args.ffn_workers} FFN workers)", flush=True)
+        return supervisor.serve(stop)
+    finally:
+        if supervisor is not None:
+            supervisor.stop()
+        if nats is not None:
+            nats.stop()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _unless(stop: threading.Event, probe: Callable[[], bool]) -> Callable[[], bool]:
+    """A readiness probe that also ends the wait when the user asks to stop."""
+    return lambda: stop.is_set() or probe()

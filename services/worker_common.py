@@ -1,0 +1,188 @@
+"""What both worker kinds share: model loading, stop signals, registration and heartbeats.
+
+A worker is useless until the scheduler knows it, so it registers (request/reply on
+`control.register`) right after it subscribes to its microbatch subject, retrying until a scheduler
+answers or the registration timeout passes. Heartbeats are sent as requests: NATS answers a request
+nobody subscribes to with "no responders" at once, which is how a worker notices that the
+scheduler is gone (restarted) and registers again. A scheduler may reply to a heartbeat with a
+`RegisterReply(ok=False)` to ask an unknown worker to register again; it need not reply at all.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import time
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Literal
+
+from nats.aio.client import Client
+
+from shared import bus, subjects
+from shared.errors import AFlexError
+from shared.messages import Heartbeat, ProtocolError, Register, RegisterReply, decode, encode
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+    from shared.model.checkpoint import Checkpoint
+
+log = logging.getLogger("aflex.worker")
+
+REGISTER_ATTEMPT_TIMEOUT_S = 2.0  # one registration request; retried until register_timeout_s
+REGISTER_RETRY_WAIT_S = 0.5  # pause after "no responders" (no scheduler subscribed yet)
+HEARTBEAT_REPLY_WAIT_S = 0.25  # how long a heartbeat waits for an (optional) scheduler reply
+
+
+class RegistrationError(AFlexError):
+    """No scheduler accepted this worker: none answered in time, or it refused the worker."""
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    import torch
+
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise AFlexError(f"unknown dtype {name!r}")
+    return dtype
+
+
+def load_half(spec: str, half: Literal["attention", "ffn"], dtype: str, device: str
+              ) -> tuple[Checkpoint, nn.Module]:
+    """Open the checkpoint and load only one half's tensors (a worker never holds the other half).
+
+    Blocking (reads weights): services call it through `asyncio.to_thread`.
+    """
+    from shared.model.checkpoint import open_checkpoint
+    from shared.model.weights import load_attention_half, load_ffn_half
+
+    checkpoint = open_checkpoint(spec)
+    load = load_attention_half if half == "attention" else load_ffn_half
+    module = load(checkpoint.args, checkpoint.tensors, torch_dtype(dtype), device)
+    return checkpoint, module
+
+
+def eos_token_ids(checkpoint: Checkpoint) -> tuple[int, ...]:
+    """The tokenizer's EOS ids when the checkpoint ships a tokenizer, else the config's (as Engine does)."""
+    tokenizer = checkpoint.tokenizer
+    return tuple(tokenizer.eos_token_ids) if tokenizer is not None else tuple(checkpoint.args.eos_token_ids)
+
+
+@contextlib.contextmanager
+def stop_on_signals(stop: asyncio.Event) -> Iterator[None]:
+    """SIGTERM / SIGINT set `stop` (a clean drain) while inside; the handlers are removed on exit."""
+    loop = asyncio.get_running_loop()
+    installed: list[signal.Signals] = []
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        try:
+            loop.add_signal_handler(sig, stop.set)
+            installed.append(sig)
+        except (NotImplementedError, RuntimeError, ValueError):  # not the main thread, or no signals here
+            pass
+    try:
+        yield
+    finally:
+        for sig in installed:
+            loop.remove_signal_handler(sig)
+
+
+async def wait_stop(stop: asyncio.Event, timeout_s: float) -> bool:
+    """Sleep up to `timeout_s`, waking early when `stop` is set; returns whether it is set."""
+    if timeout_s > 0 and not stop.is_set():
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), timeout_s)
+    return stop.is_set()
+
+
+def registration(worker_id: str, role: Literal["attention", "ffn"], model_id: str, n_layers: int, *,
+                 kv_total_blocks: int = 0, block_size: int = 0, max_seq_len: int = 0) -> Register:
+    return Register(worker_id=worker_id, role=role, model_id=model_id, n_layers=n_layers,
+                    kv_total_blocks=kv_total_blocks, block_size=block_size, max_seq_len=max_seq_len,
+                    pid=os.getpid(), started_ts=time.time())
+
+
+class Presence:
+    """Registration with retry, then a heartbeat every period (re-registering when the scheduler is gone)."""
+
+    def __init__(self, nc: Client, message: Register, heartbeat: Callable[[], Heartbeat], *,
+                 period_s: float, register_timeout_s: float) -> None:
+        self.nc, self.message, self.heartbeat = nc, message, heartbeat
+        self.period_s, self.register_timeout_s = period_s, register_timeout_s
+        self.registered = False
+        self.scheduler_id: str | None = None
+
+    async def _attempt(self, timeout_s: float) -> RegisterReply | None:
+        """One registration request: the reply, or None when nobody answered (raises if refused)."""
+        try:
+            data = await bus.request(self.nc, subjects.CONTROL_REGISTER, encode(self.message), timeout_s)
+            reply = decode(RegisterReply, data)
+        except (bus.NoRespondersBusError, bus.BusTimeoutError):
+            return None
+        except ProtocolError as exc:
+            log.warning("%s: bad registration reply: %s", self.message.worker_id, exc)
+            return None
+        except Exception as exc:  # connection lost or closing: transient, retried
+            log.warning("%s: registration request failed: %s", self.message.worker_id, exc)
+            return None
+        if not reply.ok:
+            reason = reply.error.message if reply.error else "no reason given"
+            raise RegistrationError(f"scheduler {reply.scheduler_id} refused worker "
+                                    f"{self.message.worker_id}: {reason}")
+        self.registered, self.scheduler_id = True, reply.scheduler_id
+        return reply
+
+    async def register(self, stop: asyncio.Event) -> RegisterReply | None:
+        """Retry until a scheduler accepts us; None if `stop` was set first; raises `RegistrationError`."""
+        deadline = time.monotonic() + self.register_timeout_s
+        while not stop.is_set():
+            remaining = deadline - time.monotonic()
+            reply = await self._attempt(max(0.05, min(REGISTER_ATTEMPT_TIMEOUT_S, remaining)))
+            if reply is not None:
+                log.info("%s: registered with scheduler %s", self.message.worker_id, reply.scheduler_id)
+                return reply
+            if time.monotonic() >= deadline:
+                raise RegistrationError(f"worker {self.message.worker_id}: no scheduler answered on "
+                                        f"{subjects.CONTROL_REGISTER} within {self.register_timeout_s:.0f} s")
+            await wait_stop(stop, min(REGISTER_RETRY_WAIT_S, max(0.0, deadline - time.monotonic())))
+        return None
+
+    async def _beat(self) -> bool:
+        """Send one heartbeat; False when no scheduler is there (or it asks us to register again)."""
+        subject = subjects.heartbeat(self.message.worker_id)
+        try:
+            data = await bus.request(self.nc, subject, encode(self.heartbeat()),
+                                     min(HEARTBEAT_REPLY_WAIT_S, self.period_s / 2))
+        except bus.NoRespondersBusError:
+            return False
+        except bus.BusTimeoutError:  # heard, not answered: the normal case
+            return True
+        except Exception as exc:  # disconnected: nats-py reconnects; do not re-register for that
+            log.debug("%s: heartbeat not sent: %s", self.message.worker_id, exc)
+            return True
+        try:
+            return decode(RegisterReply, data).ok
+        except ProtocolError:
+            return True
+
+    async def heartbeat_loop(self, stop: asyncio.Event) -> None:
+        next_at = time.monotonic()
+        while True:
+            next_at += self.period_s
+            if await wait_stop(stop, next_at - time.monotonic()):
+                return
+            try:
+                if not await self._beat():
+                    if self.registered:
+                        log.warning("%s: no scheduler heard the heartbeat; registering again",
+                                    self.message.worker_id)
+                    self.registered = False
+                if not self.registered and await self._attempt(min(REGISTER_ATTEMPT_TIMEOUT_S, self.period_s)):
+                    log.info("%s: registered again with scheduler %s", self.message.worker_id, self.scheduler_id)
+            except RegistrationError as exc:
+                log.error("%s", exc)
+            except Exception:  # the heartbeat must never die
+                log.exception("%s: heartbeat failed", self.message.worker_id)

@@ -1,0 +1,180 @@
+"""The compose files: valid Compose Specification, commands the real CLI accepts, a coherent mesh.
+
+Docker is not needed: the files are checked against the Compose Specification's JSON Schema
+(tests/data/compose-spec.json, see its SOURCE note), and each service's command is parsed by the
+`aflex` argument parser the image's ENTRYPOINT runs.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import pytest
+import yaml
+
+from services.cli import build_parser
+
+ROOT = Path(__file__).resolve().parents[1]
+COMPOSE = ROOT / "compose"
+SCHEMA = Path(__file__).parent / "data" / "compose-spec.json"
+BASE_FILE = COMPOSE / "compose.yaml"
+GPU_FILE = COMPOSE / "compose.gpu.yaml"
+AFLEX_SERVICES = ("scheduler", "attention-worker", "ffn-worker", "gateway")
+WORKERS = ("attention-worker", "ffn-worker")
+
+
+def load(path: Path) -> dict[str, Any]:
+    data = yaml.safe_load(path.read_text())  # safe_load resolves anchors and `<<` merge keys
+    assert isinstance(data, dict)
+    return data
+
+
+def merge(base: Any, override: Any) -> Any:
+    """Compose's override rule, simplified: mappings merge key by key, anything else is replaced."""
+    if isinstance(base, dict) and isinstance(override, dict):
+        merged = copy.deepcopy(base)
+        for key, value in override.items():
+            merged[key] = merge(base[key], value) if key in base else copy.deepcopy(value)
+        return merged
+    return copy.deepcopy(override)
+
+
+def project(name: str) -> dict[str, Any]:
+    base = load(BASE_FILE)
+    return base if name == "cpu" else merge(base, load(GPU_FILE))
+
+
+@pytest.fixture(scope="module")
+def validator() -> jsonschema.Draft7Validator:
+    schema = json.loads(SCHEMA.read_text())
+    jsonschema.Draft7Validator.check_schema(schema)
+    return jsonschema.Draft7Validator(schema)
+
+
+@pytest.mark.parametrize("path", [BASE_FILE, GPU_FILE], ids=lambda p: p.name)
+def test_file_matches_compose_spec(validator: jsonschema.Draft7Validator, path: Path) -> None:
+    errors = [f"{'/'.join(map(str, e.absolute_path))}: {e.message}" for e in validator.iter_errors(load(path))]
+    assert not errors, "\n".join(errors)
+
+
+@pytest.mark.parametrize("name", ["cpu", "gpu"])
+def test_merged_project_matches_compose_spec(validator: jsonschema.Draft7Validator, name: str) -> None:
+    errors = [f"{'/'.join(map(str, e.absolute_path))}: {e.message}" for e in validator.iter_errors(project(name))]
+    assert not errors, "\n".join(errors)
+
+
+def test_gpu_override_only_touches_existing_services() -> None:
+    assert set(load(GPU_FILE)["services"]) <= set(load(BASE_FILE)["services"])
+
+
+@pytest.mark.parametrize("name", ["cpu", "gpu"])
+@pytest.mark.parametrize("service", AFLEX_SERVICES)
+def test_command_parses_with_the_aflex_cli(name: str, service: str) -> None:
+    command = project(name)["services"][service]["command"]
+    assert isinstance(command, list) and all(isinstance(arg, str) for arg in command)
+    try:
+        args = build_parser().parse_args(command)
+    except SystemExit as exc:  # argparse's way of saying no
+        pytest.fail(f"`aflex {' '.join(command)}` ({service}) is rejected by services.cli: exit {exc.code}")
+    assert args.command == service
+
+
+def test_every_aflex_service_is_the_one_image_with_shared_settings() -> None:
+    services = project("cpu")["services"]
+    for service in AFLEX_SERVICES:
+        spec = services[service]
+        assert spec["build"]["dockerfile"] == "compose/Dockerfile"
+        assert spec["build"]["target"] == "cpu"
+        assert spec["environment"]["AFLEX_NATS_URL"] == "nats://nats:4222"
+        assert re.fullmatch(r"\$\{AFLEX_MODEL:-default\}", spec["environment"]["AFLEX_MODEL"])
+        assert "models:/models" in spec["volumes"]
+        assert spec.get("restart")
+    assert services["gateway"]["ports"] == ["${AFLEX_PORT:-8000}:8000"]
+
+
+def test_worker_ids_are_distinct() -> None:
+    services = project("cpu")["services"]
+    ids = [services[w]["command"][services[w]["command"].index("--worker-id") + 1] for w in WORKERS]
+    assert ids == ["attn-0", "ffn-0"]
+
+
+@pytest.mark.parametrize("name", ["cpu", "gpu"])
+def test_dockerfile_has_every_target_the_compose_files_build(name: str) -> None:
+    stages = set(re.findall(r"^FROM\s+\S+\s+AS\s+(\S+)\s*$", (COMPOSE / "Dockerfile").read_text(), re.M | re.I))
+    assert {"base", "cpu", "cuda"} <= stages
+    for service, spec in project(name)["services"].items():
+        if "build" in spec:
+            assert (ROOT / COMPOSE.name / spec["build"]["context"] / spec["build"]["dockerfile"]).resolve() == (
+                COMPOSE / "Dockerfile").resolve(), service
+            assert spec["build"]["target"] in stages, service
+
+
+def test_dockerfile_runs_aflex_as_non_root_with_cpu_torch() -> None:
+    text = (COMPOSE / "Dockerfile").read_text()
+    assert re.search(r"^FROM python:3\.11-slim AS base$", text, re.M)
+    assert "torch==${TORCH_VERSION}" in text and "ARG TORCH_VERSION=2.13.0" in text
+    assert "--index-url https://download.pytorch.org/whl/cpu" in text
+    assert 'ENTRYPOINT ["aflex"]' in text and "EXPOSE 8000" in text
+    users = re.findall(r"^USER\s+(\S+)", text, re.M)
+    assert users and users[-1] != "root"
+    # every stage a service runs ends unprivileged
+    for stage in re.split(r"^FROM\s", text, flags=re.M)[1:]:
+        stage_users = re.findall(r"^USER\s+(\S+)", stage, re.M)
+        assert stage_users and stage_users[-1] == "aflex", stage.splitlines()[0]
+
+
+@pytest.mark.parametrize("name", ["cpu", "gpu"])
+def test_dependencies_exist_and_wait_on_health(name: str) -> None:
+    services = project(name)["services"]
+    for service, spec in services.items():
+        for dependency, condition in spec.get("depends_on", {}).items():
+            assert dependency in services, f"{service} depends on unknown {dependency}"
+            if condition["condition"] == "service_healthy":
+                assert "healthcheck" in services[dependency], f"{service} waits for {dependency}'s health"
+    assert services["scheduler"]["depends_on"]["nats"]["condition"] == "service_healthy"
+    for worker in WORKERS:
+        assert services[worker]["depends_on"]["nats"]["condition"] == "service_healthy"
+        assert services[worker]["depends_on"]["scheduler"]["condition"] == "service_started"
+    assert services["gateway"]["depends_on"]["nats"]["condition"] == "service_healthy"
+
+
+def test_healthchecks() -> None:
+    services = project("cpu")["services"]
+    nats_test = " ".join(services["nats"]["healthcheck"]["test"])
+    assert "wget -qO- http://localhost:8222/healthz" in nats_test
+    gateway_test = services["gateway"]["healthcheck"]["test"]
+    assert gateway_test[0] == "CMD" and "http://localhost:8000/ready" in gateway_test[-1]
+    compile(gateway_test[-1], "<gateway healthcheck>", "exec")  # the python -c snippet is valid Python
+
+
+def test_nats_config_mounted_with_payload_and_monitoring() -> None:
+    nats = project("cpu")["services"]["nats"]
+    assert nats["image"] == "nats:2.10-alpine"
+    assert nats["command"] == ["-c", "/etc/nats/nats.conf"]
+    assert "./nats.conf:/etc/nats/nats.conf:ro" in nats["volumes"]
+    conf = (COMPOSE / "nats.conf").read_text()
+    assert re.search(r"^max_payload:\s*8MB", conf, re.M)
+    assert re.search(r"^http_port:\s*8222", conf, re.M)
+    assert re.search(r"^jetstream\s*\{", conf, re.M)
+
+
+def test_gpu_override_reserves_one_gpu_per_worker_with_sys_admin() -> None:
+    services = project("gpu")["services"]
+    seen: list[str] = []
+    for worker in WORKERS:
+        spec = services[worker]
+        assert spec["build"]["target"] == "cuda"
+        assert "SYS_ADMIN" in spec["cap_add"]
+        (device,) = spec["deploy"]["resources"]["reservations"]["devices"]
+        assert device["driver"] == "nvidia" and device["capabilities"] == ["gpu"]
+        seen += device["device_ids"]
+        # the override adds to the environment, it does not replace the common one
+        assert spec["environment"]["AFLEX_NATS_URL"] == "nats://nats:4222"
+    assert len(seen) == len(set(seen)), "two workers reserve the same GPU"
+    for service in ("gateway", "scheduler"):
+        assert "deploy" not in services[service] and services[service]["build"]["target"] == "cpu"
