@@ -325,8 +325,8 @@ def test_malformed_messages_do_not_kill_workers(nats_url: str, tiny_checkpoints:
             assert done.error is not None and done.error.code == "invalid_descriptor"
             got: dict[str, str] = {}
             for _ in range(3):
-                header = await asyncio.wait_for(errors.get(), 5)
-                got[header["mb_id"]] = header["error"]
+                error_header = await asyncio.wait_for(errors.get(), 5)
+                got[error_header["mb_id"]] = error_header["error"]
             assert "layer 99" in got["e1"] and "direction" in got["e2"] and "[tokens, 64]" in got["e3"]
             # both workers still serve
             done = await m.send(m.descriptor([SeqWork(seq_id="s", token_ids=PROMPT_B, start_pos=0, sample=True,
