@@ -65,7 +65,7 @@ class SamplingSpec(Message):
     ignore_eos: bool = False
 
     def to_params(self) -> SamplingParams:
-        from shared.model.sampling import SamplingParams
+        from shared.model.params import SamplingParams
 
         return SamplingParams(
             temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, seed=self.seed,

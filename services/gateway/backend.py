@@ -25,7 +25,6 @@ from services.gateway.errors import (
     from_error_body,
     retry_after_headers,
 )
-from services.gateway.stops import StopStringMatcher
 from shared import subjects
 from shared.bus import BusError, BusTimeoutError, NoRespondersBusError, request
 from shared.messages import (
@@ -39,6 +38,7 @@ from shared.messages import (
     decode,
     encode,
 )
+from shared.model.params import StopStringMatcher
 from shared.model.tokenizer import IncrementalDetokenizer, Tokenizer
 
 log = logging.getLogger("aflex.gateway")
