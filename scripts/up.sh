@@ -1,11 +1,9 @@
 #!/usr/bin/env bash
-# Brings AFlex up with the default model (SmolLM2-135M-Instruct), installing what it needs.
-# Extra arguments go to `aflex generate`.
+# Brings the whole AFlex mesh up with the default model (SmolLM2-135M-Instruct) on :8000,
+# installing what it needs: an embedded nats-server, the scheduler, one attention worker, one
+# FFN worker and the OpenAI-compatible gateway. Extra arguments go to `aflex up`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/install.sh worker
 . .venv/bin/activate
-if [ $# -eq 0 ]; then
-  set -- --chat --prompt "What is the capital of France?" --max-tokens 20
-fi
-exec aflex generate --model default "$@"
+exec aflex up --model default --port 8000 "$@"
