@@ -315,8 +315,9 @@ def main() -> None:
             "bare_round_trip_ms": round(bare_s * 1e3, 3),
             "ratio": round(hop_s / bare_s, 2),
         }
-        print(f"decode microbatches ({len(full)} of {rows} rows): mean attention {hop['mean_attention_s'] * 1e3:.1f} ms,"
-              f" mean ffn wait {hop['mean_ffn_wait_s'] * 1e3:.1f} ms, mean total {hop['mean_total_s'] * 1e3:.1f} ms",
+        print(f"decode microbatches ({len(full)} of {rows} rows): "
+              f"mean attention {hop['mean_attention_s'] * 1e3:.1f} ms, "
+              f"mean ffn wait {hop['mean_ffn_wait_s'] * 1e3:.1f} ms, mean total {hop['mean_total_s'] * 1e3:.1f} ms",
               flush=True)
         print(f"per layer: ffn wait {hop['ffn_wait_per_layer_ms']:.3f} ms - ffn compute "
               f"{hop['ffn_compute_per_layer_ms']:.3f} ms = hop {hop['hop_per_layer_ms']:.3f} ms;   bare NATS "

@@ -188,6 +188,9 @@ class Register(Message):
     max_seq_len: int = 0
     pid: int = 0
     started_ts: float = 0.0
+    gpu_backend: str = ""
+    gpu_name: str = ""
+    supported_clocks_mhz: list[int] = Field(default_factory=list)
 
 
 class RegisterReply(Message):
@@ -225,3 +228,63 @@ class SchedulerStatus(Message):
     workers: list[WorkerInfo] = Field(default_factory=list)
     queue_depth: int = 0
     running: int = 0
+
+
+# -- frequency commands and telemetry -------------------------------------------------------------
+
+ClockPhase = Literal["prefill", "decode"]
+
+
+class FrequencyCommand(Message):
+    """`aflex.v1.freq.<wid>`: the SM clock a worker runs per phase, until `valid_until_ts`.
+
+    Only the scheduler publishes these. After `valid_until_ts` (unix seconds) without a newer
+    command the worker falls back to its default clock, so a dead scheduler never leaves a GPU slow.
+    """
+
+    worker_id: str
+    clocks_mhz: dict[ClockPhase, int]
+    valid_until_ts: float
+    issued_ts: float
+    reason: str = ""
+
+
+class PhaseLatency(Message):
+    mean_ms: float
+    count: int
+
+
+class WorkerTelemetry(Message):
+    """`aflex.v1.telemetry.<role>.<wid>`: a worker's GPU and work, at the telemetry rate (10 Hz)."""
+
+    worker_id: str
+    role: Role
+    ts: float
+    gpu_backend: str
+    gpu_name: str
+    clock_mhz: int
+    target_clock_mhz: int | None = None
+    command_applied: bool = True  # False on nvml-readonly: the clock was asked for, not set
+    power_w: float
+    energy_j: float  # monotonic
+    utilization: float  # busy fraction of the last period, 0..1
+    latency_ms: dict[str, PhaseLatency] = Field(default_factory=dict)  # by phase, last period
+    queue_depth: int = 0
+    kv_blocks_used: int = 0
+    kv_blocks_total: int = 0
+    tokens_done: int = 0  # monotonic
+    microbatches_done: int = 0  # monotonic
+
+
+class SchedulerTelemetry(Message):
+    """`aflex.v1.telemetry.scheduler.<id>`: queue, running sequences and SLO attainment."""
+
+    scheduler_id: str
+    ts: float
+    queue_depth: int
+    running: int
+    finished: int  # monotonic
+    slo_attainment: float | None = None  # fraction of recent requests within TTFT and TPOT SLOs
+    ttft_p90_ms: float | None = None
+    tpot_p90_ms: float | None = None
+    clocks_mhz: dict[str, dict[str, int]] = Field(default_factory=dict)  # commanded, by worker and phase
