@@ -280,7 +280,10 @@ def test_up_names_the_child_that_died_before_ready(dummy: Path, tmp_path: Path, 
     assert "aflex up: attn-0 exited with status 1 before AFlex was ready" in err
     assert "using NATS at nats://127.0.0.1:1" in err
     lines = events(tmp_path)
-    assert {line.split()[0] for line in lines if line.endswith("stopped")} == {"scheduler", "ffn-0", "gateway"}
+    # every child that got as far as starting was stopped (under load the gateway may not have started yet)
+    started_names = {line.split()[0] for line in lines if " started " in line} - {"attn-0"}
+    assert started_names >= {"scheduler"}
+    assert {line.split()[0] for line in lines if line.endswith("stopped")} == started_names
 
 
 UP_SCRIPT = textwrap.dedent('''\
