@@ -1,0 +1,269 @@
+"""A modelled GPU for machines without one: clocks, time, power and energy from a profile.
+
+Time of one operator at SM clock f is a roofline per part (reference/gpu-control.md section 4.2):
+
+    t(f) = sum over parts of max(flops / (F_peak·e_c·f/f_max), bytes / BW(f)) + launch overhead
+    BW(f) = BW_peak·e_bw·min(1, f / f_bw_sat)
+
+Below `f_bw_sat` the SMs cannot issue loads fast enough to saturate HBM (a modelling choice), which is
+what makes energy per token U-shaped for memory-bound decode. Power while a part runs is
+
+    P(f) = P_ctx_idle + P_mem·u_mem + u_sm·P_dyn·(f/f_max)·(V(f)/V_max)²,  P_dyn = TDP − P_ctx_idle − P_mem
+    V(f) = V_min below the knee, linear up to V_max at f_max
+
+with u_mem the HBM utilisation (bytes per second moved over the achievable peak) and u_sm the SM
+activity ((t_compute + a·t_mem)/t, a = SM activity while streaming memory). Energy integrates
+busy time at P and the wall-clock gaps between calls (from the injected clock) at idle power.
+A clock request takes effect `clock_switch_delay_ms` after it is made; an operator runs at the
+clock in effect when it starts.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+from shared.gpu.base import GPU, ClockResult, GPUError, OperatorWork
+
+PROFILES_DIR = Path(__file__).with_name("profiles")
+
+
+@dataclass(frozen=True)
+class GPUProfile:
+    key: str
+    name: str
+    min_mhz: int
+    max_mhz: int
+    step_mhz: int
+    default_mhz: int
+    idle_power_w: float  # no context
+    context_idle_power_w: float  # context resident, P0
+    max_power_w: float  # TDP
+    memory_power_w: float
+    v_min: float
+    v_max: float
+    knee_mhz: float
+    peak_flops: float  # dense bf16, FLOP/s
+    compute_efficiency: float
+    bandwidth_bytes_s: float
+    bandwidth_efficiency: float
+    bandwidth_saturation_mhz: float
+    sm_activity_memory_bound: float
+    launch_overhead_s: float
+    clock_switch_delay_s: float
+    sources: tuple[str, ...]
+    modelling_choices: tuple[str, ...]
+
+    @property
+    def clocks_mhz(self) -> list[int]:
+        return list(range(self.min_mhz, self.max_mhz + 1, self.step_mhz))
+
+    @property
+    def dynamic_power_w(self) -> float:
+        return self.max_power_w - self.context_idle_power_w - self.memory_power_w
+
+    def voltage(self, clock_mhz: float) -> float:
+        if clock_mhz <= self.knee_mhz:
+            return self.v_min
+        return self.v_min + (self.v_max - self.v_min) * (clock_mhz - self.knee_mhz) / (self.max_mhz - self.knee_mhz)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any], source: str) -> GPUProfile:
+        try:
+            clk, v = d["clock_mhz"], d["voltage"]
+            profile = cls(
+                key=str(d["key"]), name=str(d["name"]),
+                min_mhz=int(clk["min"]), max_mhz=int(clk["max"]), step_mhz=int(clk["step"]),
+                default_mhz=int(clk["default"]),
+                idle_power_w=float(d["idle_power_w"]), context_idle_power_w=float(d["context_idle_power_w"]),
+                max_power_w=float(d["max_power_w"]), memory_power_w=float(d["memory_power_w"]),
+                v_min=float(v["v_min"]), v_max=float(v["v_max"]), knee_mhz=float(v["knee_mhz"]),
+                peak_flops=float(d["peak_bf16_flops"]), compute_efficiency=float(d["compute_efficiency"]),
+                bandwidth_bytes_s=float(d["memory_bandwidth_bytes_s"]),
+                bandwidth_efficiency=float(d["bandwidth_efficiency"]),
+                bandwidth_saturation_mhz=float(d["bandwidth_saturation_mhz"]),
+                sm_activity_memory_bound=float(d["sm_activity_memory_bound"]),
+                launch_overhead_s=float(d["launch_overhead_s"]),
+                clock_switch_delay_s=float(d["clock_switch_delay_ms"]) / 1000.0,
+                sources=tuple(str(s) for s in d["sources"]),
+                modelling_choices=tuple(str(s) for s in d.get("modelling_choices", ())),
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise GPUError(f"GPU profile {source} is malformed: {exc!r}") from None
+        if not (0 < profile.min_mhz <= profile.default_mhz <= profile.max_mhz and profile.step_mhz > 0):
+            raise GPUError(f"GPU profile {source}: bad clock range {clk}")
+        if profile.dynamic_power_w <= 0 or not profile.sources:
+            raise GPUError(f"GPU profile {source}: needs max_power_w > idle + memory power, and sources")
+        return profile
+
+
+def available_profiles() -> list[str]:
+    return sorted(p.stem for p in PROFILES_DIR.glob("*.json"))
+
+
+@cache
+def _load_path(path: Path) -> GPUProfile:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise GPUError(f"cannot read GPU profile {path}: {exc}") from None
+    return GPUProfile.from_dict(data, str(path))
+
+
+def load_profile(name: str | Path) -> GPUProfile:
+    """A profile by key ("a800") or by path to a JSON file."""
+    path = Path(name)
+    if path.suffix != ".json":
+        path = PROFILES_DIR / f"{str(name).lower()}.json"
+        if not path.is_file():
+            raise GPUError(f"unknown GPU profile {name!r}; available: {', '.join(available_profiles())}")
+    return _load_path(path.resolve())
+
+
+def _parts(work: OperatorWork) -> Sequence[OperatorWork]:
+    parts: Sequence[OperatorWork] = getattr(work, "parts", ())
+    return parts or (work,)
+
+
+@dataclass(frozen=True)
+class Cost:
+    """Modelled duration and mean busy power of one operator at one clock."""
+
+    time_s: float
+    power_w: float
+
+    @property
+    def energy_j(self) -> float:
+        return self.time_s * self.power_w
+
+
+def operator_cost(profile: GPUProfile, work: OperatorWork, clock_mhz: float) -> Cost:
+    """Time and mean power of `work` at `clock_mhz` (pure: no state, no clock)."""
+    p = profile
+    ratio = clock_mhz / p.max_mhz
+    flops_s = p.peak_flops * p.compute_efficiency * ratio
+    bw_full = p.bandwidth_bytes_s * p.bandwidth_efficiency
+    bw = bw_full * min(1.0, clock_mhz / p.bandwidth_saturation_mhz)
+    dyn = p.dynamic_power_w * ratio * (p.voltage(clock_mhz) / p.v_max) ** 2
+    total_t = energy = 0.0
+    for part in _parts(work):
+        t_c, t_m = part.flops / flops_s, part.bytes_moved / bw
+        busy = max(t_c, t_m)
+        t = busy + p.launch_overhead_s
+        if busy > 0:
+            u_mem = part.bytes_moved / bw_full / busy  # HBM power follows the bytes per second moved
+            u_sm = min(1.0, (t_c + p.sm_activity_memory_bound * t_m) / busy)
+            energy += busy * (p.context_idle_power_w + p.memory_power_w * u_mem + u_sm * dyn)
+        energy += p.launch_overhead_s * p.context_idle_power_w
+        total_t += t
+    return Cost(total_t, energy / total_t if total_t > 0 else p.context_idle_power_w)
+
+
+def latency_sensitivity(profile: GPUProfile, work: OperatorWork, lo_mhz: float, hi_mhz: float) -> float:
+    """d ln t / d ln f as the log-log slope of the modelled time between two clocks."""
+    t_lo = operator_cost(profile, work, lo_mhz).time_s
+    t_hi = operator_cost(profile, work, hi_mhz).time_s
+    return math.log(t_lo / t_hi) / math.log(hi_mhz / lo_mhz)
+
+
+class EmulatedGPU(GPU):
+    """A GPU modelled from a profile; energy accounting follows the injected clock."""
+
+    backend = "emulated"
+
+    def __init__(
+        self,
+        profile: str | Path | GPUProfile = "a800",
+        pace: bool = False,
+        clock: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], None] = time.sleep,
+        context_resident: bool = True,
+    ) -> None:
+        self.profile = profile if isinstance(profile, GPUProfile) else load_profile(profile)
+        self.name = f"emulated {self.profile.name}"
+        self.pace = pace
+        self._clock = clock
+        self._sleep = sleep
+        self.context_resident = context_resident
+        self._clocks = self.profile.clocks_mhz
+        self._current_mhz = self.profile.default_mhz
+        self._pending: tuple[float, int] | None = None  # (time it takes effect, clock)
+        now = clock()
+        self._energy_j = 0.0
+        self._busy_until = now  # end of the last modelled operator (may run ahead of the wall clock)
+        self._accounted_until = now  # energy is accounted up to here (busy or idle)
+        self._busy_power_w = self.idle_power_w
+
+    # -- clocks -------------------------------------------------------------------------------
+    @property
+    def idle_power_w(self) -> float:
+        return self.profile.context_idle_power_w if self.context_resident else self.profile.idle_power_w
+
+    def supported_sm_clocks_mhz(self) -> list[int]:
+        return list(self._clocks)
+
+    def _settle(self, now: float) -> None:
+        if self._pending is not None and now >= self._pending[0]:
+            self._current_mhz = self._pending[1]
+            self._pending = None
+
+    def sm_clock_mhz(self) -> int:
+        self._settle(self._clock())
+        return self._current_mhz
+
+    def set_sm_clock_mhz(self, clock_mhz: int) -> ClockResult:
+        target = self.snap_clock_mhz(clock_mhz)
+        now = self._clock()
+        self._settle(now)
+        wanted = self._pending[1] if self._pending is not None else self._current_mhz
+        if target == wanted:
+            return ClockResult(clock_mhz, target, applied=False, reason=f"already at {target} MHz")
+        self._pending = (now + self.profile.clock_switch_delay_s, target)
+        return ClockResult(clock_mhz, target, applied=True)
+
+    def reset_sm_clock(self) -> None:
+        self.set_sm_clock_mhz(self.profile.default_mhz)
+
+    # -- model --------------------------------------------------------------------------------
+    def cost(self, work: OperatorWork, clock_mhz: int | None = None) -> Cost:
+        """Modelled time and power of `work` at `clock_mhz` (default: the clock now)."""
+        return operator_cost(self.profile, work, self.sm_clock_mhz() if clock_mhz is None else clock_mhz)
+
+    # -- accounting ---------------------------------------------------------------------------
+    def _account_idle(self, until: float) -> None:
+        if until > self._accounted_until:
+            self._energy_j += (until - self._accounted_until) * self.idle_power_w
+            self._accounted_until = until
+
+    def run(self, work: OperatorWork, measured_s: float) -> float:
+        """Account `work` that just took `measured_s` on the host; returns its modelled duration.
+
+        The operator starts at (now − measured_s), or where the accounting already reached if that
+        is later (the previous operator's modelled end), and runs for its modelled duration at the
+        clock in effect then. With `pace`, sleep the part of the modelled duration the host did
+        not already spend, so a lower clock really slows the caller."""
+        now = self._clock()
+        start = max(now - measured_s, self._accounted_until)
+        self._account_idle(start)
+        self._settle(start)
+        cost = operator_cost(self.profile, work, self._current_mhz)
+        self._energy_j += cost.energy_j
+        self._accounted_until = self._busy_until = start + cost.time_s
+        self._busy_power_w = cost.power_w
+        if self.pace and cost.time_s > measured_s:
+            self._sleep(cost.time_s - measured_s)
+        return cost.time_s
+
+    def power_w(self) -> float:
+        now = self._clock()
+        return self._busy_power_w if now < self._busy_until else self.idle_power_w
+
+    def total_energy_j(self) -> float:
+        self._account_idle(self._clock())
+        return self._energy_j
