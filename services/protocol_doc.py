@@ -215,7 +215,7 @@ ERROR_CODES: tuple[tuple[str, str, str, str], ...] = (
      "`request_id` cannot be a subject token (empty, or holds `.`, `*`, `>` or whitespace); `param: request_id`"),
     ("duplicate_request_id", "invalid_request_error", "scheduler → `SubmitReply`",
      "a request with this id is already running; `param: request_id`"),
-    ("503", "service_unavailable", "scheduler → `SubmitReply`",
+    ("503", "service_unavailable_error", "scheduler → `SubmitReply`",
      f"no attention and FFN workers are ready yet; `retry_after_s` = {RETRY_AFTER_S:g}"),
     ("invalid_value", "invalid_request_error", "scheduler → `SubmitReply`",
      "admission validation failed (context length, token ids, sampling); `param` names the field"),

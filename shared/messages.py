@@ -169,6 +169,9 @@ class MicrobatchDone(Message):
     attention_s: float = 0.0  # time computing attention, lm_head and sampling
     ffn_wait_s: float = 0.0  # time waiting for the FFN worker (network + FFN compute)
     total_s: float = 0.0
+    energy_j: float | None = None  # this microbatch's GPU energy, attention and FFN sides together
+    attention_energy_j: float | None = None
+    ffn_energy_j: float | None = None
 
 
 # -- control --------------------------------------------------------------------------------------

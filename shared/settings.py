@@ -39,6 +39,14 @@ class SchedulerSettings(ServiceSettings):
     microbatch_depth: Literal["auto", "1", "2", "3", "4"] = "auto"
     heartbeat_timeout_s: float = 5.0
     microbatch_timeout_s: float = 120.0
+    # SLOs (vLLM's definitions: TTFT = first token - arrival, TPOT = (last - first) / (n - 1))
+    ttft_slo_ms: float = 400.0
+    tpot_slo_ms: float = 120.0
+    # frequency commands: one per healthy worker every window, valid for three windows
+    freq_window_s: float = 2.0
+    freq_policy: Literal["max", "fixed", "slo"] = "slo"
+    fixed_clocks: str = ""  # for "fixed": e.g. "attention.decode=900,ffn.decode=1200,ffn=1100" (MHz)
+    telemetry_hz: float = 1.0  # SchedulerTelemetry rate; 0 turns it off
 
 
 class WorkerSettings(ServiceSettings):
@@ -48,6 +56,13 @@ class WorkerSettings(ServiceSettings):
     device: str = "cpu"
     heartbeat_period_s: float = 1.0
     register_timeout_s: float = 60.0
+    gpu_backend: str = "auto"  # auto, nvml, nvml-readonly, emulated
+    gpu_profile: str = "a800"  # the emulated GPU's profile
+    gpu_pace: bool = False  # emulated: sleep for the modelled time of each operator call
+    telemetry_hz: float = 10.0  # WorkerTelemetry messages per second (0: none)
+    default_clock_mhz: int | None = None  # the clock without a valid command; None: the GPU's maximum
+    hysteresis_mhz: int = 30  # the clock switches only for a change larger than this
+    min_hold_s: float = 0.2  # and at most once per this many seconds
 
 
 class AttentionWorkerSettings(WorkerSettings):

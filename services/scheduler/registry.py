@@ -30,6 +30,9 @@ class Worker:
     max_seq_len: int = 0
     last_seen: float = field(default_factory=time.monotonic)
     healthy: bool = True
+    gpu_backend: str = ""
+    gpu_name: str = ""
+    supported_clocks_mhz: list[int] = field(default_factory=list)  # empty: no frequency commands
     # -- attention workers only ----------------------------------------------------------------
     waiting: deque[RequestState] = field(default_factory=deque)
     running: list[RequestState] = field(default_factory=list)
@@ -78,6 +81,8 @@ class Registry:
         worker.kv_free_blocks = msg.kv_total_blocks  # a (re)started worker has an empty cache
         worker.block_size = msg.block_size
         worker.max_seq_len = msg.max_seq_len
+        worker.gpu_backend, worker.gpu_name = msg.gpu_backend, msg.gpu_name
+        worker.supported_clocks_mhz = sorted({c for c in msg.supported_clocks_mhz if c > 0})
         worker.last_seen = now
         worker.healthy = True
         return worker, restarted

@@ -10,6 +10,12 @@ worker refuses (`failed_seq_ids`, e.g. KV exhausted), a microbatch that errs or 
 attention worker that stops heartbeating or restarts all lead to the same thing: the sequence is
 re-routed and recomputed from its prompt + output tokens. After MAX_FAILURES errors (not KV
 refusals) a request ends with finish_reason "error".
+
+Energy: each `MicrobatchDone.energy_j` is shared among the sequences of that microbatch in
+proportion to the tokens each fed in the pass; a request's shares add up to its `Usage.energy_j`.
+Clocks: every `freq_window_s` each healthy worker with supported clocks gets a `FrequencyCommand`
+from clocks.py's planner, fed with the TTFT/TPOT observed in the window. Telemetry: a
+`SchedulerTelemetry` at `telemetry_hz` (queue, running, finished, SLO attainment, p90s, clocks).
 """
 
 from __future__ import annotations
@@ -19,7 +25,9 @@ import contextlib
 import logging
 import time
 import uuid
+from collections import deque
 from collections.abc import Awaitable, Callable, Coroutine
+from dataclasses import dataclass
 from typing import Any
 
 from nats.aio.client import Client
@@ -27,6 +35,7 @@ from nats.aio.msg import Msg
 
 from services.scheduler.admission import validate_request
 from services.scheduler.batcher import Pass, microbatch_depth, phase_of, plan_iteration, split_microbatches
+from services.scheduler.clocks import PhaseSignal, parse_fixed_clocks, percentile, plan_clocks
 from services.scheduler.model_info import ModelInfo, load_model_info
 from services.scheduler.registry import Registry, Worker
 from services.scheduler.state import RequestState, Status
@@ -34,8 +43,10 @@ from shared import bus, subjects
 from shared.errors import AFlexError, InvalidRequestError
 from shared.messages import (
     CancelRequest,
+    ClockPhase,
     ErrorBody,
     FinishReason,
+    FrequencyCommand,
     Heartbeat,
     MicrobatchDescriptor,
     MicrobatchDone,
@@ -44,6 +55,7 @@ from shared.messages import (
     Register,
     RegisterReply,
     SchedulerStatus,
+    SchedulerTelemetry,
     SubmitReply,
     SubmitRequest,
     Usage,
@@ -62,6 +74,16 @@ class WorkerLostError(AFlexError):
     """The attention worker of an in-flight microbatch stopped heartbeating or restarted."""
 
 
+@dataclass(frozen=True)
+class Finished:
+    """A finished request, kept for a window for SLO attainment and the clock feedback."""
+
+    mono: float  # time.monotonic() when it finished
+    reason: FinishReason
+    ttft_ms: float | None
+    tpot_ms: float | None
+
+
 class Scheduler:
     def __init__(self, settings: SchedulerSettings, nc: Client, model: ModelInfo) -> None:
         self.settings, self.nc, self.model = settings, nc, model
@@ -71,6 +93,11 @@ class Scheduler:
         self.futures: dict[str, tuple[str, asyncio.Future[MicrobatchDone]]] = {}  # mb_id -> (worker, done)
         self._run_token = uuid.uuid4().hex[:8]  # keeps mb ids unique across scheduler restarts
         self._tasks: set[asyncio.Task[None]] = set()
+        self.fixed_clocks = parse_fixed_clocks(settings.fixed_clocks)  # a bad spec fails at start
+        self.commanded: dict[str, dict[ClockPhase, int]] = {}  # worker -> clocks of its latest command
+        self.finished_total = 0
+        self.finished_log: deque[Finished] = deque()
+        self.ttft_log: deque[tuple[float, float]] = deque()  # (monotonic time of the first token, TTFT ms)
 
     # -- lifecycle ------------------------------------------------------------------------------
 
@@ -84,6 +111,10 @@ class Scheduler:
         await nc.subscribe(subjects.REQ_CANCEL_ALL, cb=self._guard(self._on_cancel))
         await nc.flush()
         self._spawn(self._health_loop())
+        if self.settings.freq_window_s > 0:
+            self._spawn(self._freq_loop())
+        if self.settings.telemetry_hz > 0:
+            self._spawn(self._telemetry_loop())
 
     async def stop(self) -> None:
         for task in list(self._tasks):
@@ -131,6 +162,9 @@ class Scheduler:
             self._lose(worker, restarted=True)  # its KV is empty now: recompute what it held
         await msg.respond(encode(RegisterReply(ok=True, scheduler_id=self.settings.scheduler_id)))
         self._on_capacity_change()
+        self.commanded.pop(worker.worker_id, None)  # a (re)started worker starts over, at max for "slo"
+        if worker.supported_clocks_mhz and self.settings.freq_window_s > 0:
+            await self._command(worker, self._signals(time.monotonic()))
 
     async def _on_heartbeat(self, msg: Msg) -> None:
         hb = decode(Heartbeat, msg.data)
@@ -211,7 +245,7 @@ class Scheduler:
             return reject("invalid_request_error", f"request {rid!r} is already running", "duplicate_request_id",
                           "request_id")
         if not self.registry.ready:
-            return reject("service_unavailable", "no attention and FFN workers are ready yet", "503",
+            return reject("service_unavailable_error", "no attention and FFN workers are ready yet", "503",
                           retry_after_s=RETRY_AFTER_S)
         limit = self.registry.context_limit()
         if self.model.max_seq_len:
@@ -337,6 +371,9 @@ class Scheduler:
             entry[1].set_result(done)
 
     async def _apply(self, worker: Worker, group: list[Pass], done: MicrobatchDone) -> None:
+        energy = getattr(done, "energy_j", None)
+        if energy is not None:
+            share_energy(group, float(energy), set(done.failed_seq_ids))
         failed = set(done.failed_seq_ids)
         if done.error is not None and not failed:
             failed = {p.state.request_id for p in group}
@@ -417,8 +454,13 @@ class Scheduler:
     async def _append(self, state: RequestState, token: int) -> None:
         reason = state.finish_reason_after(token, self.model.eos_token_ids)
         state.output_ids.append(token)
+        now = time.time()
+        state.last_token_ts = now
         if state.first_token_ts is None:
-            state.first_token_ts = time.time()
+            state.first_token_ts = now
+            ttft = state.ttft_s
+            assert ttft is not None
+            self.ttft_log.append((time.monotonic(), ttft * 1000.0))
         if reason is not None:
             await self._finish(state, reason, last_tokens=[token])
             return
@@ -440,8 +482,9 @@ class Scheduler:
             if had_kv:
                 worker.pending_release.append(state.request_id)
                 worker.wake.set()
+        self._record_finished(state, reason)
         usage = Usage(prompt_tokens=len(state.prompt_ids), completion_tokens=len(state.output_ids),
-                      total_tokens=state.num_tokens)
+                      total_tokens=state.num_tokens, energy_j=state.energy_j)
         await self._publish(state, OutputDelta(request_id=state.request_id, index=state.next_index,
                                                token_ids=last_tokens or [], finish_reason=reason, usage=usage,
                                                error=error))
@@ -449,6 +492,111 @@ class Scheduler:
     async def _publish(self, state: RequestState, delta: OutputDelta) -> None:
         state.next_index += 1
         await self.nc.publish(subjects.req_out(state.request_id), encode(delta))
+
+    # -- SLO observation, frequency commands, telemetry -----------------------------------------
+
+    @property
+    def _stats_window_s(self) -> float:
+        """SLO attainment and p90s cover requests finished within this many seconds."""
+        hz = self.settings.telemetry_hz
+        return max(self.settings.freq_window_s, 1.0 / hz if hz > 0 else 0.0)
+
+    def _record_finished(self, state: RequestState, reason: FinishReason) -> None:
+        self.finished_total += 1
+        ttft, tpot = state.ttft_s, state.tpot_s
+        self.finished_log.append(Finished(time.monotonic(), reason, None if ttft is None else ttft * 1000.0,
+                                          None if tpot is None else tpot * 1000.0))
+
+    def _prune(self, now: float) -> None:
+        keep = self._stats_window_s
+        while self.finished_log and now - self.finished_log[0].mono > keep:
+            self.finished_log.popleft()
+        while self.ttft_log and now - self.ttft_log[0][0] > keep:
+            self.ttft_log.popleft()
+
+    def _signals(self, now: float) -> dict[ClockPhase, PhaseSignal]:
+        """TTFT (prefill) and TPOT (decode) seen in the last frequency window, for the clock planner.
+
+        TTFT: every first token of the window; a request still waiting for its first token longer
+        than the SLO counts as a miss. TPOT: requests finished in the window, and running ones that
+        streamed in it (their TPOT so far), so long requests steer the clocks before they end.
+        """
+        self._prune(now)
+        window = self.settings.freq_window_s
+        ttft_slo, tpot_slo = self.settings.ttft_slo_ms, self.settings.tpot_slo_ms
+        ttfts = [ms for t, ms in self.ttft_log if now - t <= window]
+        tpots = [f.tpot_ms for f in self.finished_log if now - f.mono <= window and f.tpot_ms is not None]
+        ttft_miss = sum(ms > ttft_slo for ms in ttfts)
+        unix = time.time()
+        for state in self.requests.values():
+            if state.first_token_ts is None:
+                ttft_miss += (unix - state.arrival_ts) * 1000.0 > ttft_slo
+            elif state.last_token_ts is not None and unix - state.last_token_ts <= window:
+                tpot = state.tpot_s
+                if tpot is not None:
+                    tpots.append(tpot * 1000.0)
+        tpot_miss = sum(ms > tpot_slo for ms in tpots)
+        return {"prefill": PhaseSignal(percentile(ttfts, 90), ttft_slo, ttft_miss),
+                "decode": PhaseSignal(percentile(tpots, 90), tpot_slo, tpot_miss)}
+
+    async def _freq_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.settings.freq_window_s)
+            signals = self._signals(time.monotonic())
+            for worker in sorted(self.registry.workers.values(), key=lambda w: w.worker_id):
+                if worker.healthy and worker.supported_clocks_mhz:
+                    await self._command(worker, signals)
+
+    async def _command(self, worker: Worker, signals: dict[ClockPhase, PhaseSignal]) -> None:
+        clocks, reason = plan_clocks(self.settings.freq_policy, worker.role, worker.supported_clocks_mhz,
+                                     previous=self.commanded.get(worker.worker_id), signals=signals,
+                                     fixed=self.fixed_clocks)
+        self.commanded[worker.worker_id] = clocks
+        now = time.time()
+        cmd = FrequencyCommand(worker_id=worker.worker_id, clocks_mhz=clocks, issued_ts=now,
+                               valid_until_ts=now + 3 * self.settings.freq_window_s, reason=reason)
+        await self.nc.publish(subjects.freq(worker.worker_id), encode(cmd))
+
+    def telemetry(self) -> SchedulerTelemetry:
+        now = time.monotonic()
+        self._prune(now)
+        ttft_slo, tpot_slo = self.settings.ttft_slo_ms, self.settings.tpot_slo_ms
+        done = [f for f in self.finished_log if f.reason != "abort"]  # a client's cancel is no miss
+        good = sum(f.reason != "error" and f.ttft_ms is not None and f.ttft_ms <= ttft_slo
+                   and (f.tpot_ms or 0.0) <= tpot_slo for f in done)
+        ttfts = [f.ttft_ms for f in done if f.ttft_ms is not None]
+        tpots = [f.tpot_ms for f in done if f.tpot_ms is not None]
+        clocks = {wid: {str(p): mhz for p, mhz in c.items()} for wid, c in self.commanded.items()
+                  if (w := self.registry.workers.get(wid)) is not None and w.healthy}
+        return SchedulerTelemetry(
+            scheduler_id=self.settings.scheduler_id, ts=time.time(), queue_depth=self.queue_depth,
+            running=sum(len(w.running) for w in self.registry.workers.values()), finished=self.finished_total,
+            slo_attainment=good / len(done) if done else None, ttft_p90_ms=percentile(ttfts, 90),
+            tpot_p90_ms=percentile(tpots, 90), clocks_mhz=clocks)
+
+    async def _telemetry_loop(self) -> None:
+        subject = subjects.telemetry("scheduler", self.settings.scheduler_id)
+        while True:
+            await asyncio.sleep(1.0 / self.settings.telemetry_hz)
+            await self.nc.publish(subject, encode(self.telemetry()))
+
+
+def share_energy(group: list[Pass], energy_j: float, refused: set[str]) -> None:
+    """Add each pass's share of a microbatch's energy to its request, in proportion to the tokens it fed.
+
+    Sequences the worker refused fed nothing and get nothing (unless all were refused). The last
+    share is the remainder, so the shares add up to `energy_j` exactly as floats allow.
+    """
+    takers = [p for p in group if p.state.request_id not in refused] or group
+    if not takers:
+        return
+    total = sum(p.n_new for p in takers)
+    left = energy_j
+    for i, p in enumerate(takers):
+        share = left if i == len(takers) - 1 else (
+            energy_j * p.n_new / total if total > 0 else energy_j / len(takers))
+        left -= share
+        p.state.energy_j = (p.state.energy_j or 0.0) + share
 
 
 async def run(settings: SchedulerSettings, *, stop: asyncio.Event | None = None,

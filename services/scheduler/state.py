@@ -29,6 +29,8 @@ class RequestState:
     received_mono: float = field(default_factory=time.monotonic)
     output_ids: list[int] = field(default_factory=list)
     first_token_ts: float | None = None  # unix seconds when the first token was streamed
+    last_token_ts: float | None = None  # unix seconds when the latest token was streamed
+    energy_j: float | None = None  # its share of the energy of every microbatch it was in (None: none reported)
     worker_id: str | None = None  # attention worker that holds (or will hold) its KV
     num_computed: int = 0  # tokens whose K/V are in `worker_id`'s cache
     first_pass_sent: bool = False  # sampling spec and generated_ids already sent to `worker_id`
@@ -55,6 +57,19 @@ class RequestState:
     @property
     def finished(self) -> bool:
         return self.status is Status.FINISHED
+
+    @property
+    def ttft_s(self) -> float | None:
+        """Time to first token (first token - arrival at the gateway), as vLLM's benchmark defines it."""
+        return None if self.first_token_ts is None else max(0.0, self.first_token_ts - self.arrival_ts)
+
+    @property
+    def tpot_s(self) -> float | None:
+        """Mean time per output token after the first: (last - first) / (n - 1); None below 2 tokens."""
+        n = len(self.output_ids)
+        if n < 2 or self.first_token_ts is None or self.last_token_ts is None:
+            return None
+        return (self.last_token_ts - self.first_token_ts) / (n - 1)
 
     def reset_for_recompute(self) -> None:
         """Forget the placement: the next worker rebuilds the KV from prompt + output tokens."""

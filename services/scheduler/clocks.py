@@ -1,0 +1,157 @@
+"""Clock planning for the frequency commands: pure functions, no I/O, no clock of their own.
+
+Every frequency window the scheduler asks `plan_clocks` for each healthy worker's per-phase SM
+clock (prefill, decode), and publishes the answer as a `FrequencyCommand`. Policies:
+
+- `max`: the worker's highest supported clock (the vLLM/SGLang default; a baseline).
+- `fixed`: clocks from `SchedulerSettings.fixed_clocks` (`"attention.decode=900,ffn=1200"`: a
+  `role.phase` or a whole `role`), snapped to the worker's supported clocks; unnamed ones run at max.
+- `slo`: feedback on the observed latency of the phase's SLO metric (prefill -> TTFT, decode ->
+  TPOT). It starts at max; each window it steps the clock down a few supported steps while the
+  observed p90 is comfortably under the SLO (below `low` of it, and no miss), up (more steps, so
+  recovery is quicker than descent) when the p90 exceeds `high` of the SLO or any request missed
+  it, and holds otherwise or when nothing was observed. State is the previous command, per worker
+  and phase, so each role (and each worker's clock table) moves on its own.
+
+A clock is always one of the worker's supported clocks.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Literal, get_args
+
+from shared.messages import ClockPhase, Role
+
+ClockPolicy = Literal["max", "fixed", "slo"]
+PHASES: tuple[ClockPhase, ...] = ("prefill", "decode")
+ROLES: tuple[Role, ...] = get_args(Role)
+
+
+@dataclass(frozen=True)
+class PhaseSignal:
+    """What was observed of one phase's SLO metric in the last window."""
+
+    p90_ms: float | None  # None: nothing observed
+    slo_ms: float
+    misses: int = 0  # requests (finished or still running) already over the SLO
+
+
+@dataclass(frozen=True)
+class SloRule:
+    low: float = 0.7  # step down while p90 < low * SLO
+    high: float = 0.9  # step up when p90 > high * SLO (or on any miss)
+    down_steps: int = 2
+    up_steps: int = 4
+
+
+def parse_fixed_clocks(spec: str) -> dict[tuple[Role, ClockPhase], int]:
+    """`"attention.decode=900, ffn=1200"` -> {("attention", "decode"): 900, ("ffn", "prefill"): 1200, ...}.
+
+    A bare role sets both phases; a `role.phase` entry overrides it whatever the order.
+    """
+    out: dict[tuple[Role, ClockPhase], int] = {}
+    specific: dict[tuple[Role, ClockPhase], int] = {}
+    for item in (s.strip() for s in spec.split(",")):
+        if not item:
+            continue
+        key, sep, value = item.partition("=")
+        role, _, phase = key.strip().partition(".")
+        if not sep or role not in ROLES or (phase and phase not in PHASES):
+            raise ValueError(f"fixed clock {item!r}: expected role[.phase]=MHz with role in {ROLES} "
+                             f"and phase in {PHASES}")
+        try:
+            mhz = int(value.strip())
+        except ValueError:
+            raise ValueError(f"fixed clock {item!r}: {value.strip()!r} is not an integer MHz") from None
+        if mhz <= 0:
+            raise ValueError(f"fixed clock {item!r}: MHz must be positive")
+        if phase:
+            specific[(role, phase)] = mhz  # type: ignore[index]
+        else:
+            for p in PHASES:
+                out[(role, p)] = mhz  # type: ignore[index]
+    out.update(specific)
+    return out
+
+
+def _table(supported: Iterable[int]) -> list[int]:
+    table = sorted({int(c) for c in supported if c > 0})
+    if not table:
+        raise ValueError("no supported clocks")
+    return table
+
+
+def snap(supported: Iterable[int], mhz: float) -> int:
+    """The highest supported clock <= mhz (the lowest supported one when mhz is below them all)."""
+    table = _table(supported)
+    i = bisect.bisect_right(table, mhz) - 1
+    return table[max(i, 0)]
+
+
+def step(supported: Iterable[int], current: int, steps: int) -> int:
+    """Move `steps` supported clocks up (> 0) or down (< 0) from `current`, clamped to the table."""
+    table = _table(supported)
+    i = table.index(snap(table, current))
+    return table[min(max(i + steps, 0), len(table) - 1)]
+
+
+def slo_direction(signal: PhaseSignal, rule: SloRule = SloRule()) -> int:
+    """+1 (up), -1 (down) or 0 (hold) for one phase."""
+    if signal.misses > 0:
+        return 1
+    if signal.p90_ms is None or signal.slo_ms <= 0:
+        return 0
+    if signal.p90_ms > rule.high * signal.slo_ms:
+        return 1
+    if signal.p90_ms < rule.low * signal.slo_ms:
+        return -1
+    return 0
+
+
+def plan_clocks(policy: ClockPolicy, role: Role, supported: Sequence[int],
+                previous: Mapping[ClockPhase, int] | None = None,
+                signals: Mapping[ClockPhase, PhaseSignal] | None = None,
+                fixed: Mapping[tuple[Role, ClockPhase], int] | None = None,
+                rule: SloRule = SloRule()) -> tuple[dict[ClockPhase, int], str]:
+    """The per-phase clocks of one worker for the next window, and a short reason."""
+    table = _table(supported)
+    top = table[-1]
+    if policy == "max":
+        return {p: top for p in PHASES}, "max"
+    if policy == "fixed":
+        fixed = fixed or {}
+        return {p: snap(table, fixed.get((role, p), top)) for p in PHASES}, "fixed"
+    if policy != "slo":
+        raise ValueError(f"unknown clock policy {policy!r}")
+    if previous is None:
+        return {p: top for p in PHASES}, "slo: start at max"
+    signals = signals or {}
+    clocks: dict[ClockPhase, int] = {}
+    why = []
+    for p in PHASES:
+        current = snap(table, previous.get(p, top))
+        sig = signals.get(p)
+        direction = slo_direction(sig, rule) if sig is not None else 0
+        steps = rule.up_steps if direction > 0 else -rule.down_steps if direction < 0 else 0
+        clocks[p] = step(table, current, steps)
+        word = {1: "up", -1: "down", 0: "hold"}[direction]
+        if sig is not None and sig.p90_ms is not None:
+            why.append(f"{p} p90 {sig.p90_ms:.1f}/{sig.slo_ms:.0f} ms, {sig.misses} missed: {word}")
+        else:
+            why.append(f"{p} {sig.misses if sig else 0} missed: {word}")
+    return clocks, "slo: " + "; ".join(why)
+
+
+def percentile(values: Sequence[float], q: float) -> float | None:
+    """Linear-interpolated percentile (numpy's default), q in 0..100; None for no values."""
+    if not values:
+        return None
+    xs = sorted(values)
+    pos = (len(xs) - 1) * q / 100.0
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
