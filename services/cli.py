@@ -183,10 +183,14 @@ def build_parser() -> argparse.ArgumentParser:
     _add_generate(sub)
     _add_services(sub)
     from services.supervisor import add_up_arguments, up
+    from services.top import add_top_arguments, top
 
     p = sub.add_parser("up", help="the whole mesh: nats-server, scheduler, workers, gateway")
     add_up_arguments(p)
     p.set_defaults(func=up)
+    p = sub.add_parser("top", help="live view of the mesh's telemetry: clocks, power, energy per token")
+    add_top_arguments(p)
+    p.set_defaults(func=top)
     return parser
 
 

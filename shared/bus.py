@@ -7,6 +7,7 @@ no-responders into typed errors that say which subject did not answer.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import Any
 
@@ -39,9 +40,12 @@ class NoRespondersBusError(BusError):
         self.subject = subject
 
 
-async def connect(url: str, name: str, *, connect_timeout_s: float = 5.0,
+async def connect(url: str, name: str, *, connect_timeout_s: float = 5.0, first_connect_timeout_s: float = 30.0,
                   reconnect_wait_s: float = 0.5, **options: Any) -> Client:
-    """Connect with logging callbacks; reconnects forever (a restarted nats-server is picked up)."""
+    """Connect with logging callbacks; once connected, reconnects forever (a restarted nats-server
+    is picked up). The first connection gives up after `first_connect_timeout_s` with a `BusError`:
+    nats-py would otherwise retry an unreachable server forever.
+    """
 
     async def error_cb(exc: Exception) -> None:
         log.warning("%s: NATS error: %s", name, exc)
@@ -56,11 +60,13 @@ async def connect(url: str, name: str, *, connect_timeout_s: float = 5.0,
         log.info("%s: NATS connection closed", name)
 
     try:
-        nc: Client = await nats.connect(
+        nc: Client = await asyncio.wait_for(nats.connect(
             servers=[url], name=name, connect_timeout=connect_timeout_s, reconnect_time_wait=reconnect_wait_s,
             max_reconnect_attempts=-1, allow_reconnect=True, error_cb=error_cb,
             disconnected_cb=disconnected_cb, reconnected_cb=reconnected_cb, closed_cb=closed_cb, **options,
-        )
+        ), timeout=first_connect_timeout_s)
+    except TimeoutError:
+        raise BusError(f"{name}: cannot connect to NATS at {url} within {first_connect_timeout_s:.0f} s") from None
     except Exception as exc:  # nats raises several unrelated types for "cannot connect"
         raise BusError(f"{name}: cannot connect to NATS at {url}: {exc}") from None
     return nc

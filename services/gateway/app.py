@@ -28,6 +28,7 @@ from nats.aio.client import Client
 from starlette.concurrency import run_in_threadpool
 from starlette.responses import Response, StreamingResponse
 
+from services.gateway import metrics as gateway_metrics
 from services.gateway.backend import Generation
 from services.gateway.errors import (
     AUTHENTICATION,
@@ -228,6 +229,7 @@ async def _generate(request: Request, gateway: Gateway, body: _GenerationRequest
         gateway.nc, request_id=request_id, model_id=gateway.card.model_id, prompt_ids=prompt_ids,
         sampling=body.sampling(max_tokens), stop=body.stop_strings(), tokenizer=gateway.tokenizer,
         submit_timeout_s=gateway.settings.submit_timeout_s, token_timeout_s=gateway.settings.request_timeout_s,
+        metrics=request.app.state.metrics,
     )
     shape = ResponseShape(request_id, int(time.time()), body.model or gateway.served_model, chat)
     headers = {"X-Request-Id": request_id}
@@ -284,6 +286,7 @@ def create_app(settings: GatewaySettings, card: ModelCard, nc: Client) -> FastAP
     app.state.gateway = Gateway(settings, card, card.tokenizer, nc,
                                 settings.served_model_name or card.model_id, int(time.time()))
     install_error_handlers(app)
+    gateway_metrics.install(app)
     app.include_router(probes)
     app.include_router(api)
     return app
@@ -311,6 +314,7 @@ async def serve(settings: GatewaySettings, *, stop: asyncio.Event | None = None)
                 handled.append(sig)
     try:
         app = create_app(settings, card, nc)
+        await app.state.metrics.subscribe(nc)
         config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level.lower(),
                                 lifespan="off", access_log=False, timeout_graceful_shutdown=5)
         server = _Server(config)

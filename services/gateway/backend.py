@@ -11,7 +11,7 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import nats.errors
 from nats.aio.client import Client
@@ -40,6 +40,9 @@ from shared.messages import (
 )
 from shared.model.params import StopStringMatcher
 from shared.model.tokenizer import IncrementalDetokenizer, Tokenizer
+
+if TYPE_CHECKING:
+    from services.gateway.metrics import GatewayMetrics
 
 log = logging.getLogger("aflex.gateway")
 
@@ -73,7 +76,7 @@ class Generation:
 
     def __init__(self, nc: Client, *, request_id: str, model_id: str, prompt_ids: list[int],
                  sampling: SamplingSpec, stop: tuple[str, ...], tokenizer: Tokenizer,
-                 submit_timeout_s: float, token_timeout_s: float) -> None:
+                 submit_timeout_s: float, token_timeout_s: float, metrics: GatewayMetrics | None = None) -> None:
         self.nc = nc
         self.request_id = request_id
         self.model_id = model_id
@@ -87,9 +90,13 @@ class Generation:
         self._sub: Subscription | None = None
         self._pending: dict[int, OutputDelta] = {}
         self._next_index = 0
+        self.metrics = metrics
+        self._submitted_at = 0.0  # monotonic; TTFT and e2e latency are measured from here
+        self._first_token_at: float | None = None
 
     async def submit(self) -> None:
         """Subscribe to the outputs, then submit; raise `APIError` when the scheduler does not take it."""
+        self._submitted_at = time.monotonic()
         self._sub = await self.nc.subscribe(subjects.req_out(self.request_id))
         submission = SubmitRequest(request_id=self.request_id, model=self.model_id, prompt_ids=self.prompt_ids,
                                    sampling=self.sampling, arrival_ts=time.time())
@@ -119,6 +126,8 @@ class Generation:
         n_tokens = 0
         while True:
             delta = await self._next_delta()
+            if self._first_token_at is None and delta.token_ids:
+                self._first_token_at = time.monotonic()
             if delta.error is not None:
                 self.finished = True
                 raise from_error_body(delta.error)
@@ -129,7 +138,9 @@ class Generation:
                 pieces.append(text)
                 if hit:  # tokens after the stop string in this delta are dropped, as is everything later
                     await self.cancel("stop_string")
-                    yield TextEvent("".join(pieces), "stop", usage_dict(len(self.prompt_ids), n_tokens))
+                    usage = usage_dict(len(self.prompt_ids), n_tokens)
+                    self._record(usage)
+                    yield TextEvent("".join(pieces), "stop", usage)
                     return
             if delta.finish_reason is None:
                 if any(pieces):
@@ -140,9 +151,18 @@ class Generation:
                 raise APIError(500, "the request failed in the mesh", type=SERVER_ERROR)
             text, hit = matcher.feed(detok.flush())
             pieces.append(text if hit else text + matcher.flush())
-            yield TextEvent("".join(pieces), "stop" if hit else delta.finish_reason,
-                            self._final_usage(delta.usage, n_tokens))
+            usage = self._final_usage(delta.usage, n_tokens)
+            self._record(usage)
+            yield TextEvent("".join(pieces), "stop" if hit else delta.finish_reason, usage)
             return
+
+    def _record(self, usage: dict[str, Any]) -> None:
+        if self.metrics is not None:
+            ttft = None if self._first_token_at is None else self._first_token_at - self._submitted_at
+            self.metrics.request_finished(ttft_s=ttft, e2e_s=time.monotonic() - self._submitted_at,
+                                          prompt_tokens=usage["prompt_tokens"],
+                                          completion_tokens=usage["completion_tokens"],
+                                          energy_j=usage.get("energy_j"))
 
     def _final_usage(self, usage: Usage | None, n_tokens: int) -> dict[str, Any]:
         if usage is None:

@@ -1,0 +1,199 @@
+"""The gateway's Prometheus metrics: `GET /metrics` in the text exposition format (not behind the API key).
+
+Request metrics are measured at the gateway: a pure ASGI middleware counts every response by endpoint
+(route template, so ids never become labels) and HTTP status; `Generation` reports each finished
+request's TTFT (submission to first token), TPOT ((e2e − TTFT) / (tokens − 1)), e2e latency, token counts
+and the energy the workers spent on it (`Usage.energy_j`).
+
+Cluster metrics come from telemetry: the gateway subscribes to `aflex.v1.telemetry.>` and a collector
+exports each worker's latest reading at scrape time. A worker silent for `STALE_AFTER_S` drops out of the
+export, so a dead worker does not report its last clock and power forever.
+
+Each app has its own `CollectorRegistry`: several gateways (tests) in one process do not share counts.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterator
+from typing import Any
+
+from fastapi import FastAPI
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+from starlette.responses import Response
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from shared import subjects
+from shared.messages import ProtocolError, SchedulerTelemetry, WorkerTelemetry, decode
+
+log = logging.getLogger("aflex.gateway")
+
+STALE_AFTER_S = 30.0  # a worker or scheduler silent this long is no longer exported
+NOT_COUNTED = frozenset({"/metrics"})  # scrapes do not count as requests
+
+TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+                10.0, 20.0, 40.0, 80.0)
+TPOT_BUCKETS = (0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.12, 0.15, 0.2, 0.3, 0.4, 0.5,
+                0.75, 1.0, 2.5)
+E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 60.0, 120.0, 300.0, 600.0)
+
+
+class TelemetryCollector(Collector):
+    """The latest telemetry of every worker and scheduler, exported as gauges when scraped."""
+
+    def __init__(self, stale_after_s: float = STALE_AFTER_S) -> None:
+        self.stale_after_s = stale_after_s
+        self.workers: dict[str, tuple[float, WorkerTelemetry]] = {}  # worker id -> (received, latest)
+        self.schedulers: dict[str, tuple[float, SchedulerTelemetry]] = {}
+
+    def update(self, subject: str, data: bytes) -> None:
+        """Record one telemetry message; an invalid one is logged and dropped."""
+        now = time.monotonic()
+        try:
+            if subject.startswith(f"{subjects.PREFIX}.telemetry.scheduler."):
+                sched = decode(SchedulerTelemetry, data)
+                self.schedulers[sched.scheduler_id] = (now, sched)
+            else:
+                worker = decode(WorkerTelemetry, data)
+                self.workers[worker.worker_id] = (now, worker)
+        except ProtocolError as exc:
+            log.debug("dropping telemetry on %s: %s", subject, exc)
+
+    def _fresh(self, items: dict[str, tuple[float, Any]]) -> list[Any]:
+        cutoff = time.monotonic() - self.stale_after_s
+        for key in [k for k, (seen, _) in items.items() if seen < cutoff]:
+            del items[key]
+        return [msg for _, msg in items.values()]
+
+    def collect(self) -> Iterator[Metric]:
+        workers: list[WorkerTelemetry] = sorted(self._fresh(self.workers), key=lambda w: w.worker_id)
+        labels = ["worker", "role"]
+        clock = GaugeMetricFamily("aflex_gpu_clock_mhz", "Current SM clock of the worker's GPU (MHz)",
+                                  labels=labels)
+        target = GaugeMetricFamily("aflex_gpu_target_clock_mhz", "SM clock the worker was asked to run (MHz)",
+                                   labels=labels)
+        power = GaugeMetricFamily("aflex_gpu_power_watts", "Power draw of the worker's GPU (W)", labels=labels)
+        energy = GaugeMetricFamily("aflex_gpu_energy_joules",
+                                   "Energy the worker's GPU used since the worker started (J, monotonic)",
+                                   labels=labels)
+        util = GaugeMetricFamily("aflex_worker_utilization", "Busy fraction of the last telemetry period (0..1)",
+                                 labels=labels)
+        kv_used = GaugeMetricFamily("aflex_kv_blocks_used", "KV-cache blocks in use", labels=["worker"])
+        for w in workers:
+            values = [w.worker_id, w.role]
+            clock.add_metric(values, w.clock_mhz)
+            if w.target_clock_mhz is not None:
+                target.add_metric(values, w.target_clock_mhz)
+            power.add_metric(values, w.power_w)
+            energy.add_metric(values, w.energy_j)
+            util.add_metric(values, w.utilization)
+            if w.role == "attention" or w.kv_blocks_total:
+                kv_used.add_metric([w.worker_id], w.kv_blocks_used)
+        yield from (clock, target, power, energy, util, kv_used)
+
+        queue = GaugeMetricFamily("aflex_scheduler_queue_depth", "Requests waiting at the scheduler")
+        running = GaugeMetricFamily("aflex_scheduler_running", "Sequences the scheduler is running")
+        slo = GaugeMetricFamily("aflex_slo_attainment",
+                                "Fraction of recent requests within their TTFT and TPOT SLOs (0..1)")
+        schedulers: list[SchedulerTelemetry] = self._fresh(self.schedulers)
+        if schedulers:
+            latest = max(schedulers, key=lambda s: s.ts)
+            queue.add_metric([], latest.queue_depth)
+            running.add_metric([], latest.running)
+            if latest.slo_attainment is not None:
+                slo.add_metric([], latest.slo_attainment)
+        yield from (queue, running, slo)
+
+
+class GatewayMetrics:
+    """Every metric of one gateway, in its own registry."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("aflex_requests", "HTTP requests by endpoint and status", ["endpoint", "status"],
+                                registry=r)
+        self.prompt_tokens = Counter("aflex_prompt_tokens", "Prompt tokens of finished requests", registry=r)
+        self.generation_tokens = Counter("aflex_generation_tokens", "Tokens generated for finished requests",
+                                         registry=r)
+        self.energy = Counter("aflex_request_energy_joules",
+                              "Energy the workers spent on finished requests (J, from usage.energy_j)", registry=r)
+        self.ttft = Histogram("aflex_time_to_first_token_seconds", "Time to first token, measured at the gateway",
+                              buckets=TTFT_BUCKETS, registry=r)
+        self.tpot = Histogram("aflex_time_per_output_token_seconds",
+                              "Time per output token after the first, measured at the gateway",
+                              buckets=TPOT_BUCKETS, registry=r)
+        self.e2e = Histogram("aflex_e2e_request_latency_seconds", "Request latency, submission to last token",
+                             buckets=E2E_BUCKETS, registry=r)
+        self.telemetry = TelemetryCollector()
+        r.register(self.telemetry)
+
+    # -- requests ---------------------------------------------------------------------------------
+
+    def request_finished(self, *, ttft_s: float | None, e2e_s: float, prompt_tokens: int,
+                         completion_tokens: int, energy_j: float | None) -> None:
+        """One request that ended with a finish reason (stop, length, stop string)."""
+        self.prompt_tokens.inc(prompt_tokens)
+        self.generation_tokens.inc(completion_tokens)
+        if energy_j is not None and energy_j >= 0:
+            self.energy.inc(energy_j)
+        self.e2e.observe(e2e_s)
+        if ttft_s is not None:
+            self.ttft.observe(ttft_s)
+            if completion_tokens > 1:
+                self.tpot.observe(max(0.0, e2e_s - ttft_s) / (completion_tokens - 1))
+
+    # -- telemetry --------------------------------------------------------------------------------
+
+    async def subscribe(self, nc: Client) -> None:
+        async def on_message(msg: Msg) -> None:
+            self.telemetry.update(msg.subject, msg.data)
+
+        await nc.subscribe(subjects.TELEMETRY_ALL, cb=on_message)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class RequestCounter:
+    """ASGI middleware: counts every HTTP response by route template and status (500 when one escapes)."""
+
+    def __init__(self, app: ASGIApp, metrics: GatewayMetrics) -> None:
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] in NOT_COUNTED:
+            await self.app(scope, receive, send)
+            return
+        status: list[int] = []
+
+        async def send_and_record(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                status.append(int(message["status"]))
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_and_record)
+        finally:
+            route = scope.get("route")  # set by the router on the scope it shares with us
+            endpoint = getattr(route, "path", None) or "other"
+            self.metrics.requests.labels(endpoint=endpoint, status=str(status[0] if status else 500)).inc()
+
+
+def install(app: FastAPI) -> GatewayMetrics:
+    """Give `app` its metrics: the request-counting middleware and `GET /metrics` (no API key)."""
+    metrics = GatewayMetrics()
+    app.state.metrics = metrics
+    app.add_middleware(RequestCounter, metrics=metrics)
+
+    @app.get("/metrics", include_in_schema=False)
+    async def prometheus_metrics() -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    return metrics
