@@ -191,6 +191,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("top", help="live view of the mesh's telemetry: clocks, power, energy per token")
     add_top_arguments(p)
     p.set_defaults(func=top)
+    from loadgen.cli import add_bench_arguments, bench
+
+    p = sub.add_parser("bench", help="replay a trace or synthetic load against an OpenAI-compatible server")
+    add_bench_arguments(p)
+    p.set_defaults(func=bench)
     return parser
 
 

@@ -1,0 +1,5 @@
+"""`python -m loadgen --help`."""
+
+from loadgen.cli import main
+
+raise SystemExit(main())
