@@ -6,6 +6,10 @@ answers or the registration timeout passes. Heartbeats are sent as requests: NAT
 nobody subscribes to with "no responders" at once, which is how a worker notices that the
 scheduler is gone (restarted) and registers again. A scheduler may reply to a heartbeat with a
 `RegisterReply(ok=False)` to ask an unknown worker to register again; it need not reply at all.
+
+Each worker also holds one GPU (`WorkerGPU`): the backend from the settings, a DVFS controller fed
+by the scheduler's `FrequencyCommand`s on `freq.<wid>`, a meter of its work, and a telemetry task
+publishing `WorkerTelemetry` on `telemetry.<role>.<wid>`. The clock is reset when the worker exits.
 """
 
 from __future__ import annotations
@@ -20,16 +24,22 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Literal
 
 from nats.aio.client import Client
+from nats.aio.msg import Msg
 
 from shared import bus, subjects
 from shared.errors import AFlexError
-from shared.messages import Heartbeat, ProtocolError, Register, RegisterReply, decode, encode
+from shared.gpu.controller import DVFSController
+from shared.gpu.telemetry import WorkerMeter, publish_loop
+from shared.messages import FrequencyCommand, Heartbeat, ProtocolError, Register, RegisterReply, decode, encode
 
 if TYPE_CHECKING:
     import torch
+    from nats.aio.subscription import Subscription
     from torch import nn
 
+    from shared.gpu.base import GPU
     from shared.model.checkpoint import Checkpoint
+    from shared.settings import WorkerSettings
 
 log = logging.getLogger("aflex.worker")
 
@@ -99,10 +109,87 @@ async def wait_stop(stop: asyncio.Event, timeout_s: float) -> bool:
 
 
 def registration(worker_id: str, role: Literal["attention", "ffn"], model_id: str, n_layers: int, *,
-                 kv_total_blocks: int = 0, block_size: int = 0, max_seq_len: int = 0) -> Register:
+                 kv_total_blocks: int = 0, block_size: int = 0, max_seq_len: int = 0,
+                 gpu: GPU | None = None) -> Register:
     return Register(worker_id=worker_id, role=role, model_id=model_id, n_layers=n_layers,
                     kv_total_blocks=kv_total_blocks, block_size=block_size, max_seq_len=max_seq_len,
-                    pid=os.getpid(), started_ts=time.time())
+                    pid=os.getpid(), started_ts=time.time(),
+                    gpu_backend=gpu.backend if gpu is not None else "",
+                    gpu_name=gpu.name if gpu is not None else "",
+                    supported_clocks_mhz=list(gpu.supported_sm_clocks_mhz()) if gpu is not None else [])
+
+
+def clock_phase(phase: str) -> Literal["prefill", "decode"]:
+    """The clock phase of a microbatch phase: "decode" stays, "prefill" and "mixed" run prefill clocks."""
+    return "decode" if phase == "decode" else "prefill"
+
+
+class WorkerGPU:
+    """A worker's GPU, its DVFS controller, its meter and its telemetry publisher.
+
+    `gpu` may be given (tests pass a fake or an emulated GPU); otherwise `select_gpu` builds it from
+    the settings when the worker starts, and `stop` closes it. `stop` always resets the clock.
+    """
+
+    def __init__(self, settings: WorkerSettings, worker_id: str, role: Literal["attention", "ffn"],
+                 gpu: GPU | None = None) -> None:
+        self.settings, self.worker_id, self.role = settings, worker_id, role
+        self._owns_gpu = gpu is None
+        self.gpu: GPU = gpu if gpu is not None else self._select()
+        self.controller = DVFSController(self.gpu, default_clock_mhz=settings.default_clock_mhz,
+                                         hysteresis_mhz=settings.hysteresis_mhz, min_hold_s=settings.min_hold_s)
+        self.meter = WorkerMeter(worker_id, role)
+        self.commands_ignored = 0
+        self._sub: Subscription | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._stop = asyncio.Event()
+
+    def _select(self) -> GPU:
+        from shared.gpu.select import select_gpu
+
+        s = self.settings
+        return select_gpu(s.gpu_backend, s.gpu_profile, s.gpu_pace)
+
+    async def start(self, nc: Client) -> None:
+        """Follow `freq.<wid>` commands and start publishing telemetry."""
+        self.controller.poll()  # the default clock from the start
+        self._stop.clear()
+        self._sub = await nc.subscribe(subjects.freq(self.worker_id), cb=self._on_command)
+        self._task = asyncio.create_task(
+            publish_loop(nc, subjects.telemetry(self.role, self.worker_id), self.meter, self.gpu, self.controller,
+                         self.settings.telemetry_hz, self._stop), name=f"telemetry-{self.worker_id}")
+
+    async def _on_command(self, msg: Msg) -> None:
+        try:
+            cmd = decode(FrequencyCommand, msg.data)
+        except ProtocolError as exc:
+            self.commands_ignored += 1
+            log.warning("%s: ignored a malformed frequency command: %s", self.worker_id, exc)
+            return
+        if cmd.worker_id != self.worker_id:
+            self.commands_ignored += 1
+            log.warning("%s: ignored a frequency command for worker %s", self.worker_id, cmd.worker_id)
+            return
+        clocks = self.controller.apply_command(cmd)
+        log.debug("%s: frequency command %s until %.3f (%s)", self.worker_id, clocks, cmd.valid_until_ts,
+                  cmd.reason)
+
+    async def stop(self) -> None:
+        """Stop telemetry and commands, reset the clock, close the GPU if this worker opened it."""
+        self._stop.set()
+        try:
+            if self._task is not None:
+                await asyncio.gather(self._task, return_exceptions=True)
+                self._task = None
+            if self._sub is not None:
+                with contextlib.suppress(Exception):  # connection already gone
+                    await self._sub.unsubscribe()
+                self._sub = None
+        finally:
+            self.controller.reset()
+            if self._owns_gpu:
+                with contextlib.suppress(Exception):
+                    self.gpu.close()
 
 
 class Presence:

@@ -25,6 +25,7 @@ from nats.aio.msg import Msg
 from services.attention_worker import AttentionWorker
 from services.ffn_worker import FFNWorker
 from shared import bus, subjects, wire
+from shared.gpu.base import GPU
 from shared.messages import (
     MicrobatchDescriptor,
     MicrobatchDone,
@@ -81,14 +82,18 @@ class Mesh:
 
 
 @contextlib.asynccontextmanager
-async def mesh(nats_url: str, checkpoint: Path, *, num_kv_blocks: int = 64, block_size: int = 4
-               ) -> AsyncIterator[Mesh]:
+async def mesh(nats_url: str, checkpoint: Path, *, num_kv_blocks: int = 64, block_size: int = 4,
+               worker_settings: dict[str, Any] | None = None, attention_gpu: GPU | None = None,
+               ffn_gpu: GPU | None = None) -> AsyncIterator[Mesh]:
+    """Both workers on `nats_url`; `worker_settings` go to both (e.g. telemetry_hz), GPUs are injected."""
     suffix = uuid.uuid4().hex[:8]
+    extra: dict[str, Any] = {"gpu_backend": "emulated", **(worker_settings or {})}
     attention = AttentionWorker(AttentionWorkerSettings(
         nats_url=nats_url, worker_id=f"attn-{suffix}", model=str(checkpoint), num_kv_blocks=num_kv_blocks,
-        block_size=block_size, heartbeat_period_s=0.2, register_timeout_s=10), ffn_reply_timeout_s=5)
+        block_size=block_size, heartbeat_period_s=0.2, register_timeout_s=10, **extra), ffn_reply_timeout_s=5,
+        gpu=attention_gpu)
     ffn = FFNWorker(FFNWorkerSettings(nats_url=nats_url, worker_id=f"ffn-{suffix}", model=str(checkpoint),
-                                      heartbeat_period_s=0.2, register_timeout_s=10))
+                                      heartbeat_period_s=0.2, register_timeout_s=10, **extra), gpu=ffn_gpu)
     nc = await bus.connect(nats_url, name="test-scheduler")
     state = Mesh(nc, attention, ffn)
     registered = {attention.worker_id: asyncio.Event(), ffn.worker_id: asyncio.Event()}

@@ -6,6 +6,13 @@ as its own asyncio task: it computes inline on the event loop and awaits the FFN
 layer, and those awaits are where microbatches interleave (the A/F ping-pong pipeline: while the
 FFN works on one microbatch's layer l, this worker computes another's attention).
 
+Before each compute section (a layer's attention, the lm_head) the worker asks its DVFS controller
+for the clock of the microbatch's phase ("decode" runs decode clocks, "prefill" and "mixed" prefill
+clocks); every operator call is accounted on the GPU (`GPU.run`: modelled time, and with the
+emulated backend's pace a sleep), and the GPU's energy over those sections is the microbatch's
+attention energy. The seam frames carry the phase to the FFN worker, whose replies carry the energy
+of their share of each FFN forward; `MicrobatchDone` reports both.
+
 Every descriptor gets exactly one `MicrobatchDone` on `sched.done`, whatever happens: sequences
 that cannot run are listed in `failed_seq_ids` and the rest still run; an exception fails the
 whole microbatch (all its sequences) but never the worker.
@@ -26,9 +33,19 @@ from nats.aio.msg import Msg
 from torch import Tensor
 
 from services.attention_worker.sequences import Admitted, SequenceRefused, SequenceTable
-from services.worker_common import Presence, eos_token_ids, load_half, registration, stop_on_signals
+from services.worker_common import (
+    Presence,
+    WorkerGPU,
+    clock_phase,
+    eos_token_ids,
+    load_half,
+    registration,
+    stop_on_signals,
+)
 from shared import bus, subjects, wire
 from shared.errors import AFlexError
+from shared.gpu.base import GPU
+from shared.gpu.workload import attention_work, lm_head_work
 from shared.messages import (
     ErrorBody,
     Heartbeat,
@@ -48,6 +65,9 @@ log = logging.getLogger("aflex.attention_worker")
 
 FFN_REPLY_TIMEOUT_S = 60.0  # one layer's FFN round trip; beyond it the microbatch fails
 SHUTDOWN_GRACE_S = 10.0  # how long a stopping worker lets in-flight microbatches finish
+
+
+_DONE_FIELDS = frozenset(MicrobatchDone.model_fields)  # energy fields are filled where the schema has them
 
 
 class FFNReplyError(AFlexError):
@@ -74,8 +94,8 @@ class _Failures:
 
 
 class AttentionWorker:
-    def __init__(self, settings: AttentionWorkerSettings, *, ffn_reply_timeout_s: float = FFN_REPLY_TIMEOUT_S
-                 ) -> None:
+    def __init__(self, settings: AttentionWorkerSettings, *, ffn_reply_timeout_s: float = FFN_REPLY_TIMEOUT_S,
+                 gpu: GPU | None = None) -> None:
         self.settings = settings
         self.worker_id = subjects.check_token(settings.worker_id)
         self.subject = subjects.attn_mb(self.worker_id)
@@ -90,8 +110,10 @@ class AttentionWorker:
         self._busy: set[str] = set()  # sequences in an in-flight microbatch
         self._release_later: set[str] = set()  # released while busy: freed when their microbatch ends
         self._active_mbs: set[str] = set()
-        self._replies: dict[tuple[str, int], asyncio.Future[Tensor]] = {}
+        self._replies: dict[tuple[str, int], asyncio.Future[tuple[Tensor, float]]] = {}
         self._assembler = wire.FrameAssembler()
+        self._gpu_arg = gpu  # None: the backend the settings select, built when the worker starts
+        self.gpu: WorkerGPU | None = None
 
     # -- lifecycle ------------------------------------------------------------------------------
 
@@ -117,14 +139,19 @@ class AttentionWorker:
             self.nc = nc = await bus.connect(self.settings.nats_url, name=f"aflex-attention-{self.worker_id}")
             heartbeat_task: asyncio.Task[None] | None = None
             sub = None
+            gpu: WorkerGPU | None = None
             try:
+                self.gpu = gpu = WorkerGPU(self.settings, self.worker_id, "attention", self._gpu_arg)
+                gpu.meter.kv(0, self.sequences.total_blocks)
+                await gpu.start(nc)
                 sub = await nc.subscribe(self.subject, cb=self._on_message)
                 self._accepting = True
                 args = self.model.args
                 presence = Presence(
                     nc, registration(self.worker_id, "attention", self.model_id, args.n_layers,
                                      kv_total_blocks=self.sequences.total_blocks,
-                                     block_size=self.settings.block_size, max_seq_len=args.max_seq_len),
+                                     block_size=self.settings.block_size, max_seq_len=args.max_seq_len,
+                                     gpu=gpu.gpu),
                     self._heartbeat, period_s=self.settings.heartbeat_period_s,
                     register_timeout_s=self.settings.register_timeout_s)
                 if await presence.register(stop) is not None:
@@ -142,6 +169,8 @@ class AttentionWorker:
                         await sub.unsubscribe()
                     except Exception as exc:  # connection already gone
                         log.debug("unsubscribe failed: %s", exc)
+                if gpu is not None:
+                    await gpu.stop()  # resets the clock
                 await bus.close(nc)
                 log.info("attention worker %s stopped", self.worker_id)
 
@@ -217,7 +246,8 @@ class AttentionWorker:
             future.set_exception(FFNReplyError(f"FFN worker {header.get('worker_id')} failed layer "
                                                f"{key[1]} of microbatch {key[0]}: {header['error']}"))
         else:
-            future.set_result(tensor)
+            energy = header.get("energy_j")
+            future.set_result((tensor, float(energy) if isinstance(energy, int | float) else 0.0))
 
     # -- one microbatch -------------------------------------------------------------------------
 
@@ -235,7 +265,7 @@ class AttentionWorker:
         failures = _Failures()
         admitted: list[Admitted] = []
         results: list[SeqResult] = []
-        timing = {"attention_s": 0.0, "ffn_wait_s": 0.0}
+        timing = {"attention_s": 0.0, "ffn_wait_s": 0.0, "attention_energy_j": 0.0, "ffn_energy_j": 0.0}
         claimed: list[str] = []
         owns_mb_id = False
         try:
@@ -248,6 +278,8 @@ class AttentionWorker:
                 subjects.check_token(desc.ffn_worker)
             self._active_mbs.add(desc.mb_id)
             owns_mb_id = True
+            if self.gpu is not None:
+                self.gpu.meter.queue_depth = len(self._active_mbs)
             for work in desc.seqs:
                 if work.seq_id in self._busy:
                     failures.add(work.seq_id, "server_error", "sequence_busy",
@@ -275,6 +307,12 @@ class AttentionWorker:
         finally:
             if owns_mb_id:
                 self._active_mbs.discard(desc.mb_id)
+                if self.gpu is not None:
+                    meter = self.gpu.meter
+                    meter.queue_depth = len(self._active_mbs)
+                    meter.kv(self.sequences.total_blocks - self.sequences.free_blocks, self.sequences.total_blocks)
+                    if results:
+                        meter.done(sum(len(a.work.token_ids) for a in admitted))
             for seq_id in claimed:
                 self._busy.discard(seq_id)
             later = [s for s in claimed if s in self._release_later]
@@ -310,7 +348,9 @@ class AttentionWorker:
     def _finish(self, desc: MicrobatchDescriptor, results: list[SeqResult], failures: _Failures,
                 timing: dict[str, float], started: float) -> MicrobatchDone:
         done = self._done(desc.mb_id, results, failures.seq_ids, failures.body())
-        return done.model_copy(update={**timing, "total_s": time.perf_counter() - started})
+        update = {**timing, "total_s": time.perf_counter() - started,
+                  "energy_j": timing["attention_energy_j"] + timing["ffn_energy_j"]}
+        return done.model_copy(update={k: v for k, v in update.items() if k in _DONE_FIELDS})
 
     def _done(self, mb_id: str, results: list[SeqResult], failed: list[str], error: ErrorBody | None
               ) -> MicrobatchDone:
@@ -328,10 +368,17 @@ class AttentionWorker:
 
     async def _compute(self, desc: MicrobatchDescriptor, admitted: list[Admitted], timing: dict[str, float]
                        ) -> list[int]:
-        """Embed, every layer's attention with an FFN round trip, then logits and sampling."""
-        model, kv = self.model, self.kv
-        assert model is not None and kv is not None
+        """Embed, every layer's attention with an FFN round trip, then logits and sampling.
+
+        Each attention layer and the lm_head run at the phase's clock and are accounted on the GPU
+        (modelled time, energy); the FFN replies bring the energy of their share of each forward.
+        """
+        model, kv, worker_gpu = self.model, self.kv, self.gpu
+        assert model is not None and kv is not None and worker_gpu is not None
+        gpu, controller, meter = worker_gpu.gpu, worker_gpu.controller, worker_gpu.meter
+        phase = clock_phase(desc.phase)
         device = model.embed_tokens.weight.device
+        dtype_bytes = model.embed_tokens.weight.element_size()
         t = time.perf_counter()
         with torch.inference_mode():
             meta = AttentionMeta.build([a.seq_pass for a in admitted], device)
@@ -339,20 +386,28 @@ class AttentionWorker:
             rope = model.rope(meta.positions)
             residual = model.embed(token_ids)
         timing["attention_s"] += time.perf_counter() - t
+        layer_work = attention_work(model.args, meta.n_tokens, [a.end for a in admitted], dtype_bytes=dtype_bytes)
         ffn_out: Tensor | None = None
         for layer in range(model.args.n_layers):
+            controller.before_microbatch(phase)
+            energy0 = gpu.total_energy_j()
             t = time.perf_counter()
             with torch.inference_mode():
                 residual, ffn_in = model.attend(layer, residual, ffn_out, rope, meta, kv)
             attend_s = time.perf_counter() - t
+            meter.op(phase, attend_s, gpu.run(layer_work, attend_s))
+            timing["attention_energy_j"] += gpu.total_energy_j() - energy0
             t = time.perf_counter()
-            ffn_out = await self._ffn_round_trip(desc, layer, ffn_in)
+            ffn_out, ffn_energy = await self._ffn_round_trip(desc, layer, ffn_in)
             wait_s = time.perf_counter() - t
             timing["attention_s"] += attend_s
             timing["ffn_wait_s"] += wait_s
+            timing["ffn_energy_j"] += ffn_energy
             log.debug("mb %s layer %d: attention %.2f ms, ffn wait %.2f ms (%d rows)",
                       desc.mb_id, layer, attend_s * 1e3, wait_s * 1e3, meta.n_tokens)
         assert ffn_out is not None
+        controller.before_microbatch(phase)
+        energy0 = gpu.total_energy_j()
         t = time.perf_counter()
         with torch.inference_mode():
             samplers = [a.state.sampler for a in admitted if a.work.sample]
@@ -360,22 +415,29 @@ class AttentionWorker:
             if samplers:
                 logits = model.logits(residual, ffn_out, meta.logits_rows)
                 tokens = sample_next_tokens(logits, samplers)
-        timing["attention_s"] += time.perf_counter() - t
+        logits_s = time.perf_counter() - t
+        if samplers:
+            meter.busy(logits_s, gpu.run(lm_head_work(model.args, len(samplers), dtype_bytes=dtype_bytes), logits_s))
+        timing["attention_energy_j"] += gpu.total_energy_j() - energy0
+        timing["attention_s"] += logits_s
         return tokens
 
-    async def _ffn_round_trip(self, desc: MicrobatchDescriptor, layer: int, ffn_in: Tensor) -> Tensor:
-        """Send layer `layer`'s ffn_in to the FFN worker and await its ffn_out (keyed by mb_id and layer)."""
+    async def _ffn_round_trip(self, desc: MicrobatchDescriptor, layer: int, ffn_in: Tensor
+                              ) -> tuple[Tensor, float]:
+        """Send layer `layer`'s ffn_in to the FFN worker and await its ffn_out (keyed by mb_id and layer)
+        and the energy of its share of the FFN forward."""
         assert self.nc is not None
         key = (desc.mb_id, layer)
-        future: asyncio.Future[Tensor] = asyncio.get_running_loop().create_future()
+        future: asyncio.Future[tuple[Tensor, float]] = asyncio.get_running_loop().create_future()
         self._replies[key] = future
         try:
             header: dict[str, Any] = {"mb_id": desc.mb_id, "layer": layer, "direction": "to_ffn",
-                                      "reply_to": self.subject, "worker_id": self.worker_id}
+                                      "reply_to": self.subject, "worker_id": self.worker_id,
+                                      "phase": clock_phase(desc.phase)}
             for frame in wire.encode_frames(header, ffn_in, self.nc.max_payload):
                 await self.nc.publish(subjects.ffn_mb(desc.ffn_worker), frame)
             try:
-                out = await asyncio.wait_for(future, self.ffn_reply_timeout_s)
+                out, energy_j = await asyncio.wait_for(future, self.ffn_reply_timeout_s)
             except TimeoutError:
                 raise FFNReplyError(f"FFN worker {desc.ffn_worker} did not answer layer {layer} of microbatch "
                                     f"{desc.mb_id} within {self.ffn_reply_timeout_s:.0f} s") from None
@@ -384,7 +446,7 @@ class AttentionWorker:
         if tuple(out.shape) != tuple(ffn_in.shape):
             raise FFNReplyError(f"FFN worker {desc.ffn_worker} returned shape {list(out.shape)} for layer {layer} "
                                 f"of microbatch {desc.mb_id}, expected {list(ffn_in.shape)}")
-        return out.to(device=ffn_in.device, dtype=ffn_in.dtype)
+        return out.to(device=ffn_in.device, dtype=ffn_in.dtype), energy_j
 
 
 async def run(settings: AttentionWorkerSettings, *, stop: asyncio.Event | None = None) -> None:

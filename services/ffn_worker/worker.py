@@ -7,6 +7,12 @@ several attention workers) in flight, one bigger GEMM replaces several small one
 an FFN worker's throughput comes from. The output is split back by row counts and each part goes
 to its frame's `reply_to` with direction "to_attention", the same mb_id and layer.
 
+Before each forward the worker asks its DVFS controller for the clock of the batch's phase (the
+frames' header field `phase`; a batch with any prefill frame runs the prefill clock, a frame without
+the field counts as decode). The forward is accounted on the GPU (`GPU.run`: modelled time), and the
+GPU's energy over it is shared among the merged frames by rows: each reply's header carries its
+share as `energy_j`.
+
 A frame that cannot be served (bad layer, bad shape, a failing forward) is answered with an
 error frame (header `error`, empty tensor) when it says where to reply, and dropped otherwise.
 """
@@ -25,9 +31,11 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 from torch import Tensor
 
-from services.worker_common import Presence, load_half, registration, stop_on_signals
+from services.worker_common import Presence, WorkerGPU, clock_phase, load_half, registration, stop_on_signals
 from shared import bus, subjects, wire
 from shared.errors import AFlexError
+from shared.gpu.base import GPU
+from shared.gpu.workload import ffn_work
 from shared.messages import Heartbeat
 from shared.model.ffn import FFNHalf
 from shared.settings import FFNWorkerSettings
@@ -47,10 +55,11 @@ class _Work:
     layer: int
     reply_to: str
     hidden: Tensor  # [T, D] ffn_in as it arrived
+    phase: str = "decode"  # the clock phase of the frame's microbatch
 
 
 class FFNWorker:
-    def __init__(self, settings: FFNWorkerSettings) -> None:
+    def __init__(self, settings: FFNWorkerSettings, *, gpu: GPU | None = None) -> None:
         self.settings = settings
         self.worker_id = subjects.check_token(settings.worker_id)
         self.subject = subjects.ffn_mb(self.worker_id)
@@ -63,6 +72,8 @@ class FFNWorker:
         self._assembler = wire.FrameAssembler()
         self.forwards = 0  # FFN forward calls made
         self.frames_served = 0  # frames answered with a result (> forwards when merging)
+        self._gpu_arg = gpu  # None: the backend the settings select, built when the worker starts
+        self.gpu: WorkerGPU | None = None
 
     # -- lifecycle ------------------------------------------------------------------------------
 
@@ -81,12 +92,15 @@ class FFNWorker:
             assert self.model is not None
             self.nc = nc = await bus.connect(self.settings.nats_url, name=f"aflex-ffn-{self.worker_id}")
             self._closing = False
+            self.gpu = gpu = WorkerGPU(self.settings, self.worker_id, "ffn", self._gpu_arg)
             loop_task = asyncio.create_task(self._serve_loop(), name=f"ffn-{self.worker_id}")
             heartbeat_task: asyncio.Task[None] | None = None
             sub = None
             try:
+                await gpu.start(nc)
                 sub = await nc.subscribe(self.subject, cb=self._on_message)
-                presence = Presence(nc, registration(self.worker_id, "ffn", self.model_id, self.model.args.n_layers),
+                presence = Presence(nc, registration(self.worker_id, "ffn", self.model_id, self.model.args.n_layers,
+                                                     gpu=gpu.gpu),
                                     self._heartbeat, period_s=self.settings.heartbeat_period_s,
                                     register_timeout_s=self.settings.register_timeout_s)
                 if await presence.register(stop) is not None:
@@ -106,6 +120,7 @@ class FFNWorker:
                 self._closing = True
                 self._wakeup.set()
                 await asyncio.gather(loop_task, return_exceptions=True)
+                await gpu.stop()  # resets the clock
                 await bus.close(nc)
                 log.info("ffn worker %s stopped", self.worker_id)
 
@@ -141,7 +156,7 @@ class FFNWorker:
             raise SeamFrameError(f"layer {layer!r} is not in [0, {n_layers})")
         if tensor.dim() != 2 or tensor.shape[1] != self.model.args.dim:
             raise SeamFrameError(f"ffn_in must be [tokens, {self.model.args.dim}], got {list(tensor.shape)}")
-        return _Work(mb_id, layer, reply_to, tensor)
+        return _Work(mb_id, layer, reply_to, tensor, clock_phase(header.get("phase", "decode")))
 
     # -- serving --------------------------------------------------------------------------------
 
@@ -157,17 +172,33 @@ class FFNWorker:
             self._queue = rest
         return batch
 
-    def _forward(self, batch: list[_Work]) -> list[Tensor]:
-        """One FFN forward over the stacked rows of `batch`; the outputs split back per frame."""
-        model = self.model
-        assert model is not None
+    def _forward(self, batch: list[_Work]) -> tuple[list[Tensor], list[float]]:
+        """One FFN forward over the stacked rows of `batch` at the batch's phase clock; the outputs
+        split back per frame, with each frame's share (by rows) of the forward's GPU energy."""
+        model, worker_gpu = self.model, self.gpu
+        assert model is not None and worker_gpu is not None
+        gpu = worker_gpu.gpu
+        phase = "prefill" if any(w.phase == "prefill" for w in batch) else "decode"
         weight = next(model.parameters())
         rows = [w.hidden.shape[0] for w in batch]
         x = batch[0].hidden if len(batch) == 1 else torch.cat([w.hidden for w in batch])
+        worker_gpu.controller.before_microbatch(phase)
+        energy0 = gpu.total_energy_j()
+        started = time.perf_counter()
         with torch.inference_mode():
             out = model(batch[0].layer, x.to(device=weight.device, dtype=weight.dtype))
+        measured_s = time.perf_counter() - started
+        total_rows = sum(rows)
+        modelled_s = gpu.run(ffn_work(model.args, total_rows, dtype_bytes=weight.element_size(), layer=batch[0].layer,
+                                       phase=phase), measured_s)
+        energy = gpu.total_energy_j() - energy0
+        meter = worker_gpu.meter
+        meter.op(phase, measured_s, modelled_s)
+        meter.done(total_rows, len(batch))
+        meter.queue_depth = len(self._queue)
         self.forwards += 1
-        return [part.to(batch[0].hidden.dtype) for part in out.split(rows)]
+        shares = [energy * r / total_rows if total_rows else energy / len(batch) for r in rows]
+        return [part.to(batch[0].hidden.dtype) for part in out.split(rows)], shares
 
     async def _serve_loop(self) -> None:
         while True:
@@ -180,7 +211,7 @@ class FFNWorker:
             batch = self._take_batch()
             started = time.perf_counter()
             try:
-                outputs = self._forward(batch)
+                outputs, energies = self._forward(batch)
             except Exception as exc:
                 log.exception("ffn worker %s: layer %d forward failed", self.worker_id, batch[0].layer)
                 for work in batch:
@@ -188,16 +219,16 @@ class FFNWorker:
                 continue
             log.debug("ffn layer %d: %d frame(s), %d rows in one forward (%.2f ms)", batch[0].layer, len(batch),
                       sum(o.shape[0] for o in outputs), (time.perf_counter() - started) * 1e3)
-            for work, out in zip(batch, outputs, strict=True):
-                await self._reply(work.reply_to, work.mb_id, work.layer, out)
+            for work, out, energy_j in zip(batch, outputs, energies, strict=True):
+                await self._reply(work.reply_to, work.mb_id, work.layer, out, energy_j=energy_j)
                 self.frames_served += 1
             await asyncio.sleep(0)  # let the subscription queue more frames before the next forward
 
     async def _reply(self, reply_to: str, mb_id: str, layer: Any, tensor: Tensor,
-                     error: str | None = None) -> None:
+                     error: str | None = None, *, energy_j: float = 0.0) -> None:
         assert self.nc is not None
         header: dict[str, Any] = {"mb_id": mb_id, "layer": layer, "direction": "to_attention",
-                                  "worker_id": self.worker_id}
+                                  "worker_id": self.worker_id, "energy_j": energy_j}
         if error is not None:
             header["error"] = error
         try:

@@ -1,0 +1,69 @@
+"""Adaptive request batching: how many prefill tokens and decode sequences go into one iteration.
+
+- Fixed (vLLM/SGLang default): a chunked-prefill budget of `chunk_tokens` per iteration and at most
+  `max_running` decode sequences.
+- Adaptive: a prefill-only pool takes everything queued up to `max_chunk_tokens` (one big batch
+  reads the weights once for all of it); a pool that mixes in decode takes the largest chunk whose
+  predicted time (at the top clock) keeps the iteration inside the TPOT budget, never less than
+  `min_chunk_tokens` so prefill cannot starve. Decode admits sequences while the KV cache has room.
+
+`ttft_budget` turns the queue into this iteration's latency budget: a request with slack s that
+needs k more iterations (this one included) allows s/k per iteration; the tightest request wins.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class BatchingRule:
+    adaptive: bool = True
+    chunk_tokens: int = 2048  # fixed chunked-prefill budget
+    max_running: int = 256  # fixed decode batch cap (vLLM max_num_seqs)
+    min_chunk_tokens: int = 256
+    max_chunk_tokens: int = 16384
+
+
+def prefill_budget(rule: BatchingRule, queued_tokens: int, decode_running: int,
+                   time_at_max: Callable[[int], float] | None = None, tpot_budget_s: float = 0.0) -> int:
+    """Prefill tokens to schedule this iteration."""
+    if queued_tokens <= 0:
+        return 0
+    if not rule.adaptive:
+        return min(queued_tokens, rule.chunk_tokens)
+    cap = min(queued_tokens, rule.max_chunk_tokens)
+    if decode_running == 0 or time_at_max is None or tpot_budget_s <= 0:
+        return cap
+    lo, hi = min(rule.min_chunk_tokens, cap), cap
+    if time_at_max(hi) <= tpot_budget_s:
+        return hi
+    while hi - lo > 64:  # largest chunk that fits the TPOT budget
+        mid = (lo + hi) // 2
+        if time_at_max(mid) <= tpot_budget_s:
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+def decode_admit(rule: BatchingRule, running: int, kv_used_tokens: float, kv_capacity_tokens: float,
+                 new_ctx_tokens: float) -> bool:
+    """Whether one more sequence may join the decode batch."""
+    if kv_used_tokens + new_ctx_tokens > kv_capacity_tokens:
+        return False
+    return rule.adaptive or running < rule.max_running
+
+
+def ttft_budget(now: float, deadlines: Sequence[float], tokens_ahead: Sequence[float], chunk_tokens: float,
+                floor_s: float = 1e-3) -> float:
+    """Per-iteration time budget so every queued request meets its TTFT deadline.
+
+    `deadlines[i]`: request i's TTFT deadline (already less the margin); `tokens_ahead[i]`: prefill
+    tokens up to and including request i's last; `chunk_tokens`: tokens per iteration."""
+    best = float("inf")
+    for d, ahead in zip(deadlines, tokens_ahead, strict=True):
+        k = max(1.0, -(-ahead // max(chunk_tokens, 1.0)))
+        best = min(best, (d - now) / k)
+    return max(best, floor_s)

@@ -1,0 +1,179 @@
+"""Per-iteration operating point: microbatch depth and a clock per operator, under a latency budget.
+
+`plan_iteration` scans every candidate depth and every (attention clock, FFN clock) pair of the
+predictor's clock table, keeps those whose predicted iteration time meets the budget, and returns
+the one with the least predicted energy (the lowest clock is not always the cheapest: static power
+makes energy per token U-shaped). In a split pool this is where pipeline slack goes: the side that
+is not the bottleneck slows until it nearly becomes it. If nothing meets the budget, the fastest
+point wins. With `per_operator=False` both sides share one clock (phase-level DVFS); with
+`max_clock=True` the clocks stay at the top (no DVFS). Hysteresis: the current point is kept while
+it still meets the budget and costs at most `hysteresis` more than the best.
+
+`SloMargin` is the adaptive safety margin: budgets are SLO·(1 − margin); a window with misses
+widens it, a clean window with p90 well under the SLO narrows it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from shared.perf import Predictor
+from shared.policy.pipeline import af_iteration, allreduce_s, colocated_iteration, megascale_depth, seam_transfer_s
+
+
+@dataclass(frozen=True)
+class PoolShape:
+    """A pool of GPUs that runs iterations together.
+
+    split=False: `replicas` data-parallel replicas of `tp` GPUs each run both halves.
+    split=True: `attention` attention GPUs (data parallel, each its own sequences) and `ffn` FFN GPUs
+    (tensor parallel over the FFN weights) with the seam over a link of `link_bytes_s`."""
+
+    split: bool
+    attention: int = 1
+    ffn: int = 1
+    replicas: int = 1
+    tp: int = 1
+    link_bytes_s: float = 400e9
+
+    @property
+    def gpus(self) -> int:
+        return self.attention + self.ffn if self.split else self.replicas * self.tp
+
+
+@dataclass(frozen=True)
+class BatchStats:
+    """One iteration's work, summed over the pool: new tokens, KV tokens read, score pairs, sequences sampled."""
+
+    phase: str  # "prefill" (any prefill chunk in it) or "decode"
+    n_tokens: float
+    ctx_tokens: float
+    pairs: float
+    n_sample: float
+
+
+@dataclass(frozen=True)
+class ClockRule:
+    max_clock: bool = False
+    per_operator: bool = True
+    depths: tuple[int, ...] = (1, 2, 3, 4)  # candidates; () means MegaScale-style from the floor
+    hysteresis: float = 0.03
+
+
+@dataclass(frozen=True)
+class OperatingPoint:
+    depth: int
+    clock_attention: float
+    clock_ffn: float
+    time_s: float
+    energy_j: float
+    feasible: bool
+    index: tuple[int, int] = (-1, -1)
+
+
+def _head(pred: Predictor, n: float, shard: int) -> tuple[np.ndarray, np.ndarray]:
+    return pred.predict("lm_head", "decode", max(1.0, n), shard=shard)
+
+
+def _tables(pred: Predictor, shape: PoolShape, s: BatchStats, depth: int,
+            dim: int, layers: int, idle_w: float) -> tuple[np.ndarray, np.ndarray]:
+    """Predicted (time, energy) over (clock_a, clock_f) for one depth."""
+    if shape.split:
+        per_a = shape.attention * depth
+        ta, ea = pred.predict("attention", s.phase, s.n_tokens / per_a, s.ctx_tokens / per_a, s.pairs / per_a)
+        tf, ef = pred.predict("ffn", s.phase, s.n_tokens / depth, shard=shape.ffn)
+        th, eh = _head(pred, s.n_sample / shape.attention, 1)
+        tc = seam_transfer_s(s.n_tokens / depth, dim, shape.link_bytes_s)
+        return af_iteration(ta[:, None], ea[:, None], tf[None, :], ef[None, :], th[:, None], eh[:, None], tc,
+                            depth, layers, shape.attention, shape.ffn, idle_w)
+    r = shape.replicas
+    ta, ea = pred.predict("attention", s.phase, s.n_tokens / r, s.ctx_tokens / r, s.pairs / r, shard=shape.tp)
+    tf, ef = pred.predict("ffn", s.phase, s.n_tokens / r, shard=shape.tp)
+    th, eh = _head(pred, s.n_sample / r, shape.tp)
+    t, e = colocated_iteration(ta, ea, tf, ef, th, eh, allreduce_s(s.n_tokens / r, dim, shape.tp, shape.link_bytes_s),
+                               layers, shape.gpus, idle_w)
+    return np.diag(t), np.diag(e)  # one clock for both halves: only the diagonal exists
+
+
+def plan_iteration(pred: Predictor, shape: PoolShape, stats: BatchStats, budget_s: float, rule: ClockRule,
+                   current: OperatingPoint | None = None) -> OperatingPoint:
+    """The least-energy (depth, clock_a, clock_f) whose predicted time meets `budget_s`."""
+    args = pred.args
+    idle_w = pred.profile.context_idle_power_w
+    clocks = pred.clocks
+    top = len(clocks) - 1
+    if shape.split:
+        if rule.depths:
+            depths = tuple(d for d in rule.depths if d >= 1)
+        else:  # MegaScale-Infer: the integer floor from this batch's compute and transfer times
+            ta, _ = pred.predict("attention", stats.phase, stats.n_tokens / shape.attention,
+                                 stats.ctx_tokens / shape.attention, stats.pairs / shape.attention)
+            tf, _ = pred.predict("ffn", stats.phase, stats.n_tokens, shard=shape.ffn)
+            tc = seam_transfer_s(stats.n_tokens, args.dim, shape.link_bytes_s)
+            depths = (megascale_depth(tc, float(max(ta[top], tf[top]))),)
+    else:
+        depths = (1,)
+    best: OperatingPoint | None = None
+    fastest: OperatingPoint | None = None
+    keep: OperatingPoint | None = None
+    depths = tuple(dict.fromkeys(min(d, max(1, int(stats.n_tokens))) for d in depths))
+    for d in depths:
+        t, e = _tables(pred, shape, stats, d, args.dim, args.n_layers, idle_w)
+        mask = np.zeros_like(t, dtype=bool)
+        if rule.max_clock:
+            mask[top, top] = True
+        elif not rule.per_operator or not shape.split:
+            np.fill_diagonal(mask, True)
+        else:
+            mask[:] = True
+        tm = np.where(mask, t, np.inf)
+        i_fast = np.unravel_index(int(np.argmin(tm)), t.shape)
+        p_fast = OperatingPoint(d, float(clocks[i_fast[0]]), float(clocks[i_fast[1]]), float(t[i_fast]),
+                                float(e[i_fast]), bool(t[i_fast] <= budget_s), (int(i_fast[0]), int(i_fast[1])))
+        if fastest is None or p_fast.time_s < fastest.time_s:
+            fastest = p_fast
+        ok = mask & (t <= budget_s)
+        if ok.any():
+            em = np.where(ok, e, np.inf)
+            i = np.unravel_index(int(np.argmin(em)), t.shape)
+            cand = OperatingPoint(d, float(clocks[i[0]]), float(clocks[i[1]]), float(t[i]), float(e[i]), True,
+                                  (int(i[0]), int(i[1])))
+            if best is None or cand.energy_j < best.energy_j:
+                best = cand
+            if current is not None and current.depth == d and current.index[0] >= 0:
+                ci = current.index
+                if ok[ci]:
+                    keep = OperatingPoint(d, float(clocks[ci[0]]), float(clocks[ci[1]]), float(t[ci]), float(e[ci]),
+                                          True, ci)
+    if best is None:
+        assert fastest is not None
+        return fastest
+    if keep is not None and keep.energy_j <= best.energy_j * (1.0 + rule.hysteresis):
+        return keep
+    return best
+
+
+@dataclass
+class SloMargin:
+    """Adaptive fraction of the SLO held back for prediction error and queueing."""
+
+    margin: float = 0.15
+    lo: float = 0.05
+    hi: float = 0.6
+    up: float = 0.08
+    down: float = 0.02
+
+    def update(self, p90_ms: float | None, slo_ms: float, miss_fraction: float) -> float:
+        """Widen on misses beyond 5% of requests (or p90 over the SLO); narrow when comfortably inside."""
+        if p90_ms is None:
+            return self.margin
+        if miss_fraction > 0.05 or p90_ms > slo_ms:
+            self.margin = min(self.hi, self.margin + self.up)
+        elif p90_ms < 0.7 * slo_ms and miss_fraction < 0.02:
+            self.margin = max(self.lo, self.margin - self.down)
+        return self.margin
+
+    def budget(self, slo_s: float) -> float:
+        return slo_s * (1.0 - self.margin)

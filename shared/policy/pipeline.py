@@ -1,0 +1,72 @@
+"""Time and energy of one serving iteration, from per-operator costs: the pipeline model.
+
+Used twice with the same formulas: by the policy on predicted arrays (over candidate clocks) and
+by the simulator on the emulated GPU's costs at the clocks it chose. Shapes broadcast: attention
+arrays (Ca, 1) and FFN arrays (1, Cf) give (Ca, Cf) tables.
+
+Split (attention/FFN disaggregated), depth m microbatches, L layers, per-microbatch attention time
+ta (one attention GPU's share), FFN time tf (one FFN GPU's share), one-way transfer tc:
+
+    cycle = max(m·ta, m·tf, ta + tf + 2·tc)       (resource-bound, or one microbatch's round trip)
+    T     = L·cycle + t_head
+
+m = 1 is the plain sequential path L·(ta + tf + 2tc); with m ≥ 2 the sides overlap (ping-pong) and
+the round trip is hidden once m·max(ta, tf) ≥ ta + tf + 2tc, MegaScale-Infer's m ≥ 2(1 + tc/tf)
+when ta = tf. Every GPU not computing within T idles at its context-idle power (bubbles cost).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+Array = np.ndarray
+
+
+def overlap_floor(t_comm_s: float, t_compute_s: float) -> float:
+    """MegaScale-Infer's depth floor m ≥ 2·(1 + T_comm/T_compute) for a fully hidden round trip."""
+    if t_compute_s <= 0:
+        return math.inf
+    return 2.0 * (1.0 + t_comm_s / t_compute_s)
+
+
+def megascale_depth(t_comm_s: float, t_compute_s: float, max_depth: int = 4) -> int:
+    """The smallest integer depth at or above the overlap floor, in [2, max_depth] (3 when tc < tf/2)."""
+    floor = overlap_floor(t_comm_s, t_compute_s)
+    return int(min(max_depth, max(2, math.ceil(floor - 1e-9))))
+
+
+def af_iteration(ta: Array, ea: Array, tf: Array, ef: Array, th: Array, eh: Array, tc: float, depth: int,
+                 layers: int, n_attention: int, n_ffn: int, idle_power_w: float) -> tuple[Array, Array]:
+    """(time_s, energy_j) of one split iteration; all GPUs of both sides included."""
+    m = depth
+    cycle = np.maximum(np.maximum(m * ta, m * tf), ta + tf + 2.0 * tc)
+    t = layers * cycle + th
+    busy_a = layers * m * ta + th
+    busy_f = layers * m * tf
+    e = n_attention * (layers * m * ea + eh + idle_power_w * (t - busy_a))
+    e = e + n_ffn * (layers * m * ef + idle_power_w * (t - busy_f))
+    return t, e
+
+
+def colocated_iteration(ta: Array, ea: Array, tf: Array, ef: Array, th: Array, eh: Array, t_allreduce: float,
+                        layers: int, gpus: int, idle_power_w: float) -> tuple[Array, Array]:
+    """(time_s, energy_j) of one iteration on `gpus` GPUs (replicas × TP) running both halves at one clock."""
+    t = layers * (ta + tf + 2.0 * t_allreduce) + th
+    e = gpus * (layers * (ea + ef + 2.0 * t_allreduce * idle_power_w) + eh)
+    return t, e
+
+
+def seam_transfer_s(tokens: float, dim: int, link_bytes_s: float, dtype_bytes: int = 2,
+                    latency_s: float = 10e-6) -> float:
+    """One-way A↔F transfer of a microbatch's seam tensors (hidden + residual)."""
+    return latency_s + tokens * dim * dtype_bytes * 2.0 / link_bytes_s
+
+
+def allreduce_s(tokens: float, dim: int, tp: int, link_bytes_s: float, dtype_bytes: int = 2,
+                latency_s: float = 10e-6) -> float:
+    """One ring all-reduce of the hidden state across `tp` GPUs (0 for tp = 1)."""
+    if tp <= 1:
+        return 0.0
+    return latency_s + 2.0 * (tp - 1) / tp * tokens * dim * dtype_bytes / link_bytes_s

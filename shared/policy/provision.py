@@ -1,0 +1,165 @@
+"""Provisioning for one window: how many attention and FFN GPUs serve, in which pools.
+
+For the load of the coming window (arrival rate, mean prompt and output lengths, times a headroom),
+every candidate pool size is evaluated with the predictors and the same `plan_iteration` the
+iterations use:
+
+- decode pool (a attention, f FFN): batch B from Little's law (B = token rate × iteration time,
+  iterated to a fixed point); feasible when the iteration meets the TPOT budget and the KV cache of
+  the a attention GPUs holds B sequences; power = energy per iteration / iteration time.
+- prefill pool: chunks of c tokens; feasible when an iteration fits in a fraction of the TTFT
+  budget and utilisation stays below `max_utilisation` (queueing); power = busy share at the
+  chosen clocks + idle share at context-idle power.
+
+The plan minimises total power, counting GPUs left out (parked) at `parked_power_w`. With fewer
+than `min_pd_gpus` GPUs the cluster is one mixed split pool (no prefill/decode pools).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from shared.perf import Predictor
+from shared.policy.clocks import BatchStats, ClockRule, PoolShape, plan_iteration
+
+
+@dataclass(frozen=True)
+class WindowLoad:
+    rate_rps: float
+    mean_prompt: float
+    mean_output: float
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    gpus: int
+    gpu_memory_bytes: float
+    attention_weight_bytes: float
+    ffn_weight_bytes: float
+    kv_bytes_per_token: float
+    link_bytes_s: float
+    ttft_budget_s: float
+    tpot_budget_s: float
+    parked_power_w: float
+    memory_fraction: float = 0.9
+
+    @property
+    def ffn_min(self) -> int:
+        return max(1, math.ceil(self.ffn_weight_bytes / (self.memory_fraction * self.gpu_memory_bytes)))
+
+    def kv_capacity_tokens(self, attention_gpus: int) -> float:
+        free = self.memory_fraction * self.gpu_memory_bytes - self.attention_weight_bytes
+        return max(0.0, attention_gpus * free / self.kv_bytes_per_token)
+
+
+@dataclass(frozen=True)
+class Plan:
+    prefill: PoolShape | None
+    decode: PoolShape | None
+    mixed: PoolShape | None
+    parked: int
+    predicted_power_w: float
+    feasible: bool
+
+    @property
+    def gpus(self) -> int:
+        return sum(p.gpus for p in (self.prefill, self.decode, self.mixed) if p is not None)
+
+
+INFEASIBLE = 1e9
+
+
+def decode_power(pred: Predictor, shape: PoolShape, load: WindowLoad, spec: ClusterSpec, rule: ClockRule) -> float:
+    """Predicted power (W) of a decode pool at this load; INFEASIBLE + overload when it cannot hold it."""
+    rate = load.rate_rps * load.mean_output
+    per_seq_ctx = load.mean_prompt + load.mean_output / 2
+    t = 0.05
+    op = None
+    for _ in range(3):
+        b = max(1.0, rate * t)
+        stats = BatchStats("decode", b, b * per_seq_ctx, b * per_seq_ctx, b)
+        op = plan_iteration(pred, shape, stats, spec.tpot_budget_s, rule)
+        t = op.time_s
+    assert op is not None
+    b = max(1.0, rate * t)
+    kv_need = b * (load.mean_prompt + load.mean_output)
+    over = max(t / spec.tpot_budget_s, kv_need / max(spec.kv_capacity_tokens(shape.attention), 1.0))
+    if not op.feasible or over > 1.0:
+        return INFEASIBLE * over
+    return op.energy_j / op.time_s
+
+
+def prefill_power(pred: Predictor, shape: PoolShape, load: WindowLoad, spec: ClusterSpec, rule: ClockRule,
+                  max_utilisation: float = 0.6) -> float:
+    rate = load.rate_rps * load.mean_prompt
+    if rate <= 0:
+        return shape.gpus * spec.parked_power_w
+    best = INFEASIBLE * 100
+    prompt = max(1.0, load.mean_prompt)
+    for chunk in (prompt, 2 * prompt, 4 * prompt):
+        seqs = max(1.0, chunk / prompt)
+        q = chunk / seqs
+        stats = BatchStats("prefill", chunk, chunk, seqs * (q * q - q * (q - 1) / 2), seqs)
+        budget = min(spec.ttft_budget_s / 2.0, max_utilisation * chunk / rate)
+        op = plan_iteration(pred, shape, stats, budget, rule)
+        util = rate * op.time_s / chunk
+        if not op.feasible:
+            best = min(best, INFEASIBLE * max(1.0, op.time_s / budget))
+            continue
+        idle = shape.gpus * pred.profile.context_idle_power_w
+        best = min(best, util * op.energy_j / op.time_s + (1 - util) * idle)
+    return best
+
+
+def _pool(a: int, f: int, spec: ClusterSpec) -> PoolShape:
+    return PoolShape(split=True, attention=a, ffn=f, link_bytes_s=spec.link_bytes_s)
+
+
+def provision(pred: Predictor, load: WindowLoad, spec: ClusterSpec, rule: ClockRule, headroom: float = 1.3,
+              min_pd_gpus: int = 6, use_all: bool = False) -> Plan:
+    """The least-power plan for `load` (times `headroom`); `use_all` spreads every GPU over the pools."""
+    hl = WindowLoad(load.rate_rps * headroom, load.mean_prompt, load.mean_output)
+    n = spec.gpus
+    fmin = spec.ffn_min
+    if n < min_pd_gpus:
+        best: tuple[float, int, int] | None = None
+        both = WindowLoad(hl.rate_rps, hl.mean_prompt, hl.mean_output)
+        for f in range(fmin, n):
+            for a in range(1, n - f + 1):
+                if use_all and a + f != n:
+                    continue
+                p = decode_power(pred, _pool(a, f, spec), both, spec, rule)
+                p += prefill_power(pred, _pool(a, f, spec), both, spec, rule) - (a + f) * pred.profile.context_idle_power_w
+                p += (n - a - f) * spec.parked_power_w
+                if best is None or p < best[0]:
+                    best = (p, a, f)
+        if best is None:
+            raise ValueError(f"{n} GPUs cannot hold the model split (FFN needs {fmin})")
+        p, a, f = best
+        return Plan(None, None, _pool(a, f, spec), n - a - f, p, p < INFEASIBLE)
+    pre: dict[int, tuple[float, int, int]] = {}
+    dec: dict[int, tuple[float, int, int]] = {}
+    for f in range(fmin, n):
+        for a in range(1, n - f):
+            k = a + f
+            pp = prefill_power(pred, _pool(a, f, spec), hl, spec, rule)
+            if k not in pre or pp < pre[k][0]:
+                pre[k] = (pp, a, f)
+            dp = decode_power(pred, _pool(a, f, spec), hl, spec, rule)
+            if k not in dec or dp < dec[k][0]:
+                dec[k] = (dp, a, f)
+    choice: tuple[float, int, int] | None = None
+    for kp, (pp, _, _) in pre.items():
+        for kd, (dp, _, _) in dec.items():
+            if kp + kd > n or (use_all and kp + kd != n):
+                continue
+            total = pp + dp + (n - kp - kd) * spec.parked_power_w
+            if choice is None or total < choice[0]:
+                choice = (total, kp, kd)
+    if choice is None:
+        raise ValueError(f"{n} GPUs cannot hold a prefill and a decode pool")
+    total, kp, kd = choice
+    _, pa, pf = pre[kp]
+    _, da, df = dec[kd]
+    return Plan(_pool(pa, pf, spec), _pool(da, df, spec), None, n - kp - kd, total, total < INFEASIBLE)
