@@ -92,6 +92,13 @@ def _worker_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help="HF directory, .gguf file, or 'default' (env AFLEX_MODEL)")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--device", help="torch device, e.g. cpu or cuda:0")
+    p.add_argument("--gpu-control", dest="gpu_backend", choices=["auto", "nvml", "nvml-readonly", "emulated"],
+                   help="GPU backend: auto = nvml-readonly where NVML works, else emulated; nvml sets clocks "
+                        "(needs root or CAP_SYS_ADMIN) (env AFLEX_GPU_BACKEND)")
+    p.add_argument("--gpu-profile", help="emulated GPU profile: a800, a100, h100, h200, b200")
+    p.add_argument("--gpu-pace", action="store_true", default=None,
+                   help="emulated GPU: pace work to the modelled time, so a lower clock really slows the worker")
+    p.add_argument("--telemetry-hz", type=float, help="telemetry messages per second (default 10)")
 
 
 def _settings(cls: type, args: argparse.Namespace, fields: tuple[str, ...]) -> object:
@@ -116,7 +123,8 @@ def _run_service(args: argparse.Namespace) -> int:
 
     entry: Callable[..., Coroutine[Any, Any, None]]
     common = ("nats_url", "log_level")
-    worker = (*common, "worker_id", "model", "dtype", "device")
+    worker = (*common, "worker_id", "model", "dtype", "device", "gpu_backend", "gpu_profile", "gpu_pace",
+              "telemetry_hz")
     settings: Any
     if args.command == "gateway":
         from services.gateway.app import serve

@@ -73,6 +73,7 @@ class ChildSpec:
     name: str
     role: Role
     argv: list[str]
+    env: dict[str, str] = field(default_factory=dict)  # added to the supervisor's environment
 
 
 @dataclass(frozen=True)
@@ -89,8 +90,9 @@ class ChildExit:
 ChildDeathHook = Callable[[ChildExit], None]
 CommandBuilder = Callable[[argparse.Namespace], list[ChildSpec]]
 
-# Hooks every `aflex up` registers on its supervisor (a later issue appends the GPU clock reset).
+# Hooks every `aflex up` registers on its supervisor (besides the GPU clock reset `up` adds).
 DEFAULT_CHILD_DEATH_HOOKS: list[ChildDeathHook] = []
+WORKER_ROLES = frozenset({"attention-worker", "ffn-worker"})
 
 
 def describe_status(returncode: int) -> str:
@@ -178,8 +180,9 @@ class Supervisor:
     def start(self) -> None:
         """Start every child in the order given (scheduler, workers, gateway by default)."""
         for spec in self.specs:
-            process = subprocess.Popen(spec.argv, env=self.env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                       stderr=subprocess.PIPE, process_group=0, preexec_fn=_die_with_parent)
+            process = subprocess.Popen(spec.argv, env={**self.env, **spec.env}, stdin=subprocess.DEVNULL,
+                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, process_group=0,
+                                       preexec_fn=_die_with_parent)
             child = Child(spec, process)
             for source, sink in ((process.stdout, self.stdout), (process.stderr, self.stderr)):
                 assert source is not None
@@ -276,6 +279,12 @@ def add_up_arguments(parser: argparse.ArgumentParser) -> None:
                         help="weights and activations of the workers (default: the workers' own)")
     parser.add_argument("--microbatch-depth", choices=["auto", "1", "2", "3", "4"], default=None,
                         help="microbatches in flight per attention worker (default: the scheduler's own)")
+    parser.add_argument("--gpu-control", choices=["auto", "nvml", "nvml-readonly", "emulated"], default=None,
+                        help="workers' GPU backend: auto = nvml-readonly where NVML works, else emulated; "
+                             "nvml sets clocks (root or CAP_SYS_ADMIN)")
+    parser.add_argument("--gpu-profile", default=None, help="emulated GPU profile: a800, a100, h100, h200, b200")
+    parser.add_argument("--gpu-pace", action="store_true", default=None,
+                        help="emulated GPUs pace work to the modelled time (a lower clock really slows the mesh)")
     parser.add_argument("--ready-timeout", type=float, default=300.0, metavar="SECONDS",
                         help="how long to wait for the gateway's /ready")
     parser.add_argument("--grace", type=float, default=10.0, metavar="SECONDS",
@@ -298,15 +307,87 @@ def build_commands(args: argparse.Namespace) -> list[ChildSpec]:
     model = ["--model", str(args.model)]
     dtype = ["--dtype", args.dtype] if args.dtype else []
     depth = ["--microbatch-depth", args.microbatch_depth] if args.microbatch_depth else []
+    gpu_control = getattr(args, "gpu_control", None)
+    gpu = ["--gpu-control", gpu_control] if gpu_control else []
+    gpu += ["--gpu-profile", args.gpu_profile] if getattr(args, "gpu_profile", None) else []
+    gpu += ["--gpu-pace"] if getattr(args, "gpu_pace", None) else []
+    n_workers = args.attention_workers + args.ffn_workers
+    real_gpus = gpu_control in (None, "auto", "nvml", "nvml-readonly")
+    devices = worker_devices(n_workers) if real_gpus else [None] * n_workers
     specs = [ChildSpec("scheduler", "scheduler", [*cli, "scheduler", *model, *depth])]
     specs += [ChildSpec(f"attn-{i}", "attention-worker",
-                        [*cli, "attention-worker", "--worker-id", f"attn-{i}", *model, *dtype])
+                        [*cli, "attention-worker", "--worker-id", f"attn-{i}", *model, *dtype, *gpu],
+                        _device_env(devices[i]))
               for i in range(args.attention_workers)]
-    specs += [ChildSpec(f"ffn-{i}", "ffn-worker", [*cli, "ffn-worker", "--worker-id", f"ffn-{i}", *model, *dtype])
+    specs += [ChildSpec(f"ffn-{i}", "ffn-worker",
+                        [*cli, "ffn-worker", "--worker-id", f"ffn-{i}", *model, *dtype, *gpu],
+                        _device_env(devices[args.attention_workers + i]))
               for i in range(args.ffn_workers)]
     specs.append(ChildSpec("gateway", "gateway",
                            [*cli, "gateway", "--host", str(args.host), "--port", str(args.port), *model]))
     return specs
+
+
+def _device_env(device: str | None) -> dict[str, str]:
+    return {} if device is None else {"CUDA_VISIBLE_DEVICES": device}
+
+
+def worker_devices(n_workers: int) -> list[str | None]:
+    """One GPU per worker when the host has enough (so each runs at its own clock), else None each.
+
+    With fewer GPUs than workers nothing is pinned: the workers share what CUDA_VISIBLE_DEVICES
+    shows them, and a clock command of one moves the clock of the others on the same GPU.
+    """
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        ids = [d.strip() for d in visible.split(",") if d.strip()]
+    else:
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+            try:
+                ids = [str(i) for i in range(pynvml.nvmlDeviceGetCount())]
+            finally:
+                pynvml.nvmlShutdown()
+        except Exception:  # no NVML library or driver: no GPUs to pin
+            ids = []
+    if len(ids) < n_workers:
+        return [None] * n_workers
+    return list(ids[:n_workers])
+
+
+def reset_clock_hook(specs: Sequence[ChildSpec]) -> ChildDeathHook:
+    """A hook that resets the SM clock of a dead worker that was setting clocks (`--gpu-control nvml`).
+
+    A worker resets its clock on a clean exit; one that crashed or was killed cannot, and would
+    leave its GPU locked at whatever clock it last set.
+    """
+    by_name = {spec.name: spec for spec in specs}
+
+    def reset(exit_: ChildExit) -> None:
+        spec = by_name.get(exit_.name)
+        if spec is None or spec.role not in WORKER_ROLES or _flag(spec.argv, "--gpu-control") != "nvml":
+            return  # only `--gpu-control nvml` sets clocks; nvml-readonly and emulated leave none behind
+        from shared.gpu.base import GPUError
+        from shared.gpu.nvml import NvmlGPU
+
+        device = spec.env.get("CUDA_VISIBLE_DEVICES")
+        try:
+            gpu = NvmlGPU(index=None if device is None else int(device.split(",")[0]))
+            try:
+                gpu.reset_sm_clock()
+            finally:
+                gpu.close()
+            print(f"aflex up: reset the GPU clock of {exit_.name}", file=sys.stderr, flush=True)
+        except (GPUError, ValueError) as exc:
+            print(f"aflex up: could not reset the GPU clock of {exit_.name}: {exc}", file=sys.stderr, flush=True)
+
+    return reset
+
+
+def _flag(argv: Sequence[str], flag: str) -> str:
+    return argv[argv.index(flag) + 1] if flag in argv[:-1] else ""
 
 
 def local_host(host: str) -> str:
@@ -352,8 +433,9 @@ def up(args: argparse.Namespace, *, command_builder: CommandBuilder = build_comm
             nats = EmbeddedNatsServer(port=args.nats_port or None).start()
             env["AFLEX_NATS_URL"] = nats.url
             print(f"aflex up: nats-server at {nats.url}", file=sys.stderr, flush=True)
-        supervisor = Supervisor(command_builder(args), env, grace_s=args.grace,
-                                on_child_death=[*DEFAULT_CHILD_DEATH_HOOKS, *on_child_death])
+        specs = command_builder(args)
+        supervisor = Supervisor(specs, env, grace_s=args.grace,
+                                on_child_death=[reset_clock_hook(specs), *DEFAULT_CHILD_DEATH_HOOKS, *on_child_death])
         supervisor.start()
         base_url = f"http://{local_host(args.host)}:{args.port}"
         try:
