@@ -200,10 +200,14 @@ def build_parser() -> argparse.ArgumentParser:
     add_top_arguments(p)
     p.set_defaults(func=top)
     from loadgen.cli import add_bench_arguments, bench
+    from loadgen.sim.cli import add_sim_arguments, sim
 
     p = sub.add_parser("bench", help="replay a trace or synthetic load against an OpenAI-compatible server")
     add_bench_arguments(p)
     p.set_defaults(func=bench)
+    p = sub.add_parser("sim", help="replay a trace against a modelled cluster: AFlex and the baselines")
+    add_sim_arguments(p)
+    p.set_defaults(func=sim)
     return parser
 
 

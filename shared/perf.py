@@ -113,8 +113,8 @@ def _grid(op: str, phase: str, rng: np.random.Generator, size: int) -> tuple[np.
         n_seq = np.maximum(1, np.round(np.exp(rng.uniform(0, np.log(16), size))))
         q = n / n_seq
         c = q + prefix
-        ctx = n_seq * c
-        pairs = n_seq * (q * c - q * (q - 1) / 2)
+        ctx = np.asarray(n_seq * c, dtype=np.float64)
+        pairs = np.asarray(n_seq * (q * c - q * (q - 1) / 2), dtype=np.float64)
     return n, ctx, pairs
 
 

@@ -130,7 +130,8 @@ def provision(pred: Predictor, load: WindowLoad, spec: ClusterSpec, rule: ClockR
                 if use_all and a + f != n:
                     continue
                 p = decode_power(pred, _pool(a, f, spec), both, spec, rule)
-                p += prefill_power(pred, _pool(a, f, spec), both, spec, rule) - (a + f) * pred.profile.context_idle_power_w
+                idle = (a + f) * pred.profile.context_idle_power_w
+                p += prefill_power(pred, _pool(a, f, spec), both, spec, rule) - idle
                 p += (n - a - f) * spec.parked_power_w
                 if best is None or p < best[0]:
                     best = (p, a, f)

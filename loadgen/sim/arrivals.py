@@ -1,0 +1,89 @@
+"""Request arrivals for the simulator: Azure LLM inference traces (2023) or synthetic Poisson/gamma."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+
+import numpy as np
+
+TRACE_FILES = {"conv": "AzureLLMInferenceTrace_conv.csv", "code": "AzureLLMInferenceTrace_code.csv"}
+
+
+@dataclass(frozen=True)
+class Arrivals:
+    time_s: np.ndarray  # sorted, from 0
+    prompt: np.ndarray  # int
+    output: np.ndarray  # int
+
+    def __len__(self) -> int:
+        return len(self.time_s)
+
+
+def traces_dir() -> Path:
+    env = os.environ.get("AFLEX_TRACES_DIR")
+    if env:
+        return Path(env)
+    repo = Path(__file__).resolve().parents[2]
+    for cand in (repo.parent / "shared" / "traces", repo / "shared" / "traces", Path("/work/shared/traces")):
+        if (cand / TRACE_FILES["conv"]).is_file():
+            return cand
+    return repo.parent / "shared" / "traces"
+
+
+def _parse_ts(text: str) -> float:
+    text = text.strip()
+    if "." in text:
+        head, frac = text.split(".", 1)
+        text = f"{head}.{frac[:6]}"
+    return datetime.fromisoformat(text).timestamp()
+
+
+def load_trace(name_or_path: str, time_scale: float = 1.0, window: tuple[float, float] | None = None,
+               max_tokens: int | None = None) -> Arrivals:
+    """`conv`, `code` or a CSV path (TIMESTAMP,ContextTokens,GeneratedTokens). `time_scale` < 1 compresses
+    time (higher load); `window` keeps arrivals in [start, end) seconds of the (scaled) trace."""
+    path = Path(name_or_path)
+    if name_or_path in TRACE_FILES:
+        path = traces_dir() / TRACE_FILES[name_or_path]
+    if not path.is_file():
+        raise FileNotFoundError(f"trace {name_or_path!r} not found (looked at {path}; set AFLEX_TRACES_DIR)")
+    ts, pr, out = [], [], []
+    with path.open() as fh:
+        next(fh)
+        for line in fh:
+            parts = line.strip().split(",")
+            if len(parts) < 3:
+                continue
+            ts.append(_parse_ts(parts[0]))
+            pr.append(int(parts[1]))
+            out.append(int(parts[2]))
+    t = (np.array(ts) - ts[0]) * time_scale
+    p = np.maximum(1, np.array(pr, dtype=np.int64))
+    o = np.maximum(1, np.array(out, dtype=np.int64))
+    if max_tokens:
+        p = np.minimum(p, max_tokens - 1)
+        o = np.minimum(o, np.maximum(1, max_tokens - p))
+    if window is not None:
+        sel = (t >= window[0]) & (t < window[1])
+        t, p, o = t[sel] - window[0], p[sel], o[sel]
+    order = np.argsort(t, kind="stable")
+    return Arrivals(t[order], p[order], o[order])
+
+
+def synthetic(rate_rps: float, duration_s: float, seed: int, burstiness: float = 1.0,
+              prompt_mean: float = 1024, output_mean: float = 256) -> Arrivals:
+    """Gamma inter-arrivals (shape 1/burstiness², so CV = burstiness; 1 is Poisson), lognormal lengths."""
+    rng = np.random.default_rng(seed)
+    shape = 1.0 / max(burstiness, 1e-3) ** 2
+    n = int(rate_rps * duration_s * 1.5) + 16
+    gaps = rng.gamma(shape, 1.0 / (rate_rps * shape), n)
+    t = np.cumsum(gaps)
+    t = t[t < duration_s]
+    k = len(t)
+    sigma = 0.8
+    prompt = np.maximum(1, rng.lognormal(np.log(prompt_mean) - sigma**2 / 2, sigma, k)).astype(np.int64)
+    output = np.maximum(1, rng.lognormal(np.log(output_mean) - sigma**2 / 2, sigma, k)).astype(np.int64)
+    return Arrivals(t, np.minimum(prompt, 16000), np.minimum(output, 4000))

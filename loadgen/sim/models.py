@@ -1,0 +1,44 @@
+"""Model profiles the simulator serves, as `ModelArgs` (shapes from the models' HF config.json)."""
+
+from __future__ import annotations
+
+from shared.model.config import ModelArgs
+
+MODELS: dict[str, ModelArgs] = {
+    # Qwen/Qwen3-32B config.json: hidden 5120, 64 layers, 64 q heads, 8 kv heads, head_dim 128, MLP 25600
+    "qwen3-32b": ModelArgs(arch="qwen3", vocab_size=151936, dim=5120, n_layers=64, n_heads=64, n_kv_heads=8,
+                           head_dim=128, intermediate_size=25600, qk_norm=True, max_seq_len=40960),
+    # mistralai/Mixtral-8x7B-v0.1 config.json: hidden 4096, 32 layers, 32/8 heads, 8 experts top-2, 14336
+    "mixtral-8x7b": ModelArgs(arch="mixtral", vocab_size=32000, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8,
+                              head_dim=128, intermediate_size=14336, n_experts=8, n_experts_per_tok=2,
+                              moe_intermediate_size=14336, sparse_layers=tuple(range(32)), max_seq_len=32768),
+    # meta-llama/Meta-Llama-3-8B config.json: hidden 4096, 32 layers, 32/8 heads, MLP 14336
+    "llama-3-8b": ModelArgs(arch="llama", vocab_size=128256, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8,
+                            head_dim=128, intermediate_size=14336, max_seq_len=8192),
+}
+
+DTYPE_BYTES = 2  # bf16 weights, activations and KV cache
+
+
+def get_model(name: str) -> ModelArgs:
+    try:
+        return MODELS[name.lower()]
+    except KeyError:
+        raise ValueError(f"unknown model {name!r}; known: {', '.join(MODELS)}") from None
+
+
+def attention_weight_bytes(args: ModelArgs) -> float:
+    per_layer = args.dim * (args.q_dim + 2 * args.kv_dim) + args.q_dim * args.dim
+    return float(per_layer * args.n_layers + 2 * args.vocab_size * args.dim) * DTYPE_BYTES
+
+
+def ffn_weight_bytes(args: ModelArgs) -> float:
+    if args.n_experts:
+        per_layer = args.n_experts * 3 * args.dim * args.moe_intermediate_size + args.dim * args.n_experts
+    else:
+        per_layer = 3 * args.dim * args.intermediate_size
+    return float(per_layer * args.n_layers) * DTYPE_BYTES
+
+
+def kv_bytes_per_token(args: ModelArgs) -> float:
+    return float(2 * args.kv_dim * args.n_layers * DTYPE_BYTES)

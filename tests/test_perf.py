@@ -1,0 +1,51 @@
+"""Predictors: exactness of the aggregate attention work, MAPE on held-out points, online correction."""
+
+from __future__ import annotations
+
+import pytest
+
+from loadgen.sim.models import get_model
+from shared.gpu.emulated import load_profile, operator_cost
+from shared.gpu.workload import attention_work
+from shared.perf import Predictor, attention_work_agg, cached_predictor, causal_pairs
+
+
+@pytest.fixture(scope="module")
+def pred() -> Predictor:
+    return cached_predictor(load_profile("a800"), get_model("qwen3-32b"))
+
+
+def test_aggregate_attention_work_matches_workload() -> None:
+    args = get_model("qwen3-32b")
+    ctxs = [300, 1200, 4000]
+    ref = attention_work(args, 3, ctxs)
+    agg = attention_work_agg(args, 3, sum(ctxs), sum(causal_pairs(1, c) for c in ctxs))
+    assert agg.flops == pytest.approx(ref.flops)
+    assert agg.bytes_moved == pytest.approx(ref.bytes_moved)
+    prof = load_profile("a800")
+    assert operator_cost(prof, agg, 900).time_s == pytest.approx(operator_cost(prof, ref, 900).time_s)
+
+
+@pytest.mark.parametrize("op", ["attention", "ffn"])
+@pytest.mark.parametrize("phase", ["prefill", "decode"])
+def test_mape_on_held_out_points(pred: Predictor, op: str, phase: str) -> None:
+    limit = 0.11 if phase == "prefill" else 0.02  # AFlex: < 11% prefill, about 2% decode
+    assert pred.mape(op, phase, points=80, seed=999) < limit
+
+
+def test_mape_between_fitted_clocks(pred: Predictor) -> None:
+    off_grid = [c + 15 for c in pred.clocks[:-1]]  # supported clocks the fit never sampled
+    assert pred.mape("ffn", "decode", points=60, seed=7, clocks=off_grid) < 0.05
+
+
+def test_power_rises_with_clock(pred: Predictor) -> None:
+    p = pred.power_w("ffn", "prefill", 4096)
+    assert p[-1] > p[0]
+
+
+def test_observe_moves_the_ewma_correction() -> None:
+    p = Predictor.for_profile(load_profile("a800"), get_model("llama-3-8b"), clock_step_mhz=150, samples=80)
+    t = p.predict_at("ffn", "decode", 32, 0, 0, 1410)
+    for _ in range(30):
+        p.observe("ffn", "decode", 32, 0, 0, 1410, measured_s=1.5 * t)
+    assert p.predict_at("ffn", "decode", 32, 0, 0, 1410) == pytest.approx(1.5 * t, rel=0.02)

@@ -1,0 +1,94 @@
+"""The pure policy on constructed cases."""
+
+from __future__ import annotations
+
+import pytest
+
+from loadgen.sim.models import attention_weight_bytes, ffn_weight_bytes, get_model, kv_bytes_per_token
+from shared.gpu.emulated import load_profile
+from shared.perf import Predictor, cached_predictor
+from shared.policy import (
+    BatchingRule,
+    BatchStats,
+    ClockRule,
+    ClusterSpec,
+    PoolShape,
+    SloMargin,
+    WindowLoad,
+    megascale_depth,
+    overlap_floor,
+    plan_iteration,
+    prefill_budget,
+    provision,
+    ttft_budget,
+)
+
+
+@pytest.fixture(scope="module")
+def pred() -> Predictor:
+    return cached_predictor(load_profile("a800"), get_model("qwen3-32b"))
+
+
+def test_memory_bound_decode_attention_gets_a_lower_clock_than_ffn(pred: Predictor) -> None:
+    shape = PoolShape(split=True, attention=4, ffn=2)
+    b = 256
+    op = plan_iteration(pred, shape, BatchStats("decode", b, b * 1500, b * 1500, b), 0.1, ClockRule())
+    assert op.feasible
+    assert op.clock_attention < op.clock_ffn
+
+
+def test_depth_one_at_low_load(pred: Predictor) -> None:
+    op = plan_iteration(pred, PoolShape(split=True, attention=1, ffn=1), BatchStats("decode", 4, 4000, 4000, 4), 0.1,
+                        ClockRule())
+    assert op.depth == 1
+
+
+def test_max_clock_rule_and_one_clock_rule(pred: Predictor) -> None:
+    shape = PoolShape(split=True, attention=2, ffn=2)
+    s = BatchStats("decode", 64, 64 * 1000, 64 * 1000, 64)
+    top = float(pred.clocks[-1])
+    op = plan_iteration(pred, shape, s, 0.1, ClockRule(max_clock=True))
+    assert (op.clock_attention, op.clock_ffn) == (top, top)
+    op = plan_iteration(pred, shape, s, 0.1, ClockRule(per_operator=False))
+    assert op.clock_attention == op.clock_ffn
+
+
+def test_tighter_budget_never_lowers_the_clock(pred: Predictor) -> None:
+    shape = PoolShape(split=False, replicas=8, tp=2)
+    s = BatchStats("prefill", 8192, 8192, 8 * 1024 * 1024 / 2, 8)
+    loose = plan_iteration(pred, shape, s, 1.0, ClockRule())
+    tight = plan_iteration(pred, shape, s, 0.12, ClockRule())
+    assert tight.clock_attention >= loose.clock_attention
+
+
+def test_overlap_floor() -> None:
+    assert overlap_floor(0.0, 1.0) == 2.0
+    assert megascale_depth(0.1, 1.0) == 3  # tc < tf/2
+    assert megascale_depth(0.8, 1.0) == 4
+
+
+def test_provisioning_follows_load(pred: Predictor) -> None:
+    args = get_model("qwen3-32b")
+    spec = ClusterSpec(16, 80e9, attention_weight_bytes(args), ffn_weight_bytes(args), kv_bytes_per_token(args),
+                       400e9, 0.34, 0.1, 90.0)
+    low = provision(pred, WindowLoad(0.5, 1000, 200), spec, ClockRule())
+    high = provision(pred, WindowLoad(12.0, 1000, 200), spec, ClockRule())
+    assert low.feasible and high.feasible
+    assert high.gpus > low.gpus
+    assert low.prefill is not None and low.decode is not None
+
+
+def test_batching_rules() -> None:
+    assert prefill_budget(BatchingRule(adaptive=False, chunk_tokens=2048), 10_000, 5) == 2048
+    assert prefill_budget(BatchingRule(), 10_000, 0) == 10_000
+    # with decode in the batch, the chunk shrinks until the iteration fits the TPOT budget
+    got = prefill_budget(BatchingRule(), 10_000, 5, lambda n: n / 50_000, 0.1)
+    assert 4900 <= got <= 5000
+    assert ttft_budget(0.0, [0.4, 0.4], [1000, 3000], 1000) == pytest.approx(0.4 / 3)
+
+
+def test_margin_adapts() -> None:
+    m = SloMargin(margin=0.1)
+    assert m.update(450.0, 400.0, 0.2) > 0.1
+    before = m.margin
+    assert m.update(100.0, 400.0, 0.0) < before
