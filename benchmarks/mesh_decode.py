@@ -8,11 +8,14 @@ from the last stream's first token to the last stream's last token): the first t
 stream is prefill, so the window opens when the last prefill is out and every stream is decoding.
 The engine (`shared.model.engine.Engine`, both halves in this process) decodes the same prompt ids
 (the chat template rendered with the checkpoint's tokenizer, as the gateway does), measured as
-benchmarks/engine_decode.py does: whole generation minus a prefill-only run, best of `--repeats`.
-Ratios are measured in one run, because the machine is noisy.
+benchmarks/engine_decode.py does: whole generation minus a prefill-only run of the same batch.
+Ratios are measured in one run, because the machine is noisy: with each depth's mesh up (and idle),
+every round is a pair, the engine's round right before the mesh's; a depth's ratio is the median
+over its rounds of mesh/engine, and the tokens/s columns are each side's best round.
 
-Hop: during the depth-1 run every `MicrobatchDone` on `aflex.v1.sched.done` whose descriptor
-(seen on `aflex.v1.attn.*.mb`) says `decode` is kept. Hop per layer = ffn_wait_s / n_layers minus
+Hop: during the depth-1 run every `MicrobatchDone` on `aflex.v1.sched.done` of a pure decode
+microbatch (every sequence in it was seen in an earlier one: a prompt is prefilled in one pass)
+with all `--concurrency` rows is kept. Hop per layer = ffn_wait_s / n_layers minus
 the FFN half's compute time for one layer on the same rows (timed here, in-process, on a
 [rows, hidden] float32 tensor). The bare round trip is a nats-py request/reply carrying the same
 payload (that tensor's bytes) to an echo responder in another process, on our own nats-server.
@@ -25,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import os
 import platform
@@ -35,7 +39,7 @@ import sys
 import threading
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -43,7 +47,7 @@ from typing import Any
 import torch
 
 from shared import subjects
-from shared.messages import MicrobatchDescriptor, MicrobatchDone, decode
+from shared.messages import MicrobatchDone, decode
 from shared.model.checkpoint import open_checkpoint
 from shared.model.engine import Engine
 from shared.model.sampling import SamplingParams
@@ -146,32 +150,35 @@ async def mesh_round(port: int, concurrency: int, max_tokens: int) -> float:
 
 
 async def mesh_decode(port: int, nats_port: int, concurrency: int, max_tokens: int, repeats: int,
-                      collect: bool) -> tuple[list[float], list[tuple[int, MicrobatchDone]]]:
-    """Warm-up, then `repeats` rounds; with `collect`, the decode microbatches' MicrobatchDone (with rows)."""
+                      collect: bool, engine_round: Callable[[], float]
+                      ) -> tuple[list[tuple[float, float]], list[tuple[int, MicrobatchDone]]]:
+    """Warm-up, then `repeats` pairs (engine round, mesh round) of decode tokens/s; with `collect`, the
+    decode microbatches' MicrobatchDone (with their rows)."""
     import nats
 
     await mesh_round(port, 1, 4)  # warm-up
-    phases: dict[str, tuple[str, int]] = {}
+    seen: set[str] = set()
     dones: list[tuple[int, MicrobatchDone]] = []
     nc = None
     if collect:
         nc = await nats.connect(f"nats://127.0.0.1:{nats_port}")
 
-        async def on_mb(msg: Any) -> None:
-            desc = decode(MicrobatchDescriptor, msg.data)
-            phases[desc.mb_id] = (desc.phase, sum(len(s.token_ids) for s in desc.seqs))
-
         async def on_done(msg: Any) -> None:
             done = decode(MicrobatchDone, msg.data)
-            phase, rows = phases.get(done.mb_id, ("unknown", 0))
-            if phase == "decode" and done.error is None:
-                dones.append((rows, done))
+            ids = {r.seq_id for r in done.results}
+            # A prompt fits one pass, so a sequence's first microbatch is its prefill: a microbatch
+            # whose every sequence was seen before is pure decode (one row per sequence).
+            if done.error is None and ids and ids <= seen and all(r.token_id is not None for r in done.results):
+                dones.append((len(done.results), done))
+            seen.update(ids)
 
-        await nc.subscribe(f"{subjects.PREFIX}.attn.*.mb", cb=on_mb)
         await nc.subscribe(subjects.SCHED_DONE, cb=on_done)
         await nc.flush()
     try:
-        rates = [await mesh_round(port, concurrency, max_tokens) for _ in range(repeats)]
+        rates = []
+        for _ in range(repeats):
+            engine_tok_s = engine_round()  # blocks the loop: nothing of ours is in flight meanwhile
+            rates.append((engine_tok_s, await mesh_round(port, concurrency, max_tokens)))
     finally:
         if nc is not None:
             await nc.flush()
@@ -191,14 +198,11 @@ def _time_engine(engine: Engine, prompt_ids: list[int], batch: int, new_tokens: 
     return elapsed
 
 
-def engine_decode(engine: Engine, prompt_ids: list[int], batch: int, new_tokens: int, repeats: int) -> float:
-    _time_engine(engine, prompt_ids, batch, 2)  # warm-up
-    best = float("inf")
-    for _ in range(repeats):
-        full = _time_engine(engine, prompt_ids, batch, new_tokens)
-        prefill = _time_engine(engine, prompt_ids, batch, 1)
-        best = min(best, full - prefill)
-    return batch * (new_tokens - 1) / best
+def engine_round(engine: Engine, prompt_ids: list[int], batch: int, new_tokens: int) -> float:
+    """Decode tokens/s of one round: the whole generation minus a prefill-only run of the same batch."""
+    full = _time_engine(engine, prompt_ids, batch, new_tokens)
+    prefill = _time_engine(engine, prompt_ids, batch, 1)
+    return batch * (new_tokens - 1) / (full - prefill)
 
 
 # -- the hop --------------------------------------------------------------------------------------
@@ -275,24 +279,25 @@ def main() -> None:
     n_layers, hidden = model_args.n_layers, model_args.dim
 
     engine = Engine.from_checkpoint(checkpoint, num_kv_blocks=max(256, args.concurrency * 16), block_size=16)
-    engine_tok_s = engine_decode(engine, prompt_ids, args.concurrency, args.max_tokens, args.repeats)
-    del engine
-    print(f"engine          : {engine_tok_s:8.1f} tok/s (decode, {args.concurrency} sequences)", flush=True)
-
     throughput = []
     decode_dones: list[tuple[int, MicrobatchDone]] = []
+    _time_engine(engine, prompt_ids, args.concurrency, 2)  # warm-up
     for depth in (int(d) for d in args.depths.split(",")):
         with aflex_up(args.model, depth) as (port, nats_port, _log):
-            rates, dones = asyncio.run(mesh_decode(port, nats_port, args.concurrency, args.max_tokens,
-                                                   args.repeats, collect=depth == 1))
+            pairs, dones = asyncio.run(mesh_decode(
+                port, nats_port, args.concurrency, args.max_tokens, args.repeats, depth == 1,
+                functools.partial(engine_round, engine, prompt_ids, args.concurrency, args.max_tokens)))
         if depth == 1:
             decode_dones = dones
-        best = max(rates)
-        throughput.append({"depth": depth, "mesh_decode_tok_s": round(best, 1),
-                           "mesh_rounds_tok_s": [round(r, 1) for r in rates],
-                           "engine_decode_tok_s": round(engine_tok_s, 1), "ratio": round(best / engine_tok_s, 2)})
-        print(f"mesh depth {depth}    : {best:8.1f} tok/s (rounds {', '.join(f'{r:.1f}' for r in rates)})   "
-              f"ratio {best / engine_tok_s:5.2f}x the engine", flush=True)
+        mesh_best, engine_best = max(m for _, m in pairs), max(e for e, _ in pairs)
+        ratio = statistics.median(m / e for e, m in pairs)
+        throughput.append({"depth": depth, "mesh_decode_tok_s": round(mesh_best, 1),
+                           "engine_decode_tok_s": round(engine_best, 1), "ratio": round(ratio, 2),
+                           "rounds": [{"engine_tok_s": round(e, 1), "mesh_tok_s": round(m, 1),
+                                       "ratio": round(m / e, 2)} for e, m in pairs]})
+        print(f"depth {depth}: mesh {mesh_best:8.1f} tok/s   engine {engine_best:8.1f} tok/s (best of {len(pairs)})   "
+              f"ratio {ratio:5.2f}x (median of rounds "
+              f"{', '.join(f'{m:.1f}/{e:.1f}' for e, m in pairs)})", flush=True)
 
     hop: dict[str, Any] = {}
     full = [(rows, d) for rows, d in decode_dones if rows == args.concurrency]
