@@ -99,6 +99,7 @@ def _worker_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gpu-pace", action="store_true", default=None,
                    help="emulated GPU: pace work to the modelled time, so a lower clock really slows the worker")
     p.add_argument("--telemetry-hz", type=float, help="telemetry messages per second (default 10)")
+    p.add_argument("--torch-threads", type=int, help="CPU threads for torch (default: torch's own choice)")
 
 
 def _settings(cls: type, args: argparse.Namespace, fields: tuple[str, ...]) -> object:
@@ -124,7 +125,7 @@ def _run_service(args: argparse.Namespace) -> int:
     entry: Callable[..., Coroutine[Any, Any, None]]
     common = ("nats_url", "log_level")
     worker = (*common, "worker_id", "model", "dtype", "device", "gpu_backend", "gpu_profile", "gpu_pace",
-              "telemetry_hz")
+              "telemetry_hz", "torch_threads")
     settings: Any
     if args.command == "gateway":
         from services.gateway.app import serve
@@ -149,6 +150,13 @@ def _run_service(args: argparse.Namespace) -> int:
         entry = run_ffn
         settings = _settings(s.FFNWorkerSettings, args, (*worker, "merge_microbatches"))
     _setup_logging(settings)
+    threads = getattr(settings, "torch_threads", None)
+    if threads:
+        # Workers sharing a machine's cores would otherwise each start a thread per core and thrash
+        # when both halves compute at once (the ping-pong pipeline). Set on the thread that computes.
+        import torch
+
+        torch.set_num_threads(threads)
     asyncio.run(entry(settings))
     return 0
 

@@ -312,6 +312,9 @@ def build_commands(args: argparse.Namespace) -> list[ChildSpec]:
     gpu += ["--gpu-profile", args.gpu_profile] if getattr(args, "gpu_profile", None) else []
     gpu += ["--gpu-pace"] if getattr(args, "gpu_pace", None) else []
     n_workers = args.attention_workers + args.ffn_workers
+    # The workers share this machine's cores: give each its share, so that the two halves computing
+    # at once (the ping-pong pipeline) do not oversubscribe them.
+    gpu += ["--torch-threads", str(max(1, (os.cpu_count() or 1) // n_workers))]
     real_gpus = gpu_control in (None, "auto", "nvml", "nvml-readonly")
     devices = worker_devices(n_workers) if real_gpus else [None] * n_workers
     specs = [ChildSpec("scheduler", "scheduler", [*cli, "scheduler", *model, *depth])]

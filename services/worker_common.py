@@ -116,6 +116,7 @@ def registration(worker_id: str, role: Literal["attention", "ffn"], model_id: st
                     pid=os.getpid(), started_ts=time.time(),
                     gpu_backend=gpu.backend if gpu is not None else "",
                     gpu_name=gpu.name if gpu is not None else "",
+                    gpu_profile=str(getattr(getattr(gpu, "profile", None), "key", "")),
                     supported_clocks_mhz=list(gpu.supported_sm_clocks_mhz()) if gpu is not None else [])
 
 

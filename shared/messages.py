@@ -168,6 +168,7 @@ class MicrobatchDone(Message):
     failed_seq_ids: list[str] = Field(default_factory=list)  # e.g. KV exhausted: requeue them
     attention_s: float = 0.0  # time computing attention, lm_head and sampling
     ffn_wait_s: float = 0.0  # time waiting for the FFN worker (network + FFN compute)
+    ffn_compute_s: float = 0.0  # of which the FFN worker's forwards (the rest is transport and queueing)
     total_s: float = 0.0
     energy_j: float | None = None  # this microbatch's GPU energy, attention and FFN sides together
     attention_energy_j: float | None = None
@@ -193,6 +194,7 @@ class Register(Message):
     started_ts: float = 0.0
     gpu_backend: str = ""
     gpu_name: str = ""
+    gpu_profile: str = ""  # the GPU profile key (emulated: the one it runs; else guessed from the name)
     supported_clocks_mhz: list[int] = Field(default_factory=list)
 
 

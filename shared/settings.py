@@ -44,8 +44,10 @@ class SchedulerSettings(ServiceSettings):
     tpot_slo_ms: float = 120.0
     # frequency commands: one per healthy worker every window, valid for three windows
     freq_window_s: float = 2.0
-    freq_policy: Literal["max", "fixed", "slo"] = "slo"
+    freq_policy: Literal["aflex", "max", "fixed", "slo"] = "aflex"  # aflex: falls back to slo per worker
     fixed_clocks: str = ""  # for "fixed": e.g. "attention.decode=900,ffn.decode=1200,ffn=1100" (MHz)
+    freq_link_gbs: float = 400.0  # aflex: the A/F link bandwidth the predictors assume, GB/s
+    freq_observe: bool = True  # aflex: correct the predictors online from MicrobatchDone timings
     telemetry_hz: float = 1.0  # SchedulerTelemetry rate; 0 turns it off
 
 
@@ -63,6 +65,7 @@ class WorkerSettings(ServiceSettings):
     default_clock_mhz: int | None = None  # the clock without a valid command; None: the GPU's maximum
     hysteresis_mhz: int = 30  # the clock switches only for a change larger than this
     min_hold_s: float = 0.2  # and at most once per this many seconds
+    torch_threads: int | None = None  # CPU threads for torch; `aflex up` splits the cores among workers
 
 
 class AttentionWorkerSettings(WorkerSettings):

@@ -110,7 +110,7 @@ class AttentionWorker:
         self._busy: set[str] = set()  # sequences in an in-flight microbatch
         self._release_later: set[str] = set()  # released while busy: freed when their microbatch ends
         self._active_mbs: set[str] = set()
-        self._replies: dict[tuple[str, int], asyncio.Future[tuple[Tensor, float]]] = {}
+        self._replies: dict[tuple[str, int], asyncio.Future[tuple[Tensor, float, float]]] = {}
         self._assembler = wire.FrameAssembler()
         self._gpu_arg = gpu  # None: the backend the settings select, built when the worker starts
         self.gpu: WorkerGPU | None = None
@@ -246,8 +246,9 @@ class AttentionWorker:
             future.set_exception(FFNReplyError(f"FFN worker {header.get('worker_id')} failed layer "
                                                f"{key[1]} of microbatch {key[0]}: {header['error']}"))
         else:
-            energy = header.get("energy_j")
-            future.set_result((tensor, float(energy) if isinstance(energy, int | float) else 0.0))
+            energy, compute = header.get("energy_j"), header.get("compute_s")
+            future.set_result((tensor, float(energy) if isinstance(energy, int | float) else 0.0,
+                               float(compute) if isinstance(compute, int | float) else 0.0))
 
     # -- one microbatch -------------------------------------------------------------------------
 
@@ -265,7 +266,8 @@ class AttentionWorker:
         failures = _Failures()
         admitted: list[Admitted] = []
         results: list[SeqResult] = []
-        timing = {"attention_s": 0.0, "ffn_wait_s": 0.0, "attention_energy_j": 0.0, "ffn_energy_j": 0.0}
+        timing = {"attention_s": 0.0, "ffn_wait_s": 0.0, "ffn_compute_s": 0.0, "attention_energy_j": 0.0,
+                  "ffn_energy_j": 0.0}
         claimed: list[str] = []
         owns_mb_id = False
         try:
@@ -398,10 +400,11 @@ class AttentionWorker:
             meter.op(phase, attend_s, gpu.run(layer_work, attend_s))
             timing["attention_energy_j"] += gpu.total_energy_j() - energy0
             t = time.perf_counter()
-            ffn_out, ffn_energy = await self._ffn_round_trip(desc, layer, ffn_in)
+            ffn_out, ffn_energy, ffn_compute_s = await self._ffn_round_trip(desc, layer, ffn_in)
             wait_s = time.perf_counter() - t
             timing["attention_s"] += attend_s
             timing["ffn_wait_s"] += wait_s
+            timing["ffn_compute_s"] += ffn_compute_s
             timing["ffn_energy_j"] += ffn_energy
             log.debug("mb %s layer %d: attention %.2f ms, ffn wait %.2f ms (%d rows)",
                       desc.mb_id, layer, attend_s * 1e3, wait_s * 1e3, meta.n_tokens)
@@ -423,12 +426,12 @@ class AttentionWorker:
         return tokens
 
     async def _ffn_round_trip(self, desc: MicrobatchDescriptor, layer: int, ffn_in: Tensor
-                              ) -> tuple[Tensor, float]:
-        """Send layer `layer`'s ffn_in to the FFN worker and await its ffn_out (keyed by mb_id and layer)
-        and the energy of its share of the FFN forward."""
+                              ) -> tuple[Tensor, float, float]:
+        """Send layer `layer`'s ffn_in to the FFN worker and await its ffn_out (keyed by mb_id and layer),
+        the energy of its share of the FFN forward, and that forward's compute time."""
         assert self.nc is not None
         key = (desc.mb_id, layer)
-        future: asyncio.Future[tuple[Tensor, float]] = asyncio.get_running_loop().create_future()
+        future: asyncio.Future[tuple[Tensor, float, float]] = asyncio.get_running_loop().create_future()
         self._replies[key] = future
         try:
             header: dict[str, Any] = {"mb_id": desc.mb_id, "layer": layer, "direction": "to_ffn",
@@ -437,7 +440,7 @@ class AttentionWorker:
             for frame in wire.encode_frames(header, ffn_in, self.nc.max_payload):
                 await self.nc.publish(subjects.ffn_mb(desc.ffn_worker), frame)
             try:
-                out, energy_j = await asyncio.wait_for(future, self.ffn_reply_timeout_s)
+                out, energy_j, compute_s = await asyncio.wait_for(future, self.ffn_reply_timeout_s)
             except TimeoutError:
                 raise FFNReplyError(f"FFN worker {desc.ffn_worker} did not answer layer {layer} of microbatch "
                                     f"{desc.mb_id} within {self.ffn_reply_timeout_s:.0f} s") from None
@@ -446,7 +449,7 @@ class AttentionWorker:
         if tuple(out.shape) != tuple(ffn_in.shape):
             raise FFNReplyError(f"FFN worker {desc.ffn_worker} returned shape {list(out.shape)} for layer {layer} "
                                 f"of microbatch {desc.mb_id}, expected {list(ffn_in.shape)}")
-        return out.to(device=ffn_in.device, dtype=ffn_in.dtype), energy_j
+        return out.to(device=ffn_in.device, dtype=ffn_in.dtype), energy_j, compute_s
 
 
 async def run(settings: AttentionWorkerSettings, *, stop: asyncio.Event | None = None) -> None:

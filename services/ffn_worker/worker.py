@@ -172,7 +172,7 @@ class FFNWorker:
             self._queue = rest
         return batch
 
-    def _forward(self, batch: list[_Work]) -> tuple[list[Tensor], list[float]]:
+    def _forward(self, batch: list[_Work]) -> tuple[list[Tensor], list[float], float]:
         """One FFN forward over the stacked rows of `batch` at the batch's phase clock; the outputs
         split back per frame, with each frame's share (by rows) of the forward's GPU energy."""
         model, worker_gpu = self.model, self.gpu
@@ -198,7 +198,7 @@ class FFNWorker:
         meter.queue_depth = len(self._queue)
         self.forwards += 1
         shares = [energy * r / total_rows if total_rows else energy / len(batch) for r in rows]
-        return [part.to(batch[0].hidden.dtype) for part in out.split(rows)], shares
+        return [part.to(batch[0].hidden.dtype) for part in out.split(rows)], shares, measured_s
 
     async def _serve_loop(self) -> None:
         while True:
@@ -211,7 +211,7 @@ class FFNWorker:
             batch = self._take_batch()
             started = time.perf_counter()
             try:
-                outputs, energies = self._forward(batch)
+                outputs, energies, compute_s = self._forward(batch)
             except Exception as exc:
                 log.exception("ffn worker %s: layer %d forward failed", self.worker_id, batch[0].layer)
                 for work in batch:
@@ -220,15 +220,17 @@ class FFNWorker:
             log.debug("ffn layer %d: %d frame(s), %d rows in one forward (%.2f ms)", batch[0].layer, len(batch),
                       sum(o.shape[0] for o in outputs), (time.perf_counter() - started) * 1e3)
             for work, out, energy_j in zip(batch, outputs, energies, strict=True):
-                await self._reply(work.reply_to, work.mb_id, work.layer, out, energy_j=energy_j)
+                await self._reply(work.reply_to, work.mb_id, work.layer, out, energy_j=energy_j, compute_s=compute_s)
                 self.frames_served += 1
             await asyncio.sleep(0)  # let the subscription queue more frames before the next forward
 
     async def _reply(self, reply_to: str, mb_id: str, layer: Any, tensor: Tensor,
-                     error: str | None = None, *, energy_j: float = 0.0) -> None:
+                     error: str | None = None, *, energy_j: float = 0.0, compute_s: float = 0.0) -> None:
+        """Send a frame's FFN output back, with its energy share and the forward's compute time (so the
+        attention side can tell transport time from FFN time)."""
         assert self.nc is not None
         header: dict[str, Any] = {"mb_id": mb_id, "layer": layer, "direction": "to_attention",
-                                  "worker_id": self.worker_id, "energy_j": energy_j}
+                                  "worker_id": self.worker_id, "energy_j": energy_j, "compute_s": compute_s}
         if error is not None:
             header["error"] = error
         try:

@@ -12,6 +12,9 @@ clock (prefill, decode), and publishes the answer as a `FrequencyCommand`. Polic
   recovery is quicker than descent) when the p90 exceeds `high` of the SLO or any request missed
   it, and holds otherwise or when nothing was observed. State is the previous command, per worker
   and phase, so each role (and each worker's clock table) moves on its own.
+- `aflex` (the default): shared/policy's clock selection on predictors of the worker's GPU profile
+  and the served model (aflex.py; the service plans it, not `plan_clocks`). A worker whose profile
+  is unknown, or a model whose shape is unknown, falls back to `slo`.
 
 A clock is always one of the worker's supported clocks.
 """
@@ -26,7 +29,7 @@ from typing import Literal, get_args
 
 from shared.messages import ClockPhase, Role
 
-ClockPolicy = Literal["max", "fixed", "slo"]
+ClockPolicy = Literal["aflex", "max", "fixed", "slo"]
 PHASES: tuple[ClockPhase, ...] = ("prefill", "decode")
 ROLES: tuple[Role, ...] = get_args(Role)
 
@@ -38,6 +41,7 @@ class PhaseSignal:
     p90_ms: float | None  # None: nothing observed
     slo_ms: float
     misses: int = 0  # requests (finished or still running) already over the SLO
+    count: int = 0  # observations (misses included), for the miss fraction
 
 
 @dataclass(frozen=True)
@@ -92,6 +96,13 @@ def snap(supported: Iterable[int], mhz: float) -> int:
     return table[max(i, 0)]
 
 
+def snap_up(supported: Iterable[int], mhz: float) -> int:
+    """The lowest supported clock >= mhz (the highest supported one when mhz is above them all)."""
+    table = _table(supported)
+    i = bisect.bisect_left(table, mhz)
+    return table[min(i, len(table) - 1)]
+
+
 def step(supported: Iterable[int], current: int, steps: int) -> int:
     """Move `steps` supported clocks up (> 0) or down (< 0) from `current`, clamped to the table."""
     table = _table(supported)
@@ -126,7 +137,7 @@ def plan_clocks(policy: ClockPolicy, role: Role, supported: Sequence[int],
         fixed = fixed or {}
         return {p: snap(table, fixed.get((role, p), top)) for p in PHASES}, "fixed"
     if policy != "slo":
-        raise ValueError(f"unknown clock policy {policy!r}")
+        raise ValueError(f"unknown clock policy {policy!r} (aflex is planned by services.scheduler.aflex)")
     if previous is None:
         return {p: top for p in PHASES}, "slo: start at max"
     signals = signals or {}

@@ -32,6 +32,7 @@ class Worker:
     healthy: bool = True
     gpu_backend: str = ""
     gpu_name: str = ""
+    gpu_profile: str = ""  # as registered; the scheduler resolves it (or the name) to a profile
     supported_clocks_mhz: list[int] = field(default_factory=list)  # empty: no frequency commands
     # -- attention workers only ----------------------------------------------------------------
     waiting: deque[RequestState] = field(default_factory=deque)
@@ -81,7 +82,7 @@ class Registry:
         worker.kv_free_blocks = msg.kv_total_blocks  # a (re)started worker has an empty cache
         worker.block_size = msg.block_size
         worker.max_seq_len = msg.max_seq_len
-        worker.gpu_backend, worker.gpu_name = msg.gpu_backend, msg.gpu_name
+        worker.gpu_backend, worker.gpu_name, worker.gpu_profile = msg.gpu_backend, msg.gpu_name, msg.gpu_profile
         worker.supported_clocks_mhz = sorted({c for c in msg.supported_clocks_mhz if c > 0})
         worker.last_seen = now
         worker.healthy = True

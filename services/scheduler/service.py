@@ -13,8 +13,12 @@ refusals) a request ends with finish_reason "error".
 
 Energy: each `MicrobatchDone.energy_j` is shared among the sequences of that microbatch in
 proportion to the tokens each fed in the pass; a request's shares add up to its `Usage.energy_j`.
-Clocks: every `freq_window_s` each healthy worker with supported clocks gets a `FrequencyCommand`
-from clocks.py's planner, fed with the TTFT/TPOT observed in the window. Telemetry: a
+Clocks: every `freq_window_s` each healthy worker with supported clocks gets a `FrequencyCommand`.
+With the default policy `aflex` (aflex.py) the clocks come from shared/policy's clock selection on
+the iterations each attention worker ran in the window, under SLO margins fed by the TTFT/TPOT
+observed in it; `MicrobatchDone` timings correct its predictors online, and its depth choice sets
+the microbatch depth when `microbatch_depth` is "auto". A worker whose GPU profile is unknown (or a
+model whose shape is unknown) falls back to `slo`; `max`, `fixed` and `slo` are clocks.py's. Telemetry: a
 `SchedulerTelemetry` at `telemetry_hz` (queue, running, finished, SLO attainment, p90s, clocks).
 """
 
@@ -23,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import time
 import uuid
 from collections import deque
@@ -34,13 +39,16 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 
 from services.scheduler.admission import validate_request
+from services.scheduler.aflex import AflexPlanner, IterationSample, PairPlan, guess_profile, sample_of
 from services.scheduler.batcher import Pass, microbatch_depth, phase_of, plan_iteration, split_microbatches
-from services.scheduler.clocks import PhaseSignal, parse_fixed_clocks, percentile, plan_clocks
+from services.scheduler.clocks import PHASES, PhaseSignal, parse_fixed_clocks, percentile, plan_clocks, snap_up
 from services.scheduler.model_info import ModelInfo, load_model_info
 from services.scheduler.registry import Registry, Worker
 from services.scheduler.state import RequestState, Status
 from shared import bus, subjects
 from shared.errors import AFlexError, InvalidRequestError
+from shared.gpu.base import GPUError
+from shared.gpu.emulated import GPUProfile, available_profiles, load_profile
 from shared.messages import (
     CancelRequest,
     ClockPhase,
@@ -98,6 +106,23 @@ class Scheduler:
         self.finished_total = 0
         self.finished_log: deque[Finished] = deque()
         self.ttft_log: deque[tuple[float, float]] = deque()  # (monotonic time of the first token, TTFT ms)
+        # aflex clock policy: the planner, each attention worker's iterations of the window, latest plans
+        self.aflex: AflexPlanner | None = None
+        self.samples: dict[str, deque[IterationSample]] = {}
+        self.plans: dict[str, dict[ClockPhase, PairPlan]] = {}
+        self._profiles: dict[tuple[str, str], GPUProfile | None] = {}
+        self._warned: set[str] = set()
+        if settings.freq_policy == "aflex":
+            if model.args is None:
+                log.warning("clock policy aflex: the shape of model %s is unknown; every worker falls back to slo",
+                            model.model_id)
+            else:
+                depth = settings.microbatch_depth
+                self.aflex = AflexPlanner(model.args, ttft_slo_ms=settings.ttft_slo_ms,
+                                          tpot_slo_ms=settings.tpot_slo_ms,
+                                          depths=(1, 2, 3, 4) if depth == "auto" else (int(depth),),
+                                          link_bytes_s=settings.freq_link_gbs * 1e9,
+                                          max_batch_tokens=settings.max_batch_tokens)
 
     # -- lifecycle ------------------------------------------------------------------------------
 
@@ -326,10 +351,25 @@ class Scheduler:
         chunk = min(state.pending_tokens, self.settings.max_batch_tokens)
         return worker.est_free_blocks + own >= worker.blocks_for(chunk)
 
+    def _depth(self, worker: Worker, passes: list[Pass]) -> int:
+        """Microbatch depth: the aflex plan's for this phase when "auto" (and planned), else batcher.py's rule."""
+        if self.settings.microbatch_depth == "auto" and self.aflex is not None:
+            phase: ClockPhase = "decode" if phase_of(passes) == "decode" else "prefill"
+            plan = self.plans.get(worker.worker_id, {}).get(phase)
+            if plan is not None:
+                return max(1, min(plan.op.depth, len(passes)))
+        return microbatch_depth(self.settings.microbatch_depth, len(passes))
+
     async def _run_iteration(self, worker: Worker, passes: list[Pass]) -> None:
         worker.iteration += 1
-        groups = split_microbatches(passes, microbatch_depth(self.settings.microbatch_depth, len(passes)))
+        groups = split_microbatches(passes, self._depth(worker, passes))
+        if self.aflex is not None:
+            window = self.samples.setdefault(worker.worker_id, deque())
+            window.append(_sample(passes, time.monotonic(), len(groups)))
+            while window and window[-1].mono - window[0].mono > self.settings.freq_window_s:
+                window.popleft()
         sent: list[tuple[str, list[Pass], asyncio.Future[MicrobatchDone]]] = []
+        ffn_of: dict[str, str] = {}
         loop = asyncio.get_running_loop()
         for k, group in enumerate(groups):
             ffn = self.registry.next_ffn()
@@ -344,12 +384,14 @@ class Scheduler:
                 p.state.first_pass_sent = True
             fut: asyncio.Future[MicrobatchDone] = loop.create_future()
             self.futures[mb_id] = (worker.worker_id, fut)
+            ffn_of[mb_id] = ffn.worker_id
             sent.append((mb_id, group, fut))
             await self.nc.publish(subjects.attn_mb(worker.worker_id), encode(desc))
         await asyncio.wait([f for _, _, f in sent], timeout=self.settings.microbatch_timeout_s)
         for mb_id, group, fut in sent:
             self.futures.pop(mb_id, None)
             if fut.done() and fut.exception() is None:
+                self._observe(worker, group, fut.result(), ffn_of[mb_id], lone=len(sent) == 1)
                 await self._apply(worker, group, fut.result())
                 continue
             reason = str(fut.exception()) if fut.done() else f"no MicrobatchDone for {mb_id} within " \
@@ -536,21 +578,129 @@ class Scheduler:
                 if tpot is not None:
                     tpots.append(tpot * 1000.0)
         tpot_miss = sum(ms > tpot_slo for ms in tpots)
-        return {"prefill": PhaseSignal(percentile(ttfts, 90), ttft_slo, ttft_miss),
-                "decode": PhaseSignal(percentile(tpots, 90), tpot_slo, tpot_miss)}
+        ttft_count = len(ttfts) + ttft_miss - sum(ms > ttft_slo for ms in ttfts)  # late waiters count too
+        return {"prefill": PhaseSignal(percentile(ttfts, 90), ttft_slo, ttft_miss, ttft_count),
+                "decode": PhaseSignal(percentile(tpots, 90), tpot_slo, tpot_miss, len(tpots))}
 
     async def _freq_loop(self) -> None:
         while True:
             await asyncio.sleep(self.settings.freq_window_s)
-            signals = self._signals(time.monotonic())
-            for worker in sorted(self.registry.workers.values(), key=lambda w: w.worker_id):
-                if worker.healthy and worker.supported_clocks_mhz:
-                    await self._command(worker, signals)
+            await self.freq_window()
 
-    async def _command(self, worker: Worker, signals: dict[ClockPhase, PhaseSignal]) -> None:
-        clocks, reason = plan_clocks(self.settings.freq_policy, worker.role, worker.supported_clocks_mhz,
-                                     previous=self.commanded.get(worker.worker_id), signals=signals,
-                                     fixed=self.fixed_clocks)
+    async def freq_window(self) -> None:
+        """One frequency window: plan and command every healthy worker with supported clocks."""
+        signals = self._signals(time.monotonic())
+        planned: dict[str, tuple[dict[ClockPhase, int], str]] = {}
+        if self.aflex is not None:
+            self.aflex.update_margins({p: (sig.p90_ms, sig.misses, sig.count) for p, sig in signals.items()})
+            planned = self._aflex_window()
+        for worker in sorted(self.registry.workers.values(), key=lambda w: w.worker_id):
+            if worker.healthy and worker.supported_clocks_mhz:
+                await self._command(worker, signals, planned.get(worker.worker_id))
+
+    # -- the aflex clock policy ------------------------------------------------------------------
+
+    def profile_of(self, worker: Worker) -> GPUProfile | None:
+        """The worker's GPU profile: as registered, or guessed from its GPU name; None when unknown."""
+        key = (worker.gpu_profile, worker.gpu_name)
+        if key not in self._profiles:
+            name = guess_profile(worker.gpu_profile, worker.gpu_name, available_profiles())
+            try:
+                self._profiles[key] = load_profile(name) if name else None
+            except GPUError:
+                self._profiles[key] = None
+        return self._profiles[key]
+
+    def _aflex_window(self) -> dict[str, tuple[dict[ClockPhase, int], str]]:
+        """Clocks for every worker aflex can plan: each attention worker from its own pair plan, each FFN
+        worker at the highest FFN clock any pair asks for; a phase nothing ran in holds its clock."""
+        assert self.aflex is not None
+        attention = self.registry.healthy("attention")
+        ffn = self.registry.healthy("ffn")
+        share = max(1, math.ceil(len(attention) / max(1, len(ffn))))
+        now_mono, now_unix = time.monotonic(), time.time()
+        fresh: dict[str, dict[ClockPhase, PairPlan]] = {}
+        for w in attention:
+            window = self.samples.get(w.worker_id, deque())
+            while window and now_mono - window[0].mono > self.settings.freq_window_s:
+                window.popleft()
+            profile = self.profile_of(w)
+            if profile is None or not window:
+                continue
+            queue = [(s.arrival_ts, float(s.pending_tokens)) for s in w.waiting]
+            previous = self.plans.setdefault(w.worker_id, {})
+            for phase in PHASES:
+                prev = previous.get(phase)
+                plan = self.aflex.plan_pair(profile, phase, list(window), share, now_unix,
+                                            queue if phase == "prefill" else (), prev.op if prev else None)
+                if plan is not None:
+                    previous[phase] = plan
+                    fresh.setdefault(w.worker_id, {})[phase] = plan
+        out: dict[str, tuple[dict[ClockPhase, int], str]] = {}
+        for w in [*attention, *ffn]:
+            if not w.supported_clocks_mhz or self.profile_of(w) is None:
+                continue
+            table, before = w.supported_clocks_mhz, self.commanded.get(w.worker_id, {})
+            clocks: dict[ClockPhase, int] = {}
+            why = []
+            for phase in PHASES:
+                if w.role == "attention":
+                    plans = [fresh[w.worker_id][phase]] if phase in fresh.get(w.worker_id, {}) else []
+                    want = [p.op.clock_attention for p in plans]
+                else:
+                    plans = [p[phase] for p in fresh.values() if phase in p]
+                    want = [p.op.clock_ffn for p in plans]
+                if want:
+                    clocks[phase] = snap_up(table, max(want))
+                    top = max(plans, key=lambda p: p.op.clock_ffn if w.role == "ffn" else p.op.clock_attention)
+                    op = top.op
+                    why.append(f"{phase} {top.stats.n_tokens:.0f} tok/{top.stats.ctx_tokens:.0f} ctx, budget "
+                               f"{top.budget_s * 1e3:.1f} ms, depth {op.depth}: A {op.clock_attention:.0f} / "
+                               f"F {op.clock_ffn:.0f} MHz{'' if op.feasible else ' (infeasible: fastest)'}")
+                else:
+                    clocks[phase] = before.get(phase, table[-1])
+                    why.append(f"{phase} idle: hold")
+            margins = self.aflex.margins
+            out[w.worker_id] = (clocks, f"aflex (margins {margins['prefill'].margin:.2f}/"
+                                        f"{margins['decode'].margin:.2f}): " + "; ".join(why))
+        return out
+
+    def _observe(self, worker: Worker, group: list[Pass], done: MicrobatchDone, ffn_id: str, *, lone: bool) -> None:
+        """Correct the aflex predictors from one microbatch's timings at the clocks commanded for it."""
+        if self.aflex is None or not self.settings.freq_observe or done.error is not None or not group:
+            return
+        if done.attention_s <= 0 and done.ffn_wait_s <= 0:
+            return
+        profile = self.profile_of(worker)
+        if profile is None:
+            return
+        sample = _sample(group, time.monotonic())
+        phase = sample.phase
+        self.aflex.observe(profile, phase, sample, attention_s=done.attention_s, ffn_wait_s=done.ffn_wait_s,
+                           clock_attention=self.commanded.get(worker.worker_id, {}).get(phase),
+                           clock_ffn=self.commanded.get(ffn_id, {}).get(phase), lone=lone)
+
+    async def _command(self, worker: Worker, signals: dict[ClockPhase, PhaseSignal],
+                       planned: tuple[dict[ClockPhase, int], str] | None = None) -> None:
+        policy = self.settings.freq_policy
+        previous = self.commanded.get(worker.worker_id)
+        if planned is not None:
+            clocks, reason = planned
+        elif policy == "aflex" and self.aflex is not None and self.profile_of(worker) is not None:
+            top = worker.supported_clocks_mhz[-1]
+            clocks = dict(previous) if previous else {p: top for p in PHASES}
+            reason = "aflex: hold" if previous else "aflex: start at max"
+        else:
+            fallback = policy == "aflex"
+            if fallback and worker.worker_id not in self._warned:
+                self._warned.add(worker.worker_id)
+                why = "the model's shape is unknown" if self.aflex is None else \
+                    f"GPU profile unknown (profile {worker.gpu_profile!r}, name {worker.gpu_name!r})"
+                log.warning("clock policy aflex: worker %s falls back to slo: %s", worker.worker_id, why)
+            clocks, reason = plan_clocks("slo" if fallback else policy, worker.role, worker.supported_clocks_mhz,
+                                         previous=previous, signals=signals, fixed=self.fixed_clocks)
+            if fallback:
+                reason += " (aflex fallback)"
         self.commanded[worker.worker_id] = clocks
         now = time.time()
         cmd = FrequencyCommand(worker_id=worker.worker_id, clocks_mhz=clocks, issued_ts=now,
@@ -579,6 +729,11 @@ class Scheduler:
         while True:
             await asyncio.sleep(1.0 / self.settings.telemetry_hz)
             await self.nc.publish(subject, encode(self.telemetry()))
+
+
+def _sample(passes: list[Pass], mono: float, depth: int = 1) -> IterationSample:
+    return sample_of(((p.n_new, p.start, p.samples, p.is_decode, len(p.state.prompt_ids)) for p in passes),
+                     mono, depth)
 
 
 def share_energy(group: list[Pass], energy_j: float, refused: set[str]) -> None:

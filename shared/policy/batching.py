@@ -27,13 +27,16 @@ class BatchingRule:
 
 
 def prefill_budget(rule: BatchingRule, queued_tokens: int, decode_running: int,
-                   time_at_max: Callable[[int], float] | None = None, tpot_budget_s: float = 0.0) -> int:
-    """Prefill tokens to schedule this iteration."""
+                   time_at_max: Callable[[int], float] | None = None, tpot_budget_s: float = 0.0,
+                   units: int = 1) -> int:
+    """Prefill tokens to schedule this iteration, over `units` groups that each take their own
+    chunk (replicas, or attention groups); `seq_chunk_cap` bounds one sequence's share."""
     if queued_tokens <= 0:
         return 0
+    units = max(1, units)
     if not rule.adaptive:
-        return min(queued_tokens, rule.chunk_tokens)
-    cap = min(queued_tokens, rule.max_chunk_tokens)
+        return min(queued_tokens, rule.chunk_tokens * units)
+    cap = min(queued_tokens, rule.max_chunk_tokens * units)
     if decode_running == 0 or time_at_max is None or tpot_budget_s <= 0:
         return cap
     lo, hi = min(rule.min_chunk_tokens, cap), cap
@@ -46,6 +49,12 @@ def prefill_budget(rule: BatchingRule, queued_tokens: int, decode_running: int,
         else:
             hi = mid
     return lo
+
+
+def seq_chunk_cap(rule: BatchingRule, budget_tokens: int) -> int:
+    """Most prefill tokens of one sequence in one iteration: the fixed chunk size (chunked prefill,
+    one group's chunk), or the whole budget when adaptive (one long prompt in one pass)."""
+    return max(1, budget_tokens if rule.adaptive else min(budget_tokens, rule.chunk_tokens))
 
 
 def decode_admit(rule: BatchingRule, running: int, kv_used_tokens: float, kv_capacity_tokens: float,

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from shared.perf import Predictor
-from shared.policy.pipeline import af_iteration, allreduce_s, colocated_iteration, megascale_depth, seam_transfer_s
+from shared.policy.pipeline import iteration_cost, megascale_depth, seam_transfer_s
 
 
 @dataclass(frozen=True)
@@ -28,7 +28,8 @@ class PoolShape:
     """A pool of GPUs that runs iterations together.
 
     split=False: `replicas` data-parallel replicas of `tp` GPUs each run both halves.
-    split=True: `attention` attention GPUs (data parallel, each its own sequences) and `ffn` FFN GPUs
+    split=True: `attention` attention GPUs in data-parallel groups of `attention_tp` (tensor parallel
+    inside a group, so one long prompt's attention spreads over the group) and `ffn` FFN GPUs
     (tensor parallel over the FFN weights) with the seam over a link of `link_bytes_s`."""
 
     split: bool
@@ -37,21 +38,34 @@ class PoolShape:
     replicas: int = 1
     tp: int = 1
     link_bytes_s: float = 400e9
+    attention_tp: int = 1
 
     @property
     def gpus(self) -> int:
         return self.attention + self.ffn if self.split else self.replicas * self.tp
 
+    @property
+    def units(self) -> int:
+        """Independent groups a sequence can be placed on: attention groups (split) or replicas."""
+        return max(1, self.attention // max(1, self.attention_tp)) if self.split else self.replicas
+
 
 @dataclass(frozen=True)
 class BatchStats:
-    """One iteration's work, summed over the pool: new tokens, KV tokens read, score pairs, sequences sampled."""
+    """One iteration's work, summed over the pool: new tokens, KV tokens read, score pairs, sequences sampled.
+
+    `seq_*` describe the largest single sequence chunk in it (0: none given). One sequence runs on one
+    group (replica, or attention TP group), so the iteration lasts at least that chunk's time there,
+    however many groups share the rest of the work."""
 
     phase: str  # "prefill" (any prefill chunk in it) or "decode"
     n_tokens: float
     ctx_tokens: float
     pairs: float
     n_sample: float
+    seq_tokens: float = 0.0
+    seq_ctx: float = 0.0
+    seq_pairs: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -73,27 +87,34 @@ class OperatingPoint:
     index: tuple[int, int] = (-1, -1)
 
 
-def _head(pred: Predictor, n: float, shard: int) -> tuple[np.ndarray, np.ndarray]:
-    return pred.predict("lm_head", "decode", max(1.0, n), shard=shard)
-
-
 def _tables(pred: Predictor, shape: PoolShape, s: BatchStats, depth: int,
             dim: int, layers: int, idle_w: float) -> tuple[np.ndarray, np.ndarray]:
     """Predicted (time, energy) over (clock_a, clock_f) for one depth."""
     if shape.split:
-        per_a = shape.attention * depth
-        ta, ea = pred.predict("attention", s.phase, s.n_tokens / per_a, s.ctx_tokens / per_a, s.pairs / per_a)
-        tf, ef = pred.predict("ffn", s.phase, s.n_tokens / depth, shard=shape.ffn)
-        th, eh = _head(pred, s.n_sample / shape.attention, 1)
-        tc = seam_transfer_s(s.n_tokens / depth, dim, shape.link_bytes_s)
-        return af_iteration(ta[:, None], ea[:, None], tf[None, :], ef[None, :], th[:, None], eh[:, None], tc,
-                            depth, layers, shape.attention, shape.ffn, idle_w)
-    r = shape.replicas
-    ta, ea = pred.predict("attention", s.phase, s.n_tokens / r, s.ctx_tokens / r, s.pairs / r, shard=shape.tp)
-    tf, ef = pred.predict("ffn", s.phase, s.n_tokens / r, shard=shape.tp)
-    th, eh = _head(pred, s.n_sample / r, shape.tp)
-    t, e = colocated_iteration(ta, ea, tf, ef, th, eh, allreduce_s(s.n_tokens / r, dim, shape.tp, shape.link_bytes_s),
-                               layers, shape.gpus, idle_w)
+        def att(n: float, ctx: float, pairs: float, shard: int) -> tuple[np.ndarray, np.ndarray]:
+            t, e = pred.predict("attention", s.phase, n, ctx, pairs, shard=shard)
+            return t[:, None], e[:, None]
+
+        def ffn(n: float, shard: int) -> tuple[np.ndarray, np.ndarray]:
+            t, e = pred.predict("ffn", s.phase, n, shard=shard)
+            return t[None, :], e[None, :]
+
+        def head(n: float, shard: int) -> tuple[np.ndarray, np.ndarray]:
+            t, e = pred.predict("lm_head", "decode", max(1.0, n), shard=shard)
+            return t[:, None], e[:, None]
+
+        return iteration_cost(att, ffn, head, shape, s, depth, dim, layers, idle_w)
+
+    def att1(n: float, ctx: float, pairs: float, shard: int) -> tuple[np.ndarray, np.ndarray]:
+        return pred.predict("attention", s.phase, n, ctx, pairs, shard=shard)
+
+    def ffn1(n: float, shard: int) -> tuple[np.ndarray, np.ndarray]:
+        return pred.predict("ffn", s.phase, n, shard=shard)
+
+    def head1(n: float, shard: int) -> tuple[np.ndarray, np.ndarray]:
+        return pred.predict("lm_head", "decode", max(1.0, n), shard=shard)
+
+    t, e = iteration_cost(att1, ffn1, head1, shape, s, depth, dim, layers, idle_w)
     return np.diag(t), np.diag(e)  # one clock for both halves: only the diagonal exists
 
 
@@ -108,8 +129,9 @@ def plan_iteration(pred: Predictor, shape: PoolShape, stats: BatchStats, budget_
         if rule.depths:
             depths = tuple(d for d in rule.depths if d >= 1)
         else:  # MegaScale-Infer: the integer floor from this batch's compute and transfer times
-            ta, _ = pred.predict("attention", stats.phase, stats.n_tokens / shape.attention,
-                                 stats.ctx_tokens / shape.attention, stats.pairs / shape.attention)
+            g = shape.units
+            ta, _ = pred.predict("attention", stats.phase, stats.n_tokens / g, stats.ctx_tokens / g, stats.pairs / g,
+                                 shard=shape.attention_tp)
             tf, _ = pred.predict("ffn", stats.phase, stats.n_tokens, shard=shape.ffn)
             tc = seam_transfer_s(stats.n_tokens, args.dim, shape.link_bytes_s)
             depths = (megascale_depth(tc, float(max(ta[top], tf[top]))),)

@@ -18,6 +18,8 @@ when ta = tf. Every GPU not computing within T idles at its context-idle power (
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
@@ -70,3 +72,55 @@ def allreduce_s(tokens: float, dim: int, tp: int, link_bytes_s: float, dtype_byt
     if tp <= 1:
         return 0.0
     return latency_s + 2.0 * (tp - 1) / tp * tokens * dim * dtype_bytes / link_bytes_s
+
+
+def pad_to(t: Array, e: Array, t_floor: Array, idle_power_w: float) -> tuple[Array, Array]:
+    """A GPU's share (t, e) stretched to at least `t_floor`, the extra time idle (a straggler elsewhere)."""
+    t2 = np.maximum(t, t_floor)
+    return t2, e + idle_power_w * (t2 - t)
+
+
+AttnCost = Callable[[float, float, float, int], tuple[Array, Array]]  # (n, ctx, pairs, shard) -> (t, e)
+TokCost = Callable[[float, int], tuple[Array, Array]]  # (n, shard) -> (t, e)
+
+
+def iteration_cost(att: AttnCost, ffn: TokCost, head: TokCost, shape: Any, s: Any, depth: int, dim: int, layers: int,
+                   idle_power_w: float) -> tuple[Array, Array]:
+    """(time_s, energy_j) of one iteration of `s` (a BatchStats) on `shape` (a PoolShape).
+
+    The cost callables give one layer's per-GPU (time, energy) of a share of the work; the policy
+    passes the predictors (arrays over clocks), the simulator the emulated GPU at the chosen clocks.
+    The work is spread evenly over the pool's groups (replicas, or attention TP groups), except that
+    the largest single sequence chunk (`s.seq_*`) runs on one group: every GPU's share is stretched
+    to at least that chunk's time there, the difference idle."""
+    link = shape.link_bytes_s
+    if shape.split:
+        tp = max(1, shape.attention_tp)
+        groups = shape.units
+        per = groups * depth
+        ta, ea = att(s.n_tokens / per, s.ctx_tokens / per, s.pairs / per, tp)
+        if tp > 1:  # the attention output projection's partial sums, reduced inside the group
+            ar = allreduce_s(s.n_tokens / per, dim, tp, link)
+            ta, ea = ta + ar, ea + ar * idle_power_w
+        if s.seq_tokens > s.n_tokens / per:
+            ts, _ = att(s.seq_tokens, s.seq_ctx, s.seq_pairs, tp)
+            if tp > 1:
+                ts = ts + allreduce_s(s.seq_tokens, dim, tp, link)
+            ta, ea = pad_to(ta, ea, ts / depth, idle_power_w)
+        tf, ef = ffn(s.n_tokens / depth, shape.ffn)
+        th, eh = head(max(1.0, s.n_sample / groups), tp)
+        tc = seam_transfer_s(s.n_tokens / depth, dim, link)
+        return af_iteration(ta, ea, tf, ef, th, eh, tc, depth, layers, shape.attention, shape.ffn, idle_power_w)
+    r = shape.replicas
+    ta, ea = att(s.n_tokens / r, s.ctx_tokens / r, s.pairs / r, shape.tp)
+    tf, ef = ffn(s.n_tokens / r, shape.tp)
+    ar = allreduce_s(s.n_tokens / r, dim, shape.tp, link)
+    if s.seq_tokens > s.n_tokens / r:
+        ts, _ = att(s.seq_tokens, s.seq_ctx, s.seq_pairs, shape.tp)
+        ts_f, _ = ffn(s.seq_tokens, shape.tp)
+        t_share = ta + tf + 2.0 * ar
+        t_seq = ts + ts_f + 2.0 * allreduce_s(s.seq_tokens, dim, shape.tp, link)
+        stretch = np.maximum(t_seq - t_share, 0.0)  # put the straggler's extra time on the FFN share
+        tf, ef = tf + stretch, ef + stretch * idle_power_w
+    th, eh = head(max(1.0, s.n_sample / r), shape.tp)
+    return colocated_iteration(ta, ea, tf, ef, th, eh, ar, layers, shape.gpus, idle_power_w)

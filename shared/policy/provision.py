@@ -7,9 +7,10 @@ iterations use:
 - decode pool (a attention, f FFN): batch B from Little's law (B = token rate × iteration time,
   iterated to a fixed point); feasible when the iteration meets the TPOT budget and the KV cache of
   the a attention GPUs holds B sequences; power = energy per iteration / iteration time.
-- prefill pool: chunks of c tokens; feasible when an iteration fits in a fraction of the TTFT
-  budget and utilisation stays below `max_utilisation` (queueing); power = busy share at the
-  chosen clocks + idle share at context-idle power.
+- prefill pool (a attention GPUs in TP groups of 1, 2, 4 or 8, f FFN): chunks of c tokens; feasible
+  when the window's p90 prompt alone fits the TTFT budget on one attention group at the top clock,
+  an iteration fits in a fraction of the TTFT budget and utilisation stays below `max_utilisation`
+  (queueing); power = busy share at the chosen clocks + idle share at context-idle power.
 
 The plan minimises total power, counting GPUs left out (parked) at `parked_power_w`. With fewer
 than `min_pd_gpus` GPUs the cluster is one mixed split pool (no prefill/decode pools).
@@ -29,6 +30,7 @@ class WindowLoad:
     rate_rps: float
     mean_prompt: float
     mean_output: float
+    p90_prompt: float = 0.0  # > 0: a prompt this long, alone, must fit the TTFT budget on one group
 
 
 @dataclass(frozen=True)
@@ -90,17 +92,31 @@ def decode_power(pred: Predictor, shape: PoolShape, load: WindowLoad, spec: Clus
     return op.energy_j / op.time_s
 
 
+def long_prompt_time(pred: Predictor, shape: PoolShape, prompt: float, rule: ClockRule | None = None) -> float:
+    """Predicted time (s) of one prompt of `prompt` tokens alone on `shape` at the top clock: it runs on
+    one group (a replica, or an attention TP group), so only tensor parallelism shortens it."""
+    pairs = prompt * prompt - prompt * (prompt - 1) / 2
+    stats = BatchStats("prefill", prompt, prompt, pairs, 1, prompt, prompt, pairs)
+    top = ClockRule(max_clock=True, depths=(1,))
+    return plan_iteration(pred, shape, stats, 0.0, top if rule is None else rule).time_s
+
+
 def prefill_power(pred: Predictor, shape: PoolShape, load: WindowLoad, spec: ClusterSpec, rule: ClockRule,
                   max_utilisation: float = 0.6) -> float:
     rate = load.rate_rps * load.mean_prompt
     if rate <= 0:
         return shape.gpus * spec.parked_power_w
+    if load.p90_prompt > 0:
+        t_long = long_prompt_time(pred, shape, load.p90_prompt)
+        if t_long > spec.ttft_budget_s:
+            return INFEASIBLE * 10 * t_long / spec.ttft_budget_s
     best = INFEASIBLE * 100
     prompt = max(1.0, load.mean_prompt)
     for chunk in (prompt, 2 * prompt, 4 * prompt):
         seqs = max(1.0, chunk / prompt)
         q = chunk / seqs
-        stats = BatchStats("prefill", chunk, chunk, seqs * (q * q - q * (q - 1) / 2), seqs)
+        pq = q * q - q * (q - 1) / 2
+        stats = BatchStats("prefill", chunk, chunk, seqs * pq, seqs, q, q, pq)
         budget = min(spec.ttft_budget_s / 2.0, max_utilisation * chunk / rate)
         op = plan_iteration(pred, shape, stats, budget, rule)
         util = rate * op.time_s / chunk
@@ -112,19 +128,26 @@ def prefill_power(pred: Predictor, shape: PoolShape, load: WindowLoad, spec: Clu
     return best
 
 
-def _pool(a: int, f: int, spec: ClusterSpec) -> PoolShape:
-    return PoolShape(split=True, attention=a, ffn=f, link_bytes_s=spec.link_bytes_s)
+def _pool(a: int, f: int, spec: ClusterSpec, attention_tp: int = 1) -> PoolShape:
+    return PoolShape(split=True, attention=a, ffn=f, link_bytes_s=spec.link_bytes_s, attention_tp=attention_tp)
+
+
+def attention_tp_options(a: int, max_tp: int) -> list[int]:
+    """Attention TP degrees for `a` attention GPUs: powers of two dividing `a`, at most `max_tp`
+    (the KV heads: a head is not split)."""
+    return [tp for tp in (1, 2, 4, 8) if tp <= max_tp and a % tp == 0]
 
 
 def provision(pred: Predictor, load: WindowLoad, spec: ClusterSpec, rule: ClockRule, headroom: float = 1.3,
-              min_pd_gpus: int = 6, use_all: bool = False) -> Plan:
-    """The least-power plan for `load` (times `headroom`); `use_all` spreads every GPU over the pools."""
-    hl = WindowLoad(load.rate_rps * headroom, load.mean_prompt, load.mean_output)
+              min_pd_gpus: int = 6, use_all: bool = False, prefill_tp: bool = True) -> Plan:
+    """The least-power plan for `load` (times `headroom`); `use_all` spreads every GPU over the pools;
+    `prefill_tp` lets the prefill pool's attention GPUs run tensor parallel in groups."""
+    hl = WindowLoad(load.rate_rps * headroom, load.mean_prompt, load.mean_output, load.p90_prompt)
     n = spec.gpus
     fmin = spec.ffn_min
     if n < min_pd_gpus:
         best: tuple[float, int, int] | None = None
-        both = WindowLoad(hl.rate_rps, hl.mean_prompt, hl.mean_output)
+        both = hl
         for f in range(fmin, n):
             for a in range(1, n - f + 1):
                 if use_all and a + f != n:
@@ -139,19 +162,21 @@ def provision(pred: Predictor, load: WindowLoad, spec: ClusterSpec, rule: ClockR
             raise ValueError(f"{n} GPUs cannot hold the model split (FFN needs {fmin})")
         p, a, f = best
         return Plan(None, None, _pool(a, f, spec), n - a - f, p, p < INFEASIBLE)
-    pre: dict[int, tuple[float, int, int]] = {}
+    pre: dict[int, tuple[float, int, int, int]] = {}
     dec: dict[int, tuple[float, int, int]] = {}
+    max_tp = max(1, pred.args.n_kv_heads) if prefill_tp else 1
     for f in range(fmin, n):
         for a in range(1, n - f):
             k = a + f
-            pp = prefill_power(pred, _pool(a, f, spec), hl, spec, rule)
-            if k not in pre or pp < pre[k][0]:
-                pre[k] = (pp, a, f)
+            for tp in attention_tp_options(a, max_tp):
+                pp = prefill_power(pred, _pool(a, f, spec, tp), hl, spec, rule)
+                if k not in pre or pp < pre[k][0]:
+                    pre[k] = (pp, a, f, tp)
             dp = decode_power(pred, _pool(a, f, spec), hl, spec, rule)
             if k not in dec or dp < dec[k][0]:
                 dec[k] = (dp, a, f)
     choice: tuple[float, int, int] | None = None
-    for kp, (pp, _, _) in pre.items():
+    for kp, (pp, _, _, _) in pre.items():
         for kd, (dp, _, _) in dec.items():
             if kp + kd > n or (use_all and kp + kd != n):
                 continue
@@ -161,6 +186,6 @@ def provision(pred: Predictor, load: WindowLoad, spec: ClusterSpec, rule: ClockR
     if choice is None:
         raise ValueError(f"{n} GPUs cannot hold a prefill and a decode pool")
     total, kp, kd = choice
-    _, pa, pf = pre[kp]
+    _, pa, pf, ptp = pre[kp]
     _, da, df = dec[kd]
-    return Plan(_pool(pa, pf, spec), _pool(da, df, spec), None, n - kp - kd, total, total < INFEASIBLE)
+    return Plan(_pool(pa, pf, spec, ptp), _pool(da, df, spec), None, n - kp - kd, total, total < INFEASIBLE)

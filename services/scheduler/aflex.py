@@ -1,0 +1,206 @@
+"""The `aflex` clock policy of the live scheduler: shared/policy's clock selection on the scheduler's own load.
+
+Pure (no I/O, no clock of its own): the service feeds it what it saw and publishes what it answers.
+
+Every frequency window, for each attention worker (paired with the FFN workers it sends microbatches
+to) and each clock phase, `AflexPlanner.plan_pair` takes the iterations that worker ran in the window
+(batch tokens, context tokens, score pairs, sequences sampled: `IterationSample`), picks the one at the
+90th percentile of batch tokens as the load to plan for, and asks `shared.policy.plan_iteration` (the
+simulator's own call) for the least-energy (depth, attention clock, FFN clock) whose predicted
+iteration time meets the phase's budget:
+
+- decode: TPOT·(1 − margin), one token per sequence per iteration;
+- prefill (any prefill chunk in the iteration, mixed included): `shared.policy.ttft_budget` over the
+  worker's queue (and the window's longest prompt) with TTFT·(1 − margin), and the TPOT budget too
+  when decode sequences ride along.
+
+The predictors are `shared.perf`'s, fitted for the worker's GPU profile and the served model
+(`cached_predictor`, the simulator's construction), one per (profile, model); each planner keeps its
+own online correction on top of the shared fit. The margins are `SloMargin`s fed with the window's
+observed p90 and misses, so misses widen them and clocks rise. Pipeline slack is `plan_iteration`'s:
+the side that is not the bottleneck slows until it nearly becomes it. An FFN worker serves every
+attention worker, so it runs at the highest FFN clock any pair asks for.
+
+Online correction: each `MicrobatchDone`'s `attention_s` (and, for a lone microbatch, `ffn_wait_s`
+less the modelled seam transfer) per layer is fed to `Predictor.observe` at the clock commanded for
+that worker and phase. One observation moves the correction ratio by at most `observe_band` either
+way and the ratio stays within [1/max_correction, max_correction], so a mesh whose time is not GPU
+time (an unpaced emulated worker on a CPU) cannot push every plan to the top clock; the SLO margin
+remains the safety net for what the predictors miss.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from shared.gpu.emulated import GPUProfile
+from shared.messages import ClockPhase
+from shared.model.config import ModelArgs
+from shared.perf import Predictor, cached_predictor, causal_pairs
+from shared.policy import BatchStats, ClockRule, OperatingPoint, PoolShape, SloMargin, plan_iteration, ttft_budget
+from shared.policy.pipeline import seam_transfer_s
+
+
+@dataclass(frozen=True)
+class IterationSample:
+    """One iteration of one attention worker, as the scheduler planned it."""
+
+    mono: float  # time.monotonic() when it was sent
+    phase: ClockPhase  # "prefill" when any prefill chunk is in it (mixed runs prefill clocks)
+    n_tokens: int
+    ctx_tokens: float
+    pairs: float
+    n_sample: int
+    n_decode: int  # decode sequences in it
+    max_prompt: int  # longest prompt among its prefill passes (0: none)
+    depth: int = 1
+
+    @property
+    def stats(self) -> BatchStats:
+        return BatchStats(self.phase, float(self.n_tokens), self.ctx_tokens, self.pairs, float(self.n_sample))
+
+
+def sample_of(passes: Iterable[tuple[int, int, bool, bool, int]], mono: float, depth: int = 1) -> IterationSample:
+    """An `IterationSample` from (n_new, start, samples, is_decode, prompt_len) per pass."""
+    n = n_dec = n_smp = max_prompt = count = 0
+    ctx = pairs = 0.0
+    for n_new, start, samples, is_decode, prompt_len in passes:
+        c = start + n_new
+        count += 1
+        n += n_new
+        ctx += c
+        pairs += causal_pairs(n_new, c)
+        n_smp += samples
+        n_dec += is_decode
+        if not is_decode:
+            max_prompt = max(max_prompt, prompt_len)
+    phase: ClockPhase = "decode" if n_dec == count else "prefill"
+    return IterationSample(mono, phase, n, ctx, pairs, n_smp, n_dec, max_prompt, depth)
+
+
+def representative(samples: Sequence[IterationSample], phase: ClockPhase) -> IterationSample | None:
+    """The window's iteration of `phase` at the 90th percentile of batch tokens (None: none ran)."""
+    xs = sorted((s for s in samples if s.phase == phase), key=lambda s: (s.n_tokens, s.ctx_tokens))
+    if not xs:
+        return None
+    return xs[min(len(xs) - 1, math.ceil(0.9 * len(xs)) - 1)]
+
+
+def guess_profile(gpu_profile: str, gpu_name: str, available: Sequence[str]) -> str | None:
+    """The profile key of a worker: its own `gpu_profile` if known, else one guessed from the GPU name
+    ("NVIDIA H200" -> "h200", "emulated A800-SXM4-80GB" -> "a800"); None when neither is known."""
+    keys = sorted((k.lower() for k in available), key=len, reverse=True)
+    if gpu_profile and gpu_profile.lower() in keys:
+        return gpu_profile.lower()
+    name = gpu_name.lower()
+    return next((k for k in keys if k in name), None) if name else None
+
+
+@dataclass(frozen=True)
+class PairPlan:
+    """What `plan_pair` decided for one attention worker and phase, and everything it decided from."""
+
+    phase: ClockPhase
+    stats: BatchStats
+    budget_s: float
+    shape: PoolShape
+    rule: ClockRule
+    current: OperatingPoint | None
+    op: OperatingPoint
+
+
+class AflexPlanner:
+    def __init__(self, args: ModelArgs, *, ttft_slo_ms: float, tpot_slo_ms: float, depths: tuple[int, ...],
+                 link_bytes_s: float = 400e9, max_batch_tokens: int = 2048, observe_band: float = 0.5,
+                 max_correction: float = 4.0) -> None:
+        self.args = args
+        self.ttft_slo_ms, self.tpot_slo_ms = ttft_slo_ms, tpot_slo_ms
+        self.rule = ClockRule(depths=depths)
+        self.link_bytes_s = link_bytes_s
+        self.max_batch_tokens = max_batch_tokens
+        self.observe_band = observe_band
+        self.max_correction = max_correction
+        self.margins: dict[ClockPhase, SloMargin] = {"prefill": SloMargin(), "decode": SloMargin()}
+        self._predictors: dict[GPUProfile, Predictor] = {}
+
+    def predictor(self, profile: GPUProfile) -> Predictor:
+        """This planner's predictor for a `GPUProfile`: the shared fit, its own online correction."""
+        pred = self._predictors.get(profile)
+        if pred is None:
+            base = cached_predictor(profile, self.args)
+            pred = dataclasses.replace(base, correction={}, energy_correction={})  # fits shared, not corrections
+            self._predictors[profile] = pred
+        return pred
+
+    # -- margins -----------------------------------------------------------------------------------
+    def update_margins(self, observed: dict[ClockPhase, tuple[float | None, int, int]]) -> None:
+        """Fold one window's (p90 ms, misses, observations) per phase into the margins."""
+        slos: dict[ClockPhase, float] = {"prefill": self.ttft_slo_ms, "decode": self.tpot_slo_ms}
+        for phase, slo in slos.items():
+            p90, misses, count = observed.get(phase, (None, 0, 0))
+            if p90 is None and misses:
+                p90 = slo * 1.01  # only late requests that have not produced a value yet: a miss all the same
+            self.margins[phase].update(p90, slo, misses / max(count, 1))
+
+    # -- budgets -----------------------------------------------------------------------------------
+    def budget_s(self, phase: ClockPhase, rep: IterationSample, now_unix: float = 0.0,
+                 queue: Sequence[tuple[float, float]] = ()) -> float:
+        """The per-iteration latency budget of `phase`; `queue`: (arrival unix ts, prefill tokens) waiting."""
+        tpot_b = self.margins["decode"].budget(self.tpot_slo_ms / 1e3)
+        if phase == "decode":
+            return tpot_b
+        ttft_b = self.margins["prefill"].budget(self.ttft_slo_ms / 1e3)
+        chunk = float(max(1, min(rep.n_tokens, self.max_batch_tokens)))
+        deadlines = [now_unix + ttft_b]  # a fresh request with the window's longest prompt
+        ahead = [float(max(rep.max_prompt, 1))]
+        acc = 0.0
+        for arrival, tokens in queue[:32]:
+            acc += tokens
+            deadlines.append(arrival + ttft_b)
+            ahead.append(acc)
+        budget = ttft_budget(now_unix, deadlines, ahead, chunk)
+        return min(budget, tpot_b) if rep.n_decode else budget
+
+    # -- planning ----------------------------------------------------------------------------------
+    def plan_pair(self, profile: GPUProfile, phase: ClockPhase, samples: Sequence[IterationSample],
+                  share: int = 1, now_unix: float = 0.0, queue: Sequence[tuple[float, float]] = (),
+                  current: OperatingPoint | None = None) -> PairPlan | None:
+        """The operating point of one attention worker (and `share` like it per FFN worker) for `phase`."""
+        rep = representative(samples, phase)
+        if rep is None:
+            return None
+        pred = self.predictor(profile)
+        k = max(1, share)
+        shape = PoolShape(split=True, attention=k, ffn=1, link_bytes_s=self.link_bytes_s)
+        s = rep.stats
+        stats = BatchStats(s.phase, s.n_tokens * k, s.ctx_tokens * k, s.pairs * k, s.n_sample * k)
+        budget = self.budget_s(phase, rep, now_unix, queue)
+        op = plan_iteration(pred, shape, stats, budget, self.rule, current)
+        return PairPlan(phase, stats, budget, shape, self.rule, current, op)
+
+    # -- online correction -------------------------------------------------------------------------
+    def observe(self, profile: GPUProfile, phase: ClockPhase, sample: IterationSample, *, attention_s: float,
+                ffn_wait_s: float, clock_attention: float | None, clock_ffn: float | None,
+                lone: bool) -> None:
+        """Correct the predictors from one microbatch's timings (whole-model seconds, all layers)."""
+        pred = self.predictor(profile)
+        layers = max(1, self.args.n_layers)
+        n, ctx, pairs = float(sample.n_tokens), sample.ctx_tokens, sample.pairs
+        if attention_s > 0 and clock_attention is not None:
+            self._observe(pred, "attention", phase, n, ctx, pairs, clock_attention, attention_s / layers)
+        if lone and ffn_wait_s > 0 and clock_ffn is not None:
+            seam = 2.0 * seam_transfer_s(n, self.args.dim, self.link_bytes_s)
+            measured = ffn_wait_s / layers - seam
+            if measured > 0:
+                self._observe(pred, "ffn", phase, n, 0.0, 0.0, clock_ffn, measured)
+
+    def _observe(self, pred: Predictor, op: str, phase: ClockPhase, n: float, ctx: float, pairs: float,
+                 clock: float, measured_s: float) -> None:
+        ratio = pred.correction.get((op, phase), 1.0)
+        raw = pred.predict_at(op, phase, n, ctx, pairs, clock) / ratio
+        lo, hi = ratio * (1.0 - self.observe_band), ratio * (1.0 + self.observe_band)
+        r = pred.observe(op, phase, n, ctx, pairs, clock, min(max(measured_s, raw * lo), raw * hi))
+        pred.correction[(op, phase)] = min(max(r, 1.0 / self.max_correction), self.max_correction)
