@@ -92,3 +92,39 @@ def test_margin_adapts() -> None:
     assert m.update(450.0, 400.0, 0.2) > 0.1
     before = m.margin
     assert m.update(100.0, 400.0, 0.0) < before
+
+
+def test_one_long_prompt_is_bounded_by_its_group_and_tp_shortens_it(pred: Predictor) -> None:
+    from shared.policy.provision import long_prompt_time
+
+    p = 5000.0
+    spread = BatchStats("prefill", p, p, p * p / 2, 1)  # no seq_*: the work would spread over all groups
+    alone = BatchStats("prefill", p, p, p * p / 2, 1, p, p, p * p / 2)
+    shape = PoolShape(split=True, attention=4, ffn=8)
+    top = ClockRule(max_clock=True, depths=(1,))
+    assert plan_iteration(pred, shape, alone, 0.0, top).time_s > 1.5 * plan_iteration(pred, shape, spread, 0.0,
+                                                                                        top).time_s
+    times = [long_prompt_time(pred, PoolShape(split=True, attention=4, ffn=8, attention_tp=tp), p) for tp in (1, 2, 4)]
+    assert times[0] > times[1] > times[2]
+    colo = [long_prompt_time(pred, PoolShape(split=False, replicas=16 // tp, tp=tp), p) for tp in (2, 4, 8)]
+    assert colo[0] > colo[1] > colo[2]
+
+
+def test_provisioning_uses_attention_tp_for_long_prompts(pred: Predictor) -> None:
+    args = get_model("qwen3-32b")
+    spec = ClusterSpec(16, 80e9, attention_weight_bytes(args), ffn_weight_bytes(args), kv_bytes_per_token(args),
+                       400e9, 0.34, 0.1, 90.0)
+    short = provision(pred, WindowLoad(2.0, 1000, 100, 1500), spec, ClockRule())
+    long = provision(pred, WindowLoad(2.0, 2000, 30, 5000), spec, ClockRule())
+    assert short.prefill is not None and long.prefill is not None
+    assert long.prefill.attention_tp > 1
+    assert long.prefill.attention_tp >= short.prefill.attention_tp
+
+
+def test_fixed_chunks_scale_with_groups_and_cap_one_sequence() -> None:
+    from shared.policy import seq_chunk_cap
+
+    fixed = BatchingRule(adaptive=False, chunk_tokens=2048)
+    assert prefill_budget(fixed, 100_000, 0, units=4) == 4 * 2048
+    assert seq_chunk_cap(fixed, 8192) == 2048
+    assert seq_chunk_cap(BatchingRule(), 8192) == 8192

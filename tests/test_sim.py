@@ -45,3 +45,30 @@ def test_trace_loader_and_window() -> None:
     assert len(arr) > 300 and arr.time_s[0] >= 0 and arr.time_s[-1] < 120
     fast = load_trace("conv", time_scale=0.5, window=(0, 60))
     assert len(fast) == pytest.approx(len(arr), rel=0.15)
+
+
+def test_colocated_tp_follows_the_long_prompts() -> None:
+    from loadgen.sim.engine import colocated_tp
+
+    args = get_model("qwen3-32b")
+    pred = cached_predictor(PROFILE, args)
+    assert colocated_tp(args, 80e9, 16) == 2  # smallest that holds the model
+    assert colocated_tp(args, 80e9, 16, pred, 500, 0.34) == 2
+    assert colocated_tp(args, 80e9, 16, pred, 5000, 0.34) >= 4
+
+
+def test_burst_aware_load_is_at_least_the_mean() -> None:
+    arr = synthetic(3.0, 300.0, 5, burstiness=4.0)
+    sim = Simulation(PROFILE, MODEL, arr, policy_spec("aflex"), SimConfig(gpus=8), cached_predictor(PROFILE, MODEL))
+    mean, burst = sim._load(0, 300), sim._load(0, 300, burst=True)
+    assert burst.rate_rps >= mean.rate_rps and burst.p90_prompt >= burst.mean_prompt * 0.5
+
+
+def test_chunked_prefill_conserves_tokens_with_long_prompts() -> None:
+    arr = synthetic(2.0, 40.0, 2, burstiness=2.0, prompt_mean=5000, output_mean=20)
+    for policy in ("colocated-max", "aflex-no-adaptive-batch"):
+        sim = Simulation(PROFILE, MODEL, arr, policy_spec(policy), SimConfig(gpus=8, window_s=20, tick_s=10),
+                         cached_predictor(PROFILE, MODEL))
+        res = sim.run()
+        assert res["finished"] == res["requests"] > 0
+        assert all(len(p.queue) == 0 and p.queued_tokens == 0 for p in sim.pools.values())

@@ -43,9 +43,11 @@ from shared.policy import (
     plan_iteration,
     prefill_budget,
     provision,
+    seq_chunk_cap,
     ttft_budget,
 )
-from shared.policy.pipeline import af_iteration, allreduce_s, colocated_iteration, seam_transfer_s
+from shared.policy.pipeline import iteration_cost
+from shared.policy.provision import long_prompt_time
 
 OPERATOR_KEYS = ("prefill-attention", "prefill-ffn", "decode-attention", "decode-ffn")
 
@@ -91,16 +93,32 @@ class SimConfig:
     tick_s: float = 30.0
     headroom: float = 1.3
     parked_power: str = "context"  # "context" (warm, weights resident) or "idle" (no context)
+    colocated_tp: int | None = None  # None: the smallest TP that holds the model and fits the p90 prompt
+    burst_subwindow_s: float = 30.0  # dynamic provisioning sizes for a quantile of these sub-window rates
+    burst_quantile: float = 0.9  # 0.5 ~ the window's mean rate; 1.0 its busiest sub-window
     record_power: bool = False
     seed: int = 0
 
 
-def colocated_tp(args: ModelArgs, memory_bytes: float, gpus: int) -> int:
+def colocated_tp(args: ModelArgs, memory_bytes: float, gpus: int, pred: Predictor | None = None,
+                 p90_prompt: float = 0.0, ttft_budget_s: float = 0.0, link_bytes_s: float = 400e9) -> int:
+    """TP of a colocated replica: the smallest that holds the model (with KV room) and, given a
+    predictor and a p90 prompt, runs that prompt alone within the TTFT budget at the top clock (else
+    the fastest such TP): the operator's choice for the workload, the same rule AFlex's prefill pool
+    follows."""
     weights = attention_weight_bytes(args) + ffn_weight_bytes(args)
-    for tp in (1, 2, 4, 8):
-        if weights <= 0.75 * tp * memory_bytes and tp <= gpus:
+    fits = [tp for tp in (1, 2, 4, 8) if weights <= 0.75 * tp * memory_bytes and tp <= gpus]
+    if not fits:
+        raise ValueError(f"{gpus} GPUs cannot hold the model colocated")
+    if pred is None or p90_prompt <= 0:
+        return fits[0]
+    times = {}
+    for tp in fits:
+        shape = PoolShape(split=False, replicas=gpus // tp, tp=tp, link_bytes_s=link_bytes_s)
+        times[tp] = long_prompt_time(pred, shape, p90_prompt)
+        if times[tp] <= ttft_budget_s:
             return tp
-    raise ValueError(f"{gpus} GPUs cannot hold the model colocated")
+    return min(times, key=lambda k: times[k])
 
 
 class Controller:
@@ -121,12 +139,16 @@ class Controller:
     def plan(self, shape: PoolShape, s: BatchStats, budget_s: float, current: OperatingPoint | None) -> OperatingPoint:
         qn, qc = self._q(s.n_tokens, 16), self._q(s.ctx_tokens, 12)
         qp, qs = self._q(s.pairs, 8), self._q(s.n_sample, 16)
+        # the single-sequence bound only matters when that sequence is more than one group's share
+        big = s.seq_tokens > s.n_tokens / max(1, shape.units)
+        sq = (self._q(s.seq_tokens, 16), self._q(s.seq_ctx, 12), self._q(s.seq_pairs, 8)) if big else (0, 0, 0)
         qb = int(budget_s * 400)  # 2.5 ms
         cur = (current.depth, current.index) if current is not None else None
-        key = (shape, s.phase, qn, qc, qp, qs, qb, cur)
+        key = (shape, s.phase, qn, qc, qp, qs, sq, qb, cur)
         op = self.cache.get(key)
         if op is None:
-            rep = BatchStats(s.phase, self._dq(qn, 16), self._dq(qc, 12), self._dq(qp, 8), self._dq(qs, 16))
+            seq = (self._dq(sq[0], 16), self._dq(sq[1], 12), self._dq(sq[2], 8)) if big else (0.0, 0.0, 0.0)
+            rep = BatchStats(s.phase, self._dq(qn, 16), self._dq(qc, 12), self._dq(qp, 8), self._dq(qs, 16), *seq)
             op = plan_iteration(self.pred, shape, rep, qb / 400.0, self.rule, current)
             if len(self.cache) > 200_000:
                 self.cache.clear()
@@ -202,14 +224,25 @@ class Simulation:
         self.parked, self._parked_since = parked, now
 
     # -- provisioning -------------------------------------------------------------------------
-    def _load(self, t0: float, t1: float) -> WindowLoad:
+    def _load(self, t0: float, t1: float, burst: bool = False) -> WindowLoad:
+        """The load of [t0, t1): mean rate, or with `burst` the `burst_quantile` of its sub-window rates
+        (the global controller provisions for the bursts it saw, not their average)."""
         a = self.arr
+        t0 = max(0.0, t0)
         i0, i1 = np.searchsorted(a.time_s, [t0, t1])
         k = i1 - i0
         if k == 0:
             mp = float(np.mean(a.prompt)) if len(a) else 1.0
             return WindowLoad(0.05, mp, float(np.mean(a.output)) if len(a) else 1.0)
-        return WindowLoad(k / max(t1 - t0, 1e-9), float(np.mean(a.prompt[i0:i1])), float(np.mean(a.output[i0:i1])))
+        rate = k / max(t1 - t0, 1e-9)
+        sub = self.cfg.burst_subwindow_s
+        if burst and t1 - t0 > 1.5 * sub:
+            edges = np.arange(t0, t1 + 1e-9, sub)
+            counts = np.diff(np.searchsorted(a.time_s, edges))
+            rate = max(rate, float(np.quantile(counts / sub, self.cfg.burst_quantile)))
+        prompts = a.prompt[i0:i1]
+        return WindowLoad(rate, float(np.mean(prompts)), float(np.mean(a.output[i0:i1])),
+                          float(np.percentile(prompts, 90)))
 
     def _apply_plan(self, now: float, shapes: dict[str, PoolShape], parked: int) -> None:
         for name, shape in shapes.items():
@@ -222,13 +255,15 @@ class Simulation:
                     pool.idle_since = now
                 pool.shape = shape
         self._set_parked(now, parked)
-        self.plans.append((now, {k: [v.attention, v.ffn] if v.split else [v.replicas, v.tp]
+        self.plans.append((now, {k: [v.attention, v.ffn, v.attention_tp] if v.split else [v.replicas, v.tp]
                                  for k, v in shapes.items()} | {"parked": parked}))
 
     def _provision(self, now: float, load: WindowLoad, scale_up_only: bool = False) -> None:
         n = self.cfg.gpus
         if not self.pol.split:
-            tp = colocated_tp(self.args, self.mem, n)
+            tp = self.cfg.colocated_tp or colocated_tp(
+                self.args, self.mem, n, self.pred, float(np.percentile(self.arr.prompt, 90)) if len(self.arr) else 0,
+                self.spec.ttft_budget_s, self.cfg.link_bytes_s)
             if not self.pools:
                 shape = PoolShape(split=False, replicas=n // tp, tp=tp, link_bytes_s=self.cfg.link_bytes_s)
                 self._apply_plan(now, {"mixed": shape}, n - shape.gpus)
@@ -267,29 +302,22 @@ class Simulation:
 
     # -- iterations ---------------------------------------------------------------------------
     def _truth(self, shape: PoolShape, s: BatchStats, depth: int, fa: float, ff: float) -> tuple[float, float]:
-        """True (time, energy) from the emulated GPU at the chosen clocks."""
+        """True (time, energy) from the emulated GPU at the chosen clocks (the same pipeline formulas)."""
         a, p = self.args, self.p
 
-        def cost(op: str, n: float, ctx: float, pairs: float, shard: int, clock: float) -> tuple[float, float]:
-            c = operator_cost(p, op_work(a, op, s.phase, n, ctx, pairs, shard), clock)
-            return c.time_s, c.energy_j
+        def att(n: float, ctx: float, pairs: float, shard: int) -> tuple[np.ndarray, np.ndarray]:
+            c = operator_cost(p, op_work(a, "attention", s.phase, n, ctx, pairs, shard), fa)
+            return np.array(c.time_s), np.array(c.energy_j)
 
-        if shape.split:
-            per_a = shape.attention * depth
-            ta, ea = cost("attention", s.n_tokens / per_a, s.ctx_tokens / per_a, s.pairs / per_a, 1, fa)
-            tf, ef = cost("ffn", s.n_tokens / depth, 0, 0, shape.ffn, ff)
-            th, eh = cost("lm_head", max(1.0, s.n_sample / shape.attention), 0, 0, 1, fa)
-            tc = seam_transfer_s(s.n_tokens / depth, a.dim, shape.link_bytes_s)
-            t, e = af_iteration(np.array(ta), np.array(ea), np.array(tf), np.array(ef), np.array(th), np.array(eh),
-                                tc, depth, a.n_layers, shape.attention, shape.ffn, self.idle_w)
-            return float(t), float(e)
-        r = shape.replicas
-        ta, ea = cost("attention", s.n_tokens / r, s.ctx_tokens / r, s.pairs / r, shape.tp, fa)
-        tf, ef = cost("ffn", s.n_tokens / r, 0, 0, shape.tp, fa)
-        th, eh = cost("lm_head", max(1.0, s.n_sample / r), 0, 0, shape.tp, fa)
-        t, e = colocated_iteration(np.array(ta), np.array(ea), np.array(tf), np.array(ef), np.array(th), np.array(eh),
-                                   allreduce_s(s.n_tokens / r, a.dim, shape.tp, shape.link_bytes_s), a.n_layers,
-                                   shape.gpus, self.idle_w)
+        def ffn(n: float, shard: int) -> tuple[np.ndarray, np.ndarray]:
+            c = operator_cost(p, op_work(a, "ffn", s.phase, n, 0, 0, shard), ff if shape.split else fa)
+            return np.array(c.time_s), np.array(c.energy_j)
+
+        def head(n: float, shard: int) -> tuple[np.ndarray, np.ndarray]:
+            c = operator_cost(p, op_work(a, "lm_head", s.phase, n, 0, 0, shard), fa)
+            return np.array(c.time_s), np.array(c.energy_j)
+
+        t, e = iteration_cost(att, ffn, head, shape, s, depth, a.dim, a.n_layers, self.idle_w)
         return float(t), float(e)
 
     def _kv_capacity(self, pool: Pool) -> float:
@@ -323,17 +351,23 @@ class Simulation:
         ttft_margin = self.margin_ttft.budget(self.cfg.ttft_slo_s)
         chunk: list[tuple[int, int]] = []
         n_pre = ctx_pre = pairs_pre = 0.0
+        seq: tuple[float, float, float] = (0.0, 0.0, 0.0)  # the largest single sequence chunk
         n_done_pre = 0
         budget = tpot_b if n_dec else math.inf
         if has_prefill:
             shape = pool.shape
 
+            head_rem = pool.queue[0][1]
+
             def time_at_max(tokens: int) -> float:
+                q1 = min(tokens, head_rem)
                 st = BatchStats("prefill", n_dec + tokens, pool.ctx_sum + n_dec + tokens, pool.ctx_sum + n_dec + tokens
-                                * tokens / 2, n_dec + 1)
+                                * tokens / 2, n_dec + 1, q1, q1, causal_pairs(q1, q1))
                 return plan_iteration(self.pred, shape, st, 0.0, ClockRule(max_clock=True, depths=(1,))).time_s
 
-            take = prefill_budget(self.pol.batching, pool.queued_tokens, n_dec, time_at_max if n_dec else None, tpot_b)
+            take = prefill_budget(self.pol.batching, pool.queued_tokens, n_dec, time_at_max if n_dec else None, tpot_b,
+                                  units=shape.units)
+            cap = seq_chunk_cap(self.pol.batching, take)
             left = take
             deadlines: list[float] = []
             ahead: list[float] = []
@@ -349,19 +383,22 @@ class Simulation:
                 if left <= 0:
                     break
                 rid, rem = entry
-                q = min(rem, left)
+                q = min(rem, left, cap)
                 done = int(self.arr.prompt[rid]) - rem
                 c = done + q
                 n_pre += q
                 ctx_pre += c
-                pairs_pre += causal_pairs(q, c)
+                pr = causal_pairs(q, c)
+                pairs_pre += pr
+                if q > seq[0]:
+                    seq = (q, c, pr)
                 chunk.append((rid, q))
                 left -= q
                 if q == rem:
                     n_done_pre += 1
         phase = "prefill" if n_pre > 0 else "decode"
         ctx_dec = pool.ctx_sum + n_dec
-        stats = BatchStats(phase, n_dec + n_pre, ctx_dec + ctx_pre, ctx_dec + pairs_pre, n_dec + n_done_pre)
+        stats = BatchStats(phase, n_dec + n_pre, ctx_dec + ctx_pre, ctx_dec + pairs_pre, n_dec + n_done_pre, *seq)
         op = self.ctrl.plan(pool.shape, stats, budget, pool.op)
         t, e = self._truth(pool.shape, stats, op.depth, op.clock_attention, op.clock_ffn)
         prev = pool.op
@@ -405,18 +442,21 @@ class Simulation:
                 self.finish[rid] = now
                 pool.n_run -= 1
                 pool.ctx_sum -= float(self.arr.prompt[rid] + self.arr.output[rid])
-        for rid, q in chunk:
-            entry = pool.queue[0]
+        finished_prefill = 0
+        for idx, (rid, q) in enumerate(chunk):  # the chunk is a prefix of the queue, in order
+            entry = pool.queue[idx]
             assert entry[0] == rid
             entry[1] -= q
             pool.queued_tokens -= q
             if entry[1] == 0:
-                pool.queue.popleft()
+                finished_prefill += 1
                 self.first[rid] = now
                 if self.arr.output[rid] <= 1:
                     self.finish[rid] = now
                 else:
                     completed.append(rid)
+        if finished_prefill:
+            pool.queue = deque(e for e in pool.queue if e[1] > 0)
         return completed
 
     # -- main loop ----------------------------------------------------------------------------
@@ -427,7 +467,7 @@ class Simulation:
         if self.pol.split and not self.pol.dynamic_provisioning:
             self._provision(0.0, self._peak_load())
         else:
-            self._provision(0.0, self._load(0.0, min(60.0, end_arrivals + 1e-6)))
+            self._provision(0.0, self._load(0.0, min(60.0, end_arrivals + 1e-6), burst=True))
         kv_heap: list[tuple[float, int]] = []
         i = 0
         next_tick = self.cfg.tick_s
@@ -450,7 +490,7 @@ class Simulation:
                 last_tick = now
                 if now >= next_window:
                     if self.pol.dynamic_provisioning:
-                        self._provision(now, self._load(now - self.cfg.window_s, now))
+                        self._provision(now, self._load(now - self.cfg.window_s, now, burst=True))
                     next_window += self.cfg.window_s
                 elif self.pol.dynamic_provisioning:
                     recent = self._load(now - self.cfg.tick_s, now)
