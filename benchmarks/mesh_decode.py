@@ -32,29 +32,25 @@ import argparse
 import asyncio
 import functools
 import json
-import os
 import platform
-import signal
 import statistics
 import subprocess
 import sys
-import threading
 import time
-import urllib.request
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from services.launch import aflex_up
 from shared import subjects
 from shared.messages import MicrobatchDone, decode
 from shared.model.checkpoint import open_checkpoint
 from shared.model.engine import Engine
 from shared.model.sampling import SamplingParams
 from shared.model.weights import load_ffn_half
-from shared.nats_server import EmbeddedNatsServer, free_port
+from shared.nats_server import EmbeddedNatsServer
 
 PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
 ROOT = Path(__file__).resolve().parent.parent
@@ -78,46 +74,6 @@ asyncio.run(main())
 
 
 # -- the mesh -------------------------------------------------------------------------------------
-
-
-@contextmanager
-def aflex_up(model: str, depth: int, timeout_s: float = 300.0) -> Iterator[tuple[int, int, list[str]]]:
-    """`aflex up` as a subprocess (as tests/mesh.py starts it); yields (http port, nats port, log)."""
-    port, nats_port = free_port(), free_port()
-    env = {k: v for k, v in os.environ.items() if k != "AFLEX_NATS_URL"}
-    process = subprocess.Popen(
-        [sys.executable, "-m", "services.cli", "up", "--model", model, "--host", "127.0.0.1", "--port", str(port),
-         "--nats-port", str(nats_port), "--attention-workers", "1", "--ffn-workers", "1",
-         "--microbatch-depth", str(depth)],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=ROOT,
-    )
-    log: list[str] = []
-    assert process.stdout is not None
-    stdout = process.stdout
-    threading.Thread(target=lambda: log.extend(iter(stdout.readline, "")), daemon=True).start()
-    try:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            if process.poll() is not None:
-                raise RuntimeError(f"aflex up exited with {process.returncode}:\n{''.join(log)}")
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/ready", timeout=2) as response:
-                    if response.status == 200:
-                        break
-            except OSError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"mesh not ready within {timeout_s} s:\n{''.join(log)}")
-            time.sleep(0.2)
-        yield port, nats_port, log
-    finally:
-        if process.poll() is None:
-            process.send_signal(signal.SIGTERM)
-            try:
-                process.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
 
 
 async def _stream(client: Any, model: str, max_tokens: int) -> dict[str, Any]:
@@ -285,7 +241,9 @@ def main() -> None:
     decode_dones: list[tuple[int, MicrobatchDone]] = []
     _time_engine(engine, prompt_ids, args.concurrency, 2)  # warm-up
     for depth in (int(d) for d in args.depths.split(",")):
-        with aflex_up(args.model, depth) as (port, nats_port, _log):
+        with aflex_up(args.model, "--attention-workers", "1", "--ffn-workers", "1",
+                      "--microbatch-depth", str(depth)) as mesh:
+            port, nats_port = mesh.port, mesh.nats_port
             pairs, dones = asyncio.run(mesh_decode(
                 port, nats_port, args.concurrency, args.max_tokens, args.repeats, depth == 1,
                 functools.partial(engine_round, engine, prompt_ids, args.concurrency, args.max_tokens)))

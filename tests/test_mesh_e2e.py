@@ -17,7 +17,7 @@ import httpx
 import openai
 import pytest
 
-from tests.mesh import Mesh, aflex_up
+from services.launch import Mesh, aflex_up
 
 QUESTION = "Tell me about the sea."
 

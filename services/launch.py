@@ -1,4 +1,5 @@
-"""Starting the real mesh for end-to-end tests: `aflex up` as a subprocess, stopped with SIGTERM."""
+"""`aflex up` as a subprocess, for end-to-end tests and benchmarks: start it on free ports, wait
+until the gateway's `/ready` answers, stop it with SIGTERM (SIGKILL after a minute)."""
 
 from __future__ import annotations
 
@@ -17,8 +18,10 @@ from shared.nats_server import free_port
 
 
 class Mesh:
-    def __init__(self, process: subprocess.Popen[str], port: int, log: list[str]) -> None:
-        self.process, self.port, self.log = process, port, log
+    """A running `aflex up`: its process, the gateway's and the nats-server's ports, its output so far."""
+
+    def __init__(self, process: subprocess.Popen[str], port: int, nats_port: int, log: list[str]) -> None:
+        self.process, self.port, self.nats_port, self.log = process, port, nats_port, log
 
     @property
     def base_url(self) -> str:
@@ -29,7 +32,7 @@ class Mesh:
 
 
 @contextmanager
-def aflex_up(model: str, *extra: str, timeout_s: float = 240.0) -> Iterator[Mesh]:
+def aflex_up(model: str, *extra: str, timeout_s: float = 300.0) -> Iterator[Mesh]:
     port, nats_port = free_port(), free_port()
     env = {k: v for k, v in os.environ.items() if k != "AFLEX_NATS_URL"}
     process = subprocess.Popen(
@@ -41,7 +44,7 @@ def aflex_up(model: str, *extra: str, timeout_s: float = 240.0) -> Iterator[Mesh
     assert process.stdout is not None
     stdout = process.stdout
     threading.Thread(target=lambda: log.extend(iter(stdout.readline, "")), daemon=True).start()
-    mesh = Mesh(process, port, log)
+    mesh = Mesh(process, port, nats_port, log)
     try:
         deadline = time.monotonic() + timeout_s
         while True:
