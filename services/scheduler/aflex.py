@@ -21,11 +21,12 @@ observed p90 and misses, so misses widen them and clocks rise. Pipeline slack is
 the side that is not the bottleneck slows until it nearly becomes it. An FFN worker serves every
 attention worker, so it runs at the highest FFN clock any pair asks for.
 
-Online correction: each `MicrobatchDone`'s `attention_s` (and, for a lone microbatch, `ffn_wait_s`
-less the modelled seam transfer) per layer is fed to `Predictor.observe` at the clock commanded for
-that worker and phase. One observation moves the correction ratio by at most `observe_band` either
-way and the ratio stays within [1/max_correction, max_correction], so a mesh whose time is not GPU
-time (an unpaced emulated worker on a CPU) cannot push every plan to the top clock; the SLO margin
+Online correction: each `MicrobatchDone`'s `attention_s` and `ffn_compute_s` (or, for a lone
+microbatch of a worker that does not report it, `ffn_wait_s` less the modelled seam transfer) per
+layer is fed to `Predictor.observe` at the clock commanded for that worker and phase. One
+observation moves the correction ratio by at most `observe_band` either way and the ratio stays
+within [1/max_correction, max_correction], so a mesh whose time is not GPU time (an unpaced
+emulated worker on a CPU) cannot push every plan to the top clock; the SLO margin
 remains the safety net for what the predictors miss.
 """
 
@@ -183,19 +184,26 @@ class AflexPlanner:
 
     # -- online correction -------------------------------------------------------------------------
     def observe(self, profile: GPUProfile, phase: ClockPhase, sample: IterationSample, *, attention_s: float,
-                ffn_wait_s: float, clock_attention: float | None, clock_ffn: float | None,
-                lone: bool) -> None:
-        """Correct the predictors from one microbatch's timings (whole-model seconds, all layers)."""
+                ffn_wait_s: float, clock_attention: float | None, clock_ffn: float | None, lone: bool,
+                ffn_compute_s: float = 0.0) -> None:
+        """Correct the predictors from one microbatch's timings (whole-model seconds, all layers).
+
+        FFN: the FFN worker's own compute time when reported; else, for a lone microbatch (nothing
+        queued beside it), the wait less the modelled seam transfer."""
         pred = self.predictor(profile)
         layers = max(1, self.args.n_layers)
         n, ctx, pairs = float(sample.n_tokens), sample.ctx_tokens, sample.pairs
         if attention_s > 0 and clock_attention is not None:
             self._observe(pred, "attention", phase, n, ctx, pairs, clock_attention, attention_s / layers)
-        if lone and ffn_wait_s > 0 and clock_ffn is not None:
-            seam = 2.0 * seam_transfer_s(n, self.args.dim, self.link_bytes_s)
-            measured = ffn_wait_s / layers - seam
-            if measured > 0:
-                self._observe(pred, "ffn", phase, n, 0.0, 0.0, clock_ffn, measured)
+        if clock_ffn is None:
+            return
+        measured = 0.0
+        if ffn_compute_s > 0:
+            measured = ffn_compute_s / layers
+        elif lone and ffn_wait_s > 0:
+            measured = ffn_wait_s / layers - 2.0 * seam_transfer_s(n, self.args.dim, self.link_bytes_s)
+        if measured > 0:
+            self._observe(pred, "ffn", phase, n, 0.0, 0.0, clock_ffn, measured)
 
     def _observe(self, pred: Predictor, op: str, phase: ClockPhase, n: float, ctx: float, pairs: float,
                  clock: float, measured_s: float) -> None:

@@ -669,7 +669,7 @@ class Scheduler:
         """Correct the aflex predictors from one microbatch's timings at the clocks commanded for it."""
         if self.aflex is None or not self.settings.freq_observe or done.error is not None or not group:
             return
-        if done.attention_s <= 0 and done.ffn_wait_s <= 0:
+        if done.attention_s <= 0 and done.ffn_wait_s <= 0 and done.ffn_compute_s <= 0:
             return
         profile = self.profile_of(worker)
         if profile is None:
@@ -678,7 +678,8 @@ class Scheduler:
         phase = sample.phase
         self.aflex.observe(profile, phase, sample, attention_s=done.attention_s, ffn_wait_s=done.ffn_wait_s,
                            clock_attention=self.commanded.get(worker.worker_id, {}).get(phase),
-                           clock_ffn=self.commanded.get(ffn_id, {}).get(phase), lone=lone)
+                           clock_ffn=self.commanded.get(ffn_id, {}).get(phase), lone=lone,
+                           ffn_compute_s=done.ffn_compute_s)
 
     async def _command(self, worker: Worker, signals: dict[ClockPhase, PhaseSignal],
                        planned: tuple[dict[ClockPhase, int], str] | None = None) -> None:

@@ -1,0 +1,297 @@
+"""The scheduler's `aflex` clock policy: shared/policy's clock selection driving the frequency commands.
+
+Pure tests of services/scheduler/aflex.py first; then the scheduler on a real nats-server with
+tests/test_scheduler.py's fake workers registered as emulated A800s, serving a model with the shape
+of Qwen3-32B (the fake workers' timings are not GPU time: the plans come from the predictors and
+the scheduler's own view of the load). Expected clocks are the policy function's own answers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass, field
+
+import nats
+import pytest
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+
+from loadgen.sim.models import get_model
+from services.scheduler.aflex import AflexPlanner, IterationSample, guess_profile, representative, sample_of
+from services.scheduler.clocks import snap_up
+from services.scheduler.model_info import ModelInfo
+from services.scheduler.service import Scheduler
+from services.worker_common import registration
+from shared import subjects
+from shared.gpu.emulated import EmulatedGPU, available_profiles, load_profile
+from shared.messages import (
+    FrequencyCommand,
+    OutputDelta,
+    Register,
+    RegisterReply,
+    SamplingSpec,
+    SubmitReply,
+    SubmitRequest,
+    decode,
+    encode,
+)
+from shared.nats_server import EmbeddedNatsServer
+from shared.perf import cached_predictor
+from shared.policy import BatchStats, ClockRule, PoolShape, plan_iteration
+from shared.settings import SchedulerSettings
+from tests.test_scheduler import FakeAttention, heartbeat, wait_for
+
+QWEN = get_model("qwen3-32b")
+MODEL = ModelInfo("test-model", frozenset({2}), vocab_size=1000, max_seq_len=4096, args=QWEN)
+A800 = load_profile("a800")
+A800_CLOCKS = A800.clocks_mhz
+
+
+# -- pure -----------------------------------------------------------------------------------------
+
+
+def test_guess_profile() -> None:
+    keys = available_profiles()
+    assert guess_profile("a800", "whatever", keys) == "a800"
+    assert guess_profile("", "NVIDIA H200", keys) == "h200"
+    assert guess_profile("", "NVIDIA A100-SXM4-80GB", keys) == "a100"
+    assert guess_profile("", "emulated A800-SXM4-80GB", keys) == "a800"
+    assert guess_profile("nope", "Mystery GPU", keys) is None and guess_profile("", "", keys) is None
+    reg = registration("f0", "ffn", "m", 2, gpu=EmulatedGPU("a800"))
+    assert reg.gpu_profile == "a800"
+
+
+def test_sample_and_representative() -> None:
+    # (n_new, start, samples, is_decode, prompt_len)
+    dec = sample_of([(1, 10, True, True, 5), (1, 20, True, True, 9)], 0.0)
+    assert dec.phase == "decode" and dec.n_tokens == 2 and dec.ctx_tokens == 32 and dec.pairs == 32
+    mixed = sample_of([(1, 10, True, True, 5), (8, 0, True, False, 8)], 0.0)
+    assert mixed.phase == "prefill" and mixed.max_prompt == 8 and mixed.pairs == 11 + 36
+    window = [IterationSample(0.0, "decode", n, n * 10.0, n * 10.0, n, n, 0) for n in range(1, 11)]
+    rep = representative(window, "decode")
+    assert rep is not None and rep.n_tokens == 9 and representative(window, "prefill") is None
+
+
+def planner() -> AflexPlanner:
+    return AflexPlanner(QWEN, ttft_slo_ms=400, tpot_slo_ms=120, depths=(1, 2, 3, 4))
+
+
+def test_plan_pair_is_the_policy_and_misses_raise_clocks() -> None:
+    pl = planner()
+    window = [IterationSample(0.0, "decode", 1, 30.0, 30.0, 1, 1, 0)]
+    plan = pl.plan_pair(A800, "decode", window)
+    assert plan is not None and plan.budget_s == pytest.approx(0.120 * (1 - pl.margins["decode"].margin))
+    pred = cached_predictor(A800, QWEN)
+    expected = plan_iteration(pred, PoolShape(split=True), BatchStats("decode", 1, 30, 30, 1), plan.budget_s,
+                              ClockRule())
+    assert plan.op == expected
+    # a batch whose time follows the clock, an SLO just above its unconstrained optimum: misses widen
+    # the margin until the optimum no longer fits, and the clocks rise
+    big = [IterationSample(0.0, "decode", 128, 128 * 25.0, 128 * 25.0, 128, 128, 0)]
+    best = plan_iteration(pred, PoolShape(split=True), big[0].stats, 1e9, ClockRule())
+    tight = AflexPlanner(QWEN, ttft_slo_ms=400, tpot_slo_ms=best.time_s * 1e3 / 0.8, depths=(1, 2, 3, 4))
+    before = tight.plan_pair(A800, "decode", big)
+    for _ in range(6):
+        tight.update_margins({"decode": (200.0, 10, 10)})
+    after = tight.plan_pair(A800, "decode", big)
+    assert before is not None and after is not None
+    assert after.budget_s < before.budget_s
+    assert after.op.clock_attention >= before.op.clock_attention and after.op.clock_ffn >= before.op.clock_ffn
+    assert after.op.clock_attention + after.op.clock_ffn > before.op.clock_attention + before.op.clock_ffn
+
+
+def test_observe_corrects_within_bounds() -> None:
+    pl = planner()
+    s = IterationSample(0.0, "decode", 8, 800.0, 800.0, 8, 8, 0)
+    pred = pl.predictor(A800)
+    assert pred is not cached_predictor(A800, QWEN)  # own corrections, shared fits
+    t = pred.predict_at("attention", "decode", 8, 800, 800, 1410) * QWEN.n_layers
+    for _ in range(200):
+        pl.observe(A800, "decode", s, attention_s=100 * t, ffn_wait_s=0.0, clock_attention=1410, clock_ffn=None,
+                   lone=True)
+    assert pred.correction[("attention", "decode")] == pytest.approx(pl.max_correction)
+    tf = pred.predict_at("ffn", "decode", 8, 0, 0, 900) * QWEN.n_layers
+    pl.observe(A800, "decode", s, attention_s=0.0, ffn_wait_s=0.0, clock_attention=None, clock_ffn=900,
+               lone=False, ffn_compute_s=1.3 * tf)  # the FFN's own compute: observed at any depth
+    assert pred.correction[("ffn", "decode")] == pytest.approx(1 + pred.alpha * 0.3)
+    assert cached_predictor(A800, QWEN).correction.get(("attention", "decode"), 1.0) == 1.0
+
+
+# -- live -----------------------------------------------------------------------------------------
+
+
+@dataclass
+class ProfiledAttention(FakeAttention):
+    gpu_profile: str = "a800"
+    gpu_name: str = "emulated A800-SXM4-80GB"
+    clocks: list[int] = field(default_factory=lambda: list(A800_CLOCKS))
+
+    async def start(self) -> None:
+        await self.nc.subscribe(subjects.attn_mb(self.worker_id), cb=self._on_mb)
+        reg = Register(worker_id=self.worker_id, role="attention", model_id="test-model", n_layers=2,
+                       kv_total_blocks=self.kv_total_blocks, block_size=self.block_size, max_seq_len=4096,
+                       gpu_backend="emulated", gpu_name=self.gpu_name, gpu_profile=self.gpu_profile,
+                       supported_clocks_mhz=self.clocks)
+        assert decode(RegisterReply, (await self.nc.request(subjects.CONTROL_REGISTER, encode(reg), 5)).data).ok
+        self._hb = asyncio.create_task(heartbeat(self.nc, self.worker_id, "attention", self.kv_total_blocks))
+
+
+@dataclass
+class Live:
+    nc: Client
+    sched: Scheduler
+    commands: dict[str, list[FrequencyCommand]]
+    tasks: list[asyncio.Task[None]]
+
+    async def ffn(self, wid: str, gpu_profile: str = "a800", gpu_name: str = "emulated A800-SXM4-80GB") -> None:
+        reg = Register(worker_id=wid, role="ffn", model_id="test-model", n_layers=2, gpu_backend="emulated",
+                       gpu_name=gpu_name, gpu_profile=gpu_profile, supported_clocks_mhz=list(A800_CLOCKS))
+        assert decode(RegisterReply, (await self.nc.request(subjects.CONTROL_REGISTER, encode(reg), 5)).data).ok
+        self.tasks.append(asyncio.create_task(heartbeat(self.nc, wid, "ffn", 0)))
+
+    async def submit(self, rid: str, prompt_len: int, max_tokens: int) -> asyncio.Event:
+        done = asyncio.Event()
+
+        async def cb(msg: Msg) -> None:
+            if decode(OutputDelta, msg.data).finish_reason is not None:
+                done.set()
+
+        await self.nc.subscribe(subjects.req_out(rid), cb=cb)
+        req = SubmitRequest(request_id=rid, model="test-model", prompt_ids=[5] * prompt_len,
+                            sampling=SamplingSpec(max_tokens=max_tokens, ignore_eos=True), arrival_ts=time.time())
+        reply = decode(SubmitReply, (await self.nc.request(subjects.REQ_SUBMIT, encode(req), 5)).data)
+        assert reply.accepted, reply
+        return done
+
+
+@pytest.fixture(scope="module")
+def nats_url() -> Iterator[str]:
+    with EmbeddedNatsServer() as server:
+        yield server.url
+
+
+@contextlib.asynccontextmanager
+async def live(url: str, attn: FakeAttention, **settings: object) -> AsyncIterator[Live]:
+    """A scheduler whose frequency windows the test runs itself (`freq_window_s` is long)."""
+    sched_nc = await nats.connect(url)
+    nc = await nats.connect(url)
+    s = SchedulerSettings(nats_url=url, **{"freq_window_s": 30.0, "telemetry_hz": 0, **settings})  # type: ignore[arg-type]
+    sched = Scheduler(s, sched_nc, MODEL)
+    await sched.start()
+    commands: dict[str, list[FrequencyCommand]] = {}
+
+    async def cb(msg: Msg) -> None:
+        cmd = decode(FrequencyCommand, msg.data)
+        commands.setdefault(cmd.worker_id, []).append(cmd)
+
+    await nc.subscribe(f"{subjects.PREFIX}.freq.*", cb=cb)
+    deadline = time.monotonic() + 5
+    while True:  # the scheduler is reachable once it answers status
+        try:
+            await nc.request(subjects.SCHED_STATUS, b"", 2)
+            break
+        except (nats.errors.NoRespondersError, nats.errors.TimeoutError):
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.02)
+    attn.nc = nc
+    await attn.start()
+    lv = Live(nc, sched, commands, [])
+    try:
+        yield lv
+    finally:
+        attn.stop_heartbeat()
+        for t in lv.tasks:
+            t.cancel()
+        await sched.stop()
+        await sched_nc.close()
+        await nc.close()
+
+
+def test_aflex_commands_follow_the_policy_under_a_large_decode_batch(nats_url: str) -> None:
+    async def main() -> None:
+        a0 = ProfiledAttention(None, "a0", kv_total_blocks=20000, delay_s=0.01)  # type: ignore[arg-type]
+        async with live(nats_url, a0, max_num_seqs=256) as lv:
+            await lv.ffn("f0")
+            await wait_for(lambda: bool(lv.commands.get("a0")) and bool(lv.commands.get("f0")))
+            assert lv.commands["a0"][0].clocks_mhz == {"prefill": 1410, "decode": 1410}  # start at max
+            assert lv.commands["a0"][0].reason.startswith("aflex")
+            dones = await asyncio.gather(*(lv.submit(f"r{i}", 10, 40) for i in range(200)))
+            await wait_for(lambda: sum(s.phase == "decode" and s.n_tokens >= 150
+                                       for s in lv.sched.samples.get("a0", ())) >= 5, 10)
+            n = len(lv.commands["a0"])
+            await lv.sched.freq_window()
+            await wait_for(lambda: len(lv.commands["a0"]) > n and len(lv.commands["f0"]) > n)
+            rec = lv.sched.plans["a0"]["decode"]
+            assert rec.stats.phase == "decode" and rec.stats.n_tokens >= 150
+            pred = cached_predictor(A800, QWEN)  # no timings reported: no correction either
+            op = plan_iteration(pred, PoolShape(split=True), rec.stats, rec.budget_s, ClockRule(), rec.current)
+            assert op == rec.op
+            assert rec.budget_s == pytest.approx(0.120 * (1 - lv.sched.aflex.margins["decode"].margin))  # type: ignore[union-attr]
+            a_cmd, f_cmd = lv.commands["a0"][-1].clocks_mhz, lv.commands["f0"][-1].clocks_mhz
+            assert a_cmd["decode"] == snap_up(A800_CLOCKS, op.clock_attention)
+            assert f_cmd["decode"] == snap_up(A800_CLOCKS, op.clock_ffn)
+            if op.clock_attention < op.clock_ffn:  # memory-bound decode attention: the policy slows it more
+                assert a_cmd["decode"] < f_cmd["decode"]
+            # the policy's depth now cuts the decode iterations
+            k = len(lv.sched.samples["a0"])
+            await wait_for(lambda: len(lv.sched.samples["a0"]) > k + 2, 10)
+            latest = [s for s in list(lv.sched.samples["a0"])[k:] if s.phase == "decode" and s.n_tokens >= op.depth]
+            assert latest and all(s.depth == op.depth for s in latest)
+            await asyncio.wait_for(asyncio.gather(*(d.wait() for d in dones)), 15)
+    asyncio.run(main())
+
+
+def test_aflex_clocks_rise_after_misses(nats_url: str) -> None:
+    nominal = BatchStats("decode", 128, 128 * 25, 128 * 25, 128)  # what each round's decode looks like
+    best = plan_iteration(cached_predictor(A800, QWEN), PoolShape(split=True), nominal, 1e9, ClockRule())
+    tpot_slo_ms = best.time_s * 1e3 / 0.8  # fits the optimum at the starting margin, not at a wide one
+
+    async def main() -> None:
+        a0 = ProfiledAttention(None, "a0", kv_total_blocks=20000)  # type: ignore[arg-type]
+        async with live(nats_url, a0, tpot_slo_ms=tpot_slo_ms, microbatch_depth="1") as lv:
+            await lv.ffn("f0")
+            rounds = 0
+
+            async def burst() -> None:  # 128 requests decoding together
+                nonlocal rounds
+                rounds += 1
+                dones = await asyncio.gather(*(lv.submit(f"b{rounds}-{i}", 20, 5) for i in range(128)))
+                await asyncio.wait_for(asyncio.gather(*(d.wait() for d in dones)), 15)
+
+            def decode_clocks() -> tuple[int, int]:
+                return lv.commands["a0"][-1].clocks_mhz["decode"], lv.commands["f0"][-1].clocks_mhz["decode"]
+
+            await burst()
+            await lv.sched.freq_window()
+            await wait_for(lambda: len(lv.commands.get("a0", [])) >= 2 and len(lv.commands.get("f0", [])) >= 2)
+            first = decode_clocks()
+            a0.delay_s = 2 * tpot_slo_ms / 1e3  # every token now misses the TPOT SLO
+            for _ in range(3):
+                await burst()
+                await lv.sched.freq_window()
+            await wait_for(lambda: len(lv.commands["a0"]) >= 5 and len(lv.commands["f0"]) >= 5)
+            last = decode_clocks()
+            reasons = [c.reason for c in lv.commands["a0"]]
+            assert last[0] >= first[0] and last[1] >= first[1] and sum(last) > sum(first), (first, last, reasons)
+            assert lv.sched.aflex is not None and lv.sched.aflex.margins["decode"].margin > 0.3
+    asyncio.run(main())
+
+
+def test_unknown_profile_falls_back_to_slo(nats_url: str, caplog: pytest.LogCaptureFixture) -> None:
+    async def main() -> None:
+        a0 = ProfiledAttention(None, "a0", gpu_profile="", gpu_name="Mystery GPU")  # type: ignore[arg-type]
+        with caplog.at_level(logging.WARNING, logger="aflex.scheduler"):
+            async with live(nats_url, a0) as lv:
+                await lv.ffn("f0")
+                await wait_for(lambda: bool(lv.commands.get("a0")) and bool(lv.commands.get("f0")))
+                await (await lv.submit("x", 5, 3)).wait()
+                await lv.sched.freq_window()
+                await wait_for(lambda: len(lv.commands["a0"]) >= 2 and len(lv.commands["f0"]) >= 2)
+                assert all(c.reason.startswith("slo") and "aflex fallback" in c.reason for c in lv.commands["a0"])
+                assert all(c.reason.startswith("aflex") for c in lv.commands["f0"])  # f0's profile is known
+        assert any("a0 falls back to slo" in r.getMessage() for r in caplog.records)
+    asyncio.run(main())
