@@ -138,7 +138,8 @@ def _run_service(args: argparse.Namespace) -> int:
 
         entry = run_scheduler
         settings = _settings(s.SchedulerSettings, args, (*common, "model", "max_queue", "max_batch_tokens",
-                                                         "max_num_seqs", "microbatch_depth"))
+                                                         "max_num_seqs", "microbatch_depth", "freq_policy",
+                                                         "fixed_clocks", "ttft_slo_ms", "tpot_slo_ms"))
     elif args.command == "attention-worker":
         from services.attention_worker.worker import run as run_attention
 
@@ -178,6 +179,11 @@ def _add_services(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-batch-tokens", type=int, help="tokens per iteration per attention worker")
     p.add_argument("--max-num-seqs", type=int, help="running sequences per attention worker")
     p.add_argument("--microbatch-depth", choices=["auto", "1", "2", "3", "4"])
+    p.add_argument("--freq-policy", choices=["aflex", "slo", "max", "fixed"],
+                   help="how the scheduler picks worker clocks (default aflex; env AFLEX_FREQ_POLICY)")
+    p.add_argument("--fixed-clocks", help="for --freq-policy fixed: e.g. attention.decode=900,ffn=1200")
+    p.add_argument("--ttft-slo-ms", type=float, help="P90 time-to-first-token SLO (default 400)")
+    p.add_argument("--tpot-slo-ms", type=float, help="P90 time-per-output-token SLO (default 120)")
     p.set_defaults(func=_run_service)
 
     p = sub.add_parser("attention-worker", help="the attention half and the KV cache")

@@ -279,6 +279,8 @@ def add_up_arguments(parser: argparse.ArgumentParser) -> None:
                         help="weights and activations of the workers (default: the workers' own)")
     parser.add_argument("--microbatch-depth", choices=["auto", "1", "2", "3", "4"], default=None,
                         help="microbatches in flight per attention worker (default: the scheduler's own)")
+    parser.add_argument("--freq-policy", choices=["aflex", "slo", "max", "fixed"], default=None,
+                        help="how the scheduler picks worker clocks (default aflex)")
     parser.add_argument("--gpu-control", choices=["auto", "nvml", "nvml-readonly", "emulated"], default=None,
                         help="workers' GPU backend: auto = nvml-readonly where NVML works, else emulated; "
                              "nvml sets clocks (root or CAP_SYS_ADMIN)")
@@ -307,6 +309,7 @@ def build_commands(args: argparse.Namespace) -> list[ChildSpec]:
     model = ["--model", str(args.model)]
     dtype = ["--dtype", args.dtype] if args.dtype else []
     depth = ["--microbatch-depth", args.microbatch_depth] if args.microbatch_depth else []
+    depth += ["--freq-policy", args.freq_policy] if getattr(args, "freq_policy", None) else []
     gpu_control = getattr(args, "gpu_control", None)
     gpu = ["--gpu-control", gpu_control] if gpu_control else []
     gpu += ["--gpu-profile", args.gpu_profile] if getattr(args, "gpu_profile", None) else []
