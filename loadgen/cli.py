@@ -46,6 +46,8 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     server = p.add_argument_group("server")
     server.add_argument("--base-url", default=os.environ.get("AFLEX_BENCH_URL", "http://127.0.0.1:8000/v1"),
                         help="the server's OpenAI API root (default %(default)s)")
+    server.add_argument("--url", help="the server's address, e.g. http://127.0.0.1:8000: the API root is URL/v1 "
+                                      "(overrides --base-url)")
     server.add_argument("--endpoint", choices=["completions", "chat"], default="completions",
                         help="/v1/completions (token-id prompts possible) or /v1/chat/completions")
     server.add_argument("--model", help="model id to send (default: the first of GET /v1/models)")
@@ -256,6 +258,9 @@ async def run_bench(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def bench(args: argparse.Namespace) -> int:
+    if getattr(args, "url", None):
+        root = args.url.rstrip("/")
+        args.base_url = root if root.endswith("/v1") else f"{root}/v1"
     result = asyncio.run(run_bench(args))
     return 0 if result["completed"] > 0 else 1
 

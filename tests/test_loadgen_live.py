@@ -30,8 +30,8 @@ def test_trace_replay_against_aflex_up(tiny_chat_checkpoint: Path, tmp_path: Pat
         assert proc.returncode == 0, proc.stdout + proc.stderr + mesh.output()
         # any OpenAI server: the chat endpoint with text prompts calibrated against the server's token counts
         chat_out = tmp_path / "chat.json"
-        chat = [sys.executable, "-m", "loadgen", "--base-url", mesh.base_url, "--endpoint", "chat", "--input-len",
-                "80", "--output-len", "4", "--num-prompts", "3", "--rate", "50", "--json", str(chat_out),
+        chat = [sys.executable, "-m", "loadgen", "--url", f"http://127.0.0.1:{mesh.port}", "--endpoint", "chat",
+                "--input-len", "80", "--output-len", "4", "--num-prompts", "3", "--rate", "50", "--json", str(chat_out),
                 "--no-progress", "--quiet"]
         proc = subprocess.run(chat, capture_output=True, text=True, timeout=120, cwd=Path(__file__).parent.parent)
         assert proc.returncode == 0, proc.stdout + proc.stderr + mesh.output()

@@ -85,6 +85,50 @@ def test_32_concurrent_streams_complete_with_their_lengths(tiny_mesh: Mesh) -> N
     assert asyncio.run(run()) == [4 + i % 9 for i in range(32)]
 
 
+def test_request_energy_adds_up_to_the_workers_energy(tiny_mesh: Mesh) -> None:
+    """usage.energy_j of every request sums to the energy of the microbatches that served them, and
+    that is at most what the workers' GPUs (emulated A800s) report spending over the run."""
+    import nats
+
+    from shared import subjects
+    from shared.messages import MicrobatchDone, WorkerTelemetry, decode
+
+    async def run() -> tuple[float, float, float]:
+        nc = await nats.connect(f"nats://127.0.0.1:{tiny_mesh.nats_port}")
+        dones: list[MicrobatchDone] = []
+        latest: dict[str, list[float]] = {}
+
+        async def on_done(msg: object) -> None:
+            dones.append(decode(MicrobatchDone, msg.data))  # type: ignore[attr-defined]
+
+        async def on_telemetry(msg: object) -> None:
+            data = msg.data  # type: ignore[attr-defined]
+            if msg.subject.split(".")[3] in ("attention", "ffn"):  # type: ignore[attr-defined]
+                t = decode(WorkerTelemetry, data)
+                latest.setdefault(t.worker_id, []).append(t.energy_j)
+
+        await nc.subscribe(subjects.SCHED_DONE, cb=on_done)
+        await nc.subscribe(subjects.TELEMETRY_ALL, cb=on_telemetry)
+        await asyncio.sleep(0.5)
+        start = {w: e[-1] for w, e in latest.items()}
+        client = openai.AsyncOpenAI(base_url=tiny_mesh.base_url, api_key="unused", max_retries=0, timeout=120)
+        model = (await client.models.list()).data[0].id
+        responses = await asyncio.gather(*(client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": f"Question {i}"}], max_tokens=5,
+            extra_body={"ignore_eos": True}) for i in range(6)))
+        await asyncio.sleep(0.5)
+        await nc.drain()
+        usage_j = sum(r.usage.model_extra["energy_j"] for r in responses)  # type: ignore[union-attr]
+        done_j = sum(d.energy_j or 0.0 for d in dones)
+        worker_j = sum(latest[w][-1] - start[w] for w in start)
+        return usage_j, done_j, worker_j
+
+    usage_j, done_j, worker_j = asyncio.run(run())
+    assert usage_j > 0
+    assert usage_j == pytest.approx(done_j, rel=1e-9)
+    assert done_j <= worker_j
+
+
 @pytest.mark.parametrize(("body", "status"), [
     ({"messages": []}, 400),
     ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": -1}, 400),
