@@ -225,6 +225,8 @@ def main() -> None:
     parser.add_argument("--depths", default="1,2")
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--hop-samples", type=int, default=500)
+    parser.add_argument("--torch-threads", type=int, default=None,
+                        help="torch threads per worker (default: aflex up's split of the cores)")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
 
@@ -242,7 +244,8 @@ def main() -> None:
     _time_engine(engine, prompt_ids, args.concurrency, 2)  # warm-up
     for depth in (int(d) for d in args.depths.split(",")):
         with aflex_up(args.model, "--attention-workers", "1", "--ffn-workers", "1",
-                      "--microbatch-depth", str(depth)) as mesh:
+                      "--microbatch-depth", str(depth),
+                      *(["--torch-threads", str(args.torch_threads)] if args.torch_threads else [])) as mesh:
             port, nats_port = mesh.port, mesh.nats_port
             pairs, dones = asyncio.run(mesh_decode(
                 port, nats_port, args.concurrency, args.max_tokens, args.repeats, depth == 1,

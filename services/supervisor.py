@@ -279,6 +279,8 @@ def add_up_arguments(parser: argparse.ArgumentParser) -> None:
                         help="weights and activations of the workers (default: the workers' own)")
     parser.add_argument("--microbatch-depth", choices=["auto", "1", "2", "3", "4"], default=None,
                         help="microbatches in flight per attention worker (default: the scheduler's own)")
+    parser.add_argument("--torch-threads", type=int, default=None, metavar="N",
+                        help="CPU threads for each worker's torch (default: the cores split among the workers)")
     parser.add_argument("--freq-policy", choices=["aflex", "slo", "max", "fixed"], default=None,
                         help="how the scheduler picks worker clocks (default aflex)")
     parser.add_argument("--gpu-control", choices=["auto", "nvml", "nvml-readonly", "emulated"], default=None,
@@ -317,7 +319,8 @@ def build_commands(args: argparse.Namespace) -> list[ChildSpec]:
     n_workers = args.attention_workers + args.ffn_workers
     # The workers share this machine's cores: give each its share, so that the two halves computing
     # at once (the ping-pong pipeline) do not oversubscribe them.
-    gpu += ["--torch-threads", str(max(1, (os.cpu_count() or 1) // n_workers))]
+    threads = getattr(args, "torch_threads", None) or max(1, (os.cpu_count() or 1) // n_workers)
+    gpu += ["--torch-threads", str(threads)]
     real_gpus = gpu_control in (None, "auto", "nvml", "nvml-readonly")
     devices = worker_devices(n_workers) if real_gpus else [None] * n_workers
     specs = [ChildSpec("scheduler", "scheduler", [*cli, "scheduler", *model, *depth])]

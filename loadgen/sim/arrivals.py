@@ -42,9 +42,11 @@ def _parse_ts(text: str) -> float:
 
 
 def load_trace(name_or_path: str, time_scale: float = 1.0, window: tuple[float, float] | None = None,
-               max_tokens: int | None = None) -> Arrivals:
+               max_tokens: int | None = None, max_input_len: int | None = None,
+               max_output_len: int | None = None) -> Arrivals:
     """`conv`, `code` or a CSV path (TIMESTAMP,ContextTokens,GeneratedTokens). `time_scale` < 1 compresses
-    time (higher load); `window` keeps arrivals in [start, end) seconds of the (scaled) trace."""
+    time (higher load); `window` keeps arrivals in [start, end) seconds of the (scaled) trace.
+    `max_input_len` / `max_output_len` clip each request's lengths, as `aflex bench`'s flags of those names."""
     path = Path(name_or_path)
     if name_or_path in TRACE_FILES:
         path = traces_dir() / TRACE_FILES[name_or_path]
@@ -63,6 +65,10 @@ def load_trace(name_or_path: str, time_scale: float = 1.0, window: tuple[float, 
     t = (np.array(ts) - ts[0]) * time_scale
     p = np.maximum(1, np.array(pr, dtype=np.int64))
     o = np.maximum(1, np.array(out, dtype=np.int64))
+    if max_input_len:
+        p = np.minimum(p, max_input_len)
+    if max_output_len:
+        o = np.minimum(o, max_output_len)
     if max_tokens:
         p = np.minimum(p, max_tokens - 1)
         o = np.minimum(o, np.maximum(1, max_tokens - p))

@@ -31,6 +31,8 @@ def add_sim_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trace", default=None, help="conv, code, or a CSV path (default: synthetic --rate)")
     p.add_argument("--time-scale", type=float, default=1.0, help="multiply trace times (0.5 = twice the load)")
     p.add_argument("--window", type=_window, default=None, help="START:END seconds of the trace to replay")
+    p.add_argument("--max-input-len", type=int, default=None, help="clip trace prompt lengths (as aflex bench)")
+    p.add_argument("--max-output-len", type=int, default=None, help="clip trace output lengths (as aflex bench)")
     p.add_argument("--rate", type=float, default=4.0, help="synthetic arrivals per second (without --trace)")
     p.add_argument("--burstiness", type=float, default=1.0, help="synthetic inter-arrival CV (1 = Poisson)")
     p.add_argument("--duration", type=float, default=600.0, help="synthetic duration in seconds")
@@ -53,7 +55,9 @@ def add_sim_arguments(p: argparse.ArgumentParser) -> None:
 
 def _arrivals(args: argparse.Namespace) -> Arrivals:
     if args.trace:
-        return load_trace(args.trace, time_scale=args.time_scale, window=args.window)
+        return load_trace(args.trace, time_scale=args.time_scale, window=args.window,
+                          max_input_len=getattr(args, "max_input_len", None),
+                          max_output_len=getattr(args, "max_output_len", None))
     return synthetic(args.rate, args.duration, args.seed, args.burstiness)
 
 

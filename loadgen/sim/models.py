@@ -15,6 +15,10 @@ MODELS: dict[str, ModelArgs] = {
     # meta-llama/Meta-Llama-3-8B config.json: hidden 4096, 32 layers, 32/8 heads, MLP 14336
     "llama-3-8b": ModelArgs(arch="llama", vocab_size=128256, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8,
                             head_dim=128, intermediate_size=14336, max_seq_len=8192),
+    # HuggingFaceTB/SmolLM2-135M(-Instruct) config.json (the mesh's `--model default`): hidden 576, 30 layers,
+    # 9 q heads, 3 kv heads, head_dim 64, MLP 1536, tied embeddings
+    "smollm2-135m": ModelArgs(arch="llama", vocab_size=49152, dim=576, n_layers=30, n_heads=9, n_kv_heads=3,
+                              head_dim=64, intermediate_size=1536, tie_word_embeddings=True, max_seq_len=8192),
 }
 
 DTYPE_BYTES = 2  # bf16 weights, activations and KV cache
@@ -29,7 +33,8 @@ def get_model(name: str) -> ModelArgs:
 
 def attention_weight_bytes(args: ModelArgs) -> float:
     per_layer = args.dim * (args.q_dim + 2 * args.kv_dim) + args.q_dim * args.dim
-    return float(per_layer * args.n_layers + 2 * args.vocab_size * args.dim) * DTYPE_BYTES
+    embeddings = (1 if args.tie_word_embeddings else 2) * args.vocab_size * args.dim  # input table + LM head
+    return float(per_layer * args.n_layers + embeddings) * DTYPE_BYTES
 
 
 def ffn_weight_bytes(args: ModelArgs) -> float:
