@@ -29,7 +29,8 @@ from shared.model.sampling import SamplingParams
 PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
 
 
-def _time_engine(engine: Engine, prompt_ids: list[int], batch: int, new_tokens: int) -> float:
+def time_engine(engine: Engine, prompt_ids: list[int], batch: int, new_tokens: int) -> float:
+    """Seconds the engine takes to generate `new_tokens` (EOS ignored) for `batch` copies of the prompt."""
     params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
     start = time.perf_counter()
     completions = engine.generate([prompt_ids] * batch, params)
@@ -83,7 +84,7 @@ def main() -> None:
         for batch in (int(c) for c in args.concurrency.split(",")):
             engine = Engine.from_checkpoint(checkpoint, dtype=dtype, num_kv_blocks=max(256, batch * 16),
                                             block_size=16)
-            ours = decode_tokens_per_s(_time_engine, engine, prompt_ids, batch, args.new_tokens, args.repeats)
+            ours = decode_tokens_per_s(time_engine, engine, prompt_ids, batch, args.new_tokens, args.repeats)
             theirs = decode_tokens_per_s(_time_hf, hf, prompt_ids, batch, args.new_tokens, args.repeats)
             row = {"dtype": dtype_name, "concurrency": batch, "aflex_decode_tok_s": round(ours, 1),
                    "transformers_decode_tok_s": round(theirs, 1), "ratio": round(ours / theirs, 2)}

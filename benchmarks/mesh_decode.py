@@ -42,13 +42,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from engine_decode import time_engine  # the script's own folder is on sys.path
 
 from services.launch import aflex_up
 from shared import subjects
 from shared.messages import MicrobatchDone, decode
 from shared.model.checkpoint import open_checkpoint
 from shared.model.engine import Engine
-from shared.model.sampling import SamplingParams
 from shared.model.weights import load_ffn_half
 from shared.nats_server import EmbeddedNatsServer
 
@@ -147,19 +147,10 @@ async def mesh_decode(port: int, nats_port: int, concurrency: int, max_tokens: i
 # -- the engine -----------------------------------------------------------------------------------
 
 
-def _time_engine(engine: Engine, prompt_ids: list[int], batch: int, new_tokens: int) -> float:
-    params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
-    start = time.perf_counter()
-    completions = engine.generate([prompt_ids] * batch, params)
-    elapsed = time.perf_counter() - start
-    assert all(len(c.token_ids) == new_tokens for c in completions)
-    return elapsed
-
-
 def engine_round(engine: Engine, prompt_ids: list[int], batch: int, new_tokens: int) -> float:
     """Decode tokens/s of one round: the whole generation minus a prefill-only run of the same batch."""
-    full = _time_engine(engine, prompt_ids, batch, new_tokens)
-    prefill = _time_engine(engine, prompt_ids, batch, 1)
+    full = time_engine(engine, prompt_ids, batch, new_tokens)
+    prefill = time_engine(engine, prompt_ids, batch, 1)
     return batch * (new_tokens - 1) / (full - prefill)
 
 
@@ -241,7 +232,7 @@ def main() -> None:
     engine = Engine.from_checkpoint(checkpoint, num_kv_blocks=max(256, args.concurrency * 16), block_size=16)
     throughput = []
     decode_dones: list[tuple[int, MicrobatchDone]] = []
-    _time_engine(engine, prompt_ids, args.concurrency, 2)  # warm-up
+    time_engine(engine, prompt_ids, args.concurrency, 2)  # warm-up
     for depth in (int(d) for d in args.depths.split(",")):
         with aflex_up(args.model, "--attention-workers", "1", "--ffn-workers", "1",
                       "--microbatch-depth", str(depth),
