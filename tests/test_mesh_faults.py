@@ -1,0 +1,73 @@
+"""Nothing is lost when an attention worker dies: its sequences recompute on the other one.
+
+`aflex up` with 2 attention workers and 1 FFN worker; 8 greedy streams start, one attention worker
+is SIGKILLed mid-stream; every stream still completes with its full length and exactly the text it
+gets when nothing fails (recomputing a greedy sequence on another worker gives the same tokens).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+from pathlib import Path
+
+import openai
+
+from services.launch import Mesh, aflex_up
+
+MAX_TOKENS = 160
+
+
+def _child_pid(mesh: Mesh, worker_id: str) -> int:
+    """The pid of `aflex up`'s child running `worker_id` (read from /proc, children of the supervisor)."""
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            status = (entry / "status").read_text()
+            cmdline = (entry / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        ppid = next(int(line.split()[1]) for line in status.splitlines() if line.startswith("PPid:"))
+        if ppid == mesh.process.pid and worker_id.encode() in cmdline:
+            return int(entry.name)
+    raise AssertionError(f"no child {worker_id} of aflex up ({mesh.process.pid})")
+
+
+async def _stream(client: openai.AsyncOpenAI, model: str, i: int, started: asyncio.Event) -> tuple[str, int]:
+    stream = await client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": f"Tell me story number {i}."}], max_tokens=MAX_TOKENS,
+        temperature=0, stream=True, stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+    text, tokens = "", 0
+    async for chunk in stream:
+        if chunk.choices:
+            text += chunk.choices[0].delta.content or ""
+            if text:
+                started.set()
+        if chunk.usage:
+            tokens = chunk.usage.completion_tokens
+    return text, tokens
+
+
+async def _run(mesh: Mesh, kill: str | None) -> list[tuple[str, int]]:
+    client = openai.AsyncOpenAI(base_url=mesh.base_url, api_key="unused", max_retries=0, timeout=300)
+    model = (await client.models.list()).data[0].id
+    started = [asyncio.Event() for _ in range(8)]
+    streams = [asyncio.create_task(_stream(client, model, i, started[i])) for i in range(8)]
+    if kill is not None:
+        await asyncio.gather(*(e.wait() for e in started))  # every stream is decoding, on both workers
+        assert not any(s.done() for s in streams)
+        os.kill(_child_pid(mesh, kill), signal.SIGKILL)
+    return await asyncio.gather(*streams)
+
+
+def test_attention_worker_loss_loses_no_request(tiny_chat_checkpoint: Path) -> None:
+    with aflex_up(str(tiny_chat_checkpoint), "--attention-workers", "2", "--ffn-workers", "1") as mesh:
+        baseline = asyncio.run(_run(mesh, kill=None))
+        after_fault = asyncio.run(_run(mesh, kill="attn-0"))
+        log = mesh.output()
+        assert "attn-0 exited with status -9" in log
+        assert "attn-0 lost while running" in log  # it was serving some of the streams when it died
+    assert [tokens for _, tokens in after_fault] == [MAX_TOKENS] * 8
+    assert after_fault == baseline
