@@ -20,11 +20,10 @@ from typing import Any
 
 import orjson
 
-from services.attention_worker.worker import FFN_REPLY_TIMEOUT_S
 from services.scheduler.service import MAX_FAILURES, RETRY_AFTER_S
 from shared import messages, subjects, wire
 from shared.messages import Message
-from shared.settings import GatewaySettings, SchedulerSettings, WorkerSettings
+from shared.settings import AttentionWorkerSettings, GatewaySettings, SchedulerSettings, WorkerSettings
 
 
 def _default(settings: type[Any], name: str) -> str:
@@ -243,7 +242,8 @@ ERROR_CODES: tuple[tuple[str, str, str, str], ...] = (
      "no KV blocks left for the sequence; the scheduler re-routes it"),
     ("microbatch_failed", "server_error", "attention worker → `MicrobatchDone`",
      "the whole microbatch failed: an FFN error frame, no FFN reply within "
-     f"{FFN_REPLY_TIMEOUT_S:g} s (`FFN_REPLY_TIMEOUT_S`), a wrong reply shape, the worker "
+     f"{AttentionWorkerSettings().ffn_reply_timeout_s:g} s (`ffn_reply_timeout_s`, env "
+     "`AFLEX_FFN_REPLY_TIMEOUT_S`), a wrong reply shape, the worker "
      "shutting down, or an exception"),
     ("scheduler_unavailable", "service_unavailable_error", "gateway (HTTP 503)",
      f"no responders on `{subjects.REQ_SUBMIT}`, no answer within `submit_timeout_s` "

@@ -72,6 +72,9 @@ class AttentionWorkerSettings(WorkerSettings):
     worker_id: str = "attn-0"
     num_kv_blocks: int = 2048
     block_size: int = 16
+    # One layer's FFN round trip; beyond it the microbatch fails and the scheduler re-runs its
+    # sequences (with another FFN worker if this one is gone).
+    ffn_reply_timeout_s: float = 30.0
 
 
 class FFNWorkerSettings(WorkerSettings):

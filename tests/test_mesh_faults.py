@@ -13,6 +13,7 @@ import signal
 from pathlib import Path
 
 import openai
+import pytest
 
 from services.launch import Mesh, aflex_up
 
@@ -69,5 +70,19 @@ def test_attention_worker_loss_loses_no_request(tiny_chat_checkpoint: Path) -> N
         log = mesh.output()
         assert "attn-0 exited with status -9" in log
         assert "attn-0 lost while running" in log  # it was serving some of the streams when it died
+    assert [tokens for _, tokens in after_fault] == [MAX_TOKENS] * 8
+    assert after_fault == baseline
+
+
+def test_ffn_worker_loss_loses_no_request(tiny_chat_checkpoint: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With 2 FFN workers, SIGKILL one mid-stream: microbatches waiting on it time out, their
+    sequences re-run with the other FFN worker, and every stream completes with the no-fault text."""
+    monkeypatch.setenv("AFLEX_FFN_REPLY_TIMEOUT_S", "3")  # the children inherit it
+    with aflex_up(str(tiny_chat_checkpoint), "--attention-workers", "1", "--ffn-workers", "2") as mesh:
+        baseline = asyncio.run(_run(mesh, kill=None))
+        after_fault = asyncio.run(_run(mesh, kill="ffn-0"))
+        log = mesh.output()
+        assert "ffn-0 exited with status -9" in log
+        assert "FFN worker ffn-0 did not answer" in log  # microbatches were waiting on it when it died
     assert [tokens for _, tokens in after_fault] == [MAX_TOKENS] * 8
     assert after_fault == baseline

@@ -63,7 +63,6 @@ from shared.settings import AttentionWorkerSettings
 
 log = logging.getLogger("aflex.attention_worker")
 
-FFN_REPLY_TIMEOUT_S = 60.0  # one layer's FFN round trip; beyond it the microbatch fails
 SHUTDOWN_GRACE_S = 10.0  # how long a stopping worker lets in-flight microbatches finish
 
 
@@ -94,12 +93,12 @@ class _Failures:
 
 
 class AttentionWorker:
-    def __init__(self, settings: AttentionWorkerSettings, *, ffn_reply_timeout_s: float = FFN_REPLY_TIMEOUT_S,
+    def __init__(self, settings: AttentionWorkerSettings, *, ffn_reply_timeout_s: float | None = None,
                  gpu: GPU | None = None) -> None:
         self.settings = settings
         self.worker_id = subjects.check_token(settings.worker_id)
         self.subject = subjects.attn_mb(self.worker_id)
-        self.ffn_reply_timeout_s = ffn_reply_timeout_s
+        self.ffn_reply_timeout_s = settings.ffn_reply_timeout_s if ffn_reply_timeout_s is None else ffn_reply_timeout_s
         self.model: AttentionHalf | None = None
         self.model_id = ""
         self.kv: PagedKVStore | None = None
