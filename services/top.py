@@ -19,9 +19,7 @@ import argparse
 import asyncio
 import contextlib
 import os
-import signal
 import sys
-import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -35,6 +33,7 @@ from rich.text import Text
 from shared import subjects
 from shared.bus import DEFAULT_NATS_URL
 from shared.errors import AFlexError
+from shared.lifecycle import stop_on_signals
 from shared.messages import ProtocolError, SchedulerTelemetry, WorkerTelemetry, decode
 
 STALE_AFTER_S = 5.0  # a worker silent this long is shown dimmed, marked "stale"
@@ -286,19 +285,9 @@ def _console(out: IO[str]) -> Console:
 
 async def _main(args: argparse.Namespace) -> int:
     stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    handled: list[signal.Signals] = []
-    if threading.current_thread() is threading.main_thread():
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            with contextlib.suppress(NotImplementedError, RuntimeError):
-                loop.add_signal_handler(sig, stop.set)
-                handled.append(sig)
-    try:
+    with stop_on_signals(stop):
         return await run_top(args.nats or os.environ.get("AFLEX_NATS_URL") or DEFAULT_NATS_URL,
                              json_lines=args.json, once=args.once, interval_s=args.interval, stop=stop)
-    finally:
-        for sig in handled:
-            loop.remove_signal_handler(sig)
 
 
 def top(args: argparse.Namespace) -> int:

@@ -18,9 +18,8 @@ import asyncio
 import contextlib
 import logging
 import os
-import signal
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Literal
 
 from nats.aio.client import Client
@@ -80,24 +79,6 @@ def eos_token_ids(checkpoint: Checkpoint) -> tuple[int, ...]:
     """The tokenizer's EOS ids when the checkpoint ships a tokenizer, else the config's (as Engine does)."""
     tokenizer = checkpoint.tokenizer
     return tuple(tokenizer.eos_token_ids) if tokenizer is not None else tuple(checkpoint.args.eos_token_ids)
-
-
-@contextlib.contextmanager
-def stop_on_signals(stop: asyncio.Event) -> Iterator[None]:
-    """SIGTERM / SIGINT set `stop` (a clean drain) while inside; the handlers are removed on exit."""
-    loop = asyncio.get_running_loop()
-    installed: list[signal.Signals] = []
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        try:
-            loop.add_signal_handler(sig, stop.set)
-            installed.append(sig)
-        except (NotImplementedError, RuntimeError, ValueError):  # not the main thread, or no signals here
-            pass
-    try:
-        yield
-    finally:
-        for sig in installed:
-            loop.remove_signal_handler(sig)
 
 
 async def wait_stop(stop: asyncio.Event, timeout_s: float) -> bool:

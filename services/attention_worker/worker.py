@@ -40,12 +40,12 @@ from services.worker_common import (
     eos_token_ids,
     load_half,
     registration,
-    stop_on_signals,
 )
 from shared import bus, subjects, wire
 from shared.errors import AFlexError
 from shared.gpu.base import GPU
 from shared.gpu.workload import attention_work, lm_head_work
+from shared.lifecycle import stop_on_signals
 from shared.messages import (
     ErrorBody,
     Heartbeat,

@@ -31,11 +31,12 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 from torch import Tensor
 
-from services.worker_common import Presence, WorkerGPU, clock_phase, load_half, registration, stop_on_signals
+from services.worker_common import Presence, WorkerGPU, clock_phase, load_half, registration
 from shared import bus, subjects, wire
 from shared.errors import AFlexError
 from shared.gpu.base import GPU
 from shared.gpu.workload import ffn_work
+from shared.lifecycle import stop_on_signals
 from shared.messages import Heartbeat
 from shared.model.ffn import FFNHalf
 from shared.settings import FFNWorkerSettings

@@ -14,8 +14,6 @@ import asyncio
 import contextlib
 import logging
 import secrets
-import signal
-import threading
 import time
 import uuid
 from collections.abc import Coroutine, Iterator
@@ -42,6 +40,7 @@ from services.gateway.openai_schema import ChatCompletionRequest, CompletionRequ
 from services.gateway.streaming import SSE_HEADERS, ResponseShape, collect, stream
 from shared import bus, subjects
 from shared.errors import InvalidRequestError, TokenizerError
+from shared.lifecycle import stop_on_signals
 from shared.messages import ProtocolError, SchedulerStatus, decode
 from shared.model.checkpoint import ModelCard, open_model_card
 from shared.model.tokenizer import Tokenizer
@@ -305,13 +304,6 @@ async def serve(settings: GatewaySettings, *, stop: asyncio.Event | None = None)
     stop = stop or asyncio.Event()
     card = await asyncio.to_thread(open_model_card, settings.model)
     nc = await bus.connect(settings.nats_url, "aflex-gateway")
-    loop = asyncio.get_running_loop()
-    handled: list[signal.Signals] = []
-    if threading.current_thread() is threading.main_thread():
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            with contextlib.suppress(NotImplementedError, RuntimeError):
-                loop.add_signal_handler(sig, stop.set)
-                handled.append(sig)
     try:
         app = create_app(settings, card, nc)
         await app.state.metrics.subscribe(nc)
@@ -327,10 +319,9 @@ async def serve(settings: GatewaySettings, *, stop: asyncio.Event | None = None)
         try:
             log.info("gateway serving %s on http://%s:%d (NATS %s)", app.state.gateway.served_model,
                      settings.host, settings.port, settings.nats_url)
-            await server.serve()
+            with stop_on_signals(stop):
+                await server.serve()
         finally:
             watcher.cancel()
     finally:
-        for sig in handled:
-            loop.remove_signal_handler(sig)
         await bus.close(nc)
