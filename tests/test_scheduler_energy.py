@@ -49,10 +49,6 @@ from tests.test_scheduler import FakeAttention, Mesh, collect, heartbeat, mesh, 
 A100 = list(range(210, 1411, 15))  # 210..1410 MHz in 15 MHz steps
 COARSE = list(range(600, 1401, 100))  # 9 clocks: a few windows from max to min
 
-needs_energy_field = pytest.mark.skipif(
-    "energy_j" not in MicrobatchDone.model_fields, reason="MicrobatchDone has no energy_j field yet")
-
-
 # -- clock planner (pure) -------------------------------------------------------------------------
 
 
@@ -211,7 +207,6 @@ def usage_energy(deltas: list[OutputDelta]) -> float:
 # -- energy ---------------------------------------------------------------------------------------
 
 
-@needs_energy_field
 def test_request_energy_adds_up_and_is_shared_by_tokens(nats_url: str) -> None:
     async def main() -> None:
         attn = EnergyAttention(None, "a0", delay_s=0.05)  # type: ignore[arg-type]
