@@ -6,23 +6,16 @@ from pathlib import Path
 
 import pytest
 
-from shared.model.attention import AttentionHalf
 from shared.model.checkpoint import open_checkpoint
 from shared.model.engine import Engine
-from shared.model.ffn import FFNHalf
 from shared.model.sampling import SamplingParams
-from shared.model.weights import load_attention_half, load_ffn_half
 
 TARGET = [5, 17, 33, 101, 7, 250, 11, 64, 3]
 OTHERS = [[1, 2, 3], [40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51, 52, 53], [200], [9, 9, 9, 9, 9]]
 
 
 def _engine(path: Path, **kwargs: int) -> Engine:
-    checkpoint = open_checkpoint(str(path))
-    attention = load_attention_half(checkpoint.args, checkpoint.tensors)
-    ffn = load_ffn_half(checkpoint.args, checkpoint.tensors)
-    assert isinstance(attention, AttentionHalf) and isinstance(ffn, FFNHalf)
-    return Engine(attention, ffn, None, **{"num_kv_blocks": 128, "block_size": 4, **kwargs})
+    return Engine.from_checkpoint(open_checkpoint(str(path)), **{"num_kv_blocks": 128, "block_size": 4, **kwargs})
 
 
 @pytest.mark.parametrize("arch", ["llama", "mixtral"])

@@ -11,12 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from shared.model.attention import AttentionHalf
 from shared.model.checkpoint import open_checkpoint
 from shared.model.engine import Engine, forward_unsplit
-from shared.model.ffn import FFNHalf
 from shared.model.sampling import SamplingParams
-from shared.model.weights import load_attention_half, load_ffn_half
 from tests.conftest import ARCHITECTURES
 
 PROMPT = [5, 17, 33, 101, 7, 250, 11, 64, 3]
@@ -30,11 +27,7 @@ def _hf_model(path: Path) -> torch.nn.Module:
 
 
 def _engine(path: Path, **kwargs: int) -> Engine:
-    checkpoint = open_checkpoint(str(path))
-    attention = load_attention_half(checkpoint.args, checkpoint.tensors)
-    ffn = load_ffn_half(checkpoint.args, checkpoint.tensors)
-    assert isinstance(attention, AttentionHalf) and isinstance(ffn, FFNHalf)
-    return Engine(attention, ffn, None, **{"num_kv_blocks": 64, "block_size": 4, **kwargs})
+    return Engine.from_checkpoint(open_checkpoint(str(path)), **{"num_kv_blocks": 64, "block_size": 4, **kwargs})
 
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
