@@ -40,6 +40,7 @@ from services.worker_common import (
     eos_token_ids,
     load_half,
     registration,
+    stop_presence,
 )
 from shared import bus, subjects, wire
 from shared.errors import AFlexError
@@ -160,14 +161,7 @@ class AttentionWorker:
             finally:
                 self._accepting = False
                 await self._finish_in_flight()
-                if heartbeat_task is not None:
-                    heartbeat_task.cancel()
-                    await asyncio.gather(heartbeat_task, return_exceptions=True)
-                if sub is not None:
-                    try:
-                        await sub.unsubscribe()
-                    except Exception as exc:  # connection already gone
-                        log.debug("unsubscribe failed: %s", exc)
+                await stop_presence(heartbeat_task, sub)
                 if gpu is not None:
                     await gpu.stop()  # resets the clock
                 await bus.close(nc)

@@ -31,7 +31,7 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 from torch import Tensor
 
-from services.worker_common import Presence, WorkerGPU, clock_phase, load_half, registration
+from services.worker_common import Presence, WorkerGPU, clock_phase, load_half, registration, stop_presence
 from shared import bus, subjects, wire
 from shared.errors import AFlexError
 from shared.gpu.base import GPU
@@ -110,14 +110,7 @@ class FFNWorker:
                              self.subject, self.settings.merge_microbatches)
                     await stop.wait()
             finally:
-                if heartbeat_task is not None:
-                    heartbeat_task.cancel()
-                    await asyncio.gather(heartbeat_task, return_exceptions=True)
-                if sub is not None:
-                    try:
-                        await sub.unsubscribe()
-                    except Exception as exc:  # connection already gone
-                        log.debug("unsubscribe failed: %s", exc)
+                await stop_presence(heartbeat_task, sub)
                 self._closing = True
                 self._wakeup.set()
                 await asyncio.gather(loop_task, return_exceptions=True)
