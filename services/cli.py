@@ -36,6 +36,8 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--quantize", default="none", choices=["none", "int8"],
+                   help="int8: W8A8 projections on the CPU (faster, close to but not equal to float32)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--json", action="store_true", help="print one JSON object: token_ids and text")
     p.set_defaults(func=_run_generate)
@@ -67,7 +69,8 @@ def _run_generate(args: argparse.Namespace) -> int:
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
                             max_tokens=args.max_tokens, min_tokens=args.min_tokens, stop=tuple(args.stop),
                             ignore_eos=args.ignore_eos)
-    engine = Engine.from_checkpoint(checkpoint, dtype=getattr(torch, args.dtype), device=args.device)
+    engine = Engine.from_checkpoint(checkpoint, dtype=getattr(torch, args.dtype), device=args.device,
+                                    quantize=args.quantize)
     completion = engine.generate([prompt_ids], params)[0]
     if args.json:
         sys.stdout.write(orjson.dumps({
@@ -91,6 +94,8 @@ def _worker_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--worker-id", help="unique id; becomes a NATS subject token")
     p.add_argument("--model", help="HF directory, .gguf file, or 'default' (env AFLEX_MODEL)")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--quantize", choices=["none", "int8"],
+                   help="int8: W8A8 projections on the CPU (env AFLEX_QUANTIZE; default none)")
     p.add_argument("--device", help="torch device, e.g. cpu or cuda:0")
     p.add_argument("--gpu-control", dest="gpu_backend", choices=["auto", "nvml", "nvml-readonly", "emulated"],
                    help="GPU backend: auto = nvml-readonly where NVML works, else emulated; nvml sets clocks "
@@ -124,7 +129,7 @@ def _run_service(args: argparse.Namespace) -> int:
 
     entry: Callable[..., Coroutine[Any, Any, None]]
     common = ("nats_url", "log_level")
-    worker = (*common, "worker_id", "model", "dtype", "device", "gpu_backend", "gpu_profile", "gpu_pace",
+    worker = (*common, "worker_id", "model", "dtype", "quantize", "device", "gpu_backend", "gpu_profile", "gpu_pace",
               "telemetry_hz", "torch_threads")
     settings: Any
     if args.command == "gateway":

@@ -277,6 +277,8 @@ def add_up_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ffn-workers", type=_positive, default=1, metavar="M")
     parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
                         help="weights and activations of the workers (default: the workers' own)")
+    parser.add_argument("--quantize", choices=["none", "int8"], default=None,
+                        help="int8: the workers run W8A8 projections on the CPU (default: none, exact float)")
     parser.add_argument("--microbatch-depth", choices=["auto", "1", "2", "3", "4"], default=None,
                         help="microbatches in flight per attention worker (default: the scheduler's own)")
     parser.add_argument("--torch-threads", type=int, default=None, metavar="N",
@@ -310,6 +312,7 @@ def build_commands(args: argparse.Namespace) -> list[ChildSpec]:
     cli = [sys.executable, "-m", "services.cli"]
     model = ["--model", str(args.model)]
     dtype = ["--dtype", args.dtype] if args.dtype else []
+    dtype += ["--quantize", args.quantize] if getattr(args, "quantize", None) else []
     depth = ["--microbatch-depth", args.microbatch_depth] if args.microbatch_depth else []
     depth += ["--freq-policy", args.freq_policy] if getattr(args, "freq_policy", None) else []
     gpu_control = getattr(args, "gpu_control", None)

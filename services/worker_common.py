@@ -60,7 +60,7 @@ def torch_dtype(name: str) -> torch.dtype:
     return dtype
 
 
-def load_half(spec: str, half: Literal["attention", "ffn"], dtype: str, device: str
+def load_half(spec: str, half: Literal["attention", "ffn"], dtype: str, device: str, quantize: str = "none"
               ) -> tuple[Checkpoint, nn.Module]:
     """Open the checkpoint and load only one half's tensors (a worker never holds the other half).
 
@@ -71,7 +71,7 @@ def load_half(spec: str, half: Literal["attention", "ffn"], dtype: str, device: 
 
     checkpoint = open_checkpoint(spec)
     load = load_attention_half if half == "attention" else load_ffn_half
-    module = load(checkpoint.args, checkpoint.tensors, torch_dtype(dtype), device)
+    module = load(checkpoint.args, checkpoint.tensors, torch_dtype(dtype), device, quantize)
     return checkpoint, module
 
 

@@ -55,6 +55,7 @@ class WorkerSettings(ServiceSettings):
     worker_id: str
     model: str = "default"
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    quantize: Literal["none", "int8"] = "none"  # int8: W8A8 projections on the CPU (shared/model/quant.py)
     device: str = "cpu"
     heartbeat_period_s: float = 1.0
     register_timeout_s: float = 60.0

@@ -37,6 +37,17 @@ class PagedKVStore:
         self.num_slots = num_slots
 
 
+def gather_slots(cache: Tensor, slots: Tensor) -> Tensor:
+    """cache [S, Hkv, hd] rows at `slots` [...]: -> [..., Hkv, hd].
+
+    An embedding lookup over the flattened rows: the same copy as `cache[slots]`, about 7x faster
+    on the CPU than advanced indexing (measured at 16 x 100 slots), which matters because every
+    layer gathers its context once per step.
+    """
+    rows = F.embedding(slots, cache.view(cache.shape[0], -1))  # [..., Hkv * hd]
+    return rows.view(*slots.shape, *cache.shape[1:])
+
+
 @dataclass(frozen=True)
 class SequencePass:
     """One sequence's share of a forward pass."""
@@ -125,13 +136,27 @@ class SelfAttention(nn.Module):
         self.o_proj = nn.Linear(args.q_dim, args.dim, bias=False)
         self.q_norm = RMSNorm(args.head_dim, args.norm_eps) if args.qk_norm else None
         self.k_norm = RMSNorm(args.head_dim, args.norm_eps) if args.qk_norm else None
+        self.qkv_proj: nn.Module | None = None  # q, k and v fused in one Int8Linear (quantize_int8)
+        self.qkv_sizes = [args.q_dim, args.kv_dim, args.kv_dim]
+
+    def quantize_int8(self) -> None:
+        """Fuse q/k/v into one W8A8 product (one input quantisation), and o_proj W8A8."""
+        from shared.model.quant import Int8Linear, fuse_int8
+
+        self.qkv_proj = fuse_int8([self.q_proj, self.k_proj, self.v_proj])
+        self.o_proj = Int8Linear.from_linear(self.o_proj)  # type: ignore[assignment]
+        del self.q_proj, self.k_proj, self.v_proj
 
     def project_qkv(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         # x: [T, D] -> q: [T, H, hd], k, v: [T, Hkv, hd], RoPE applied to q and k
         n_tokens = x.shape[0]
-        q = self.q_proj(x).view(n_tokens, self.n_heads, self.head_dim)
-        k = self.k_proj(x).view(n_tokens, self.n_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(n_tokens, self.n_kv_heads, self.head_dim)
+        if self.qkv_proj is not None:
+            q, k, v = cast(Tensor, self.qkv_proj(x)).split(self.qkv_sizes, dim=-1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = q.reshape(n_tokens, self.n_heads, self.head_dim)
+        k = k.reshape(n_tokens, self.n_kv_heads, self.head_dim)
+        v = v.reshape(n_tokens, self.n_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
@@ -146,8 +171,8 @@ class SelfAttention(nn.Module):
         if meta.decode_gather is not None:
             rows = meta.decode_rows
             q_dec = (q if rows is None else q[rows]).unsqueeze(2)  # [Bd, H, 1, hd]
-            k_ctx = k_cache[meta.decode_gather].transpose(1, 2)  # [Bd, Hkv, C, hd]
-            v_ctx = v_cache[meta.decode_gather].transpose(1, 2)
+            k_ctx = gather_slots(k_cache, meta.decode_gather).transpose(1, 2)  # [Bd, Hkv, C, hd]
+            v_ctx = gather_slots(v_cache, meta.decode_gather).transpose(1, 2)
             o = F.scaled_dot_product_attention(q_dec, k_ctx, v_ctx, attn_mask=meta.decode_mask,
                                                enable_gqa=True).squeeze(2)  # [Bd, H, hd]
             if rows is None:
@@ -160,8 +185,8 @@ class SelfAttention(nn.Module):
             if group.mask is None:  # context == the new tokens: attend to them directly
                 k_seq, v_seq = k[rows_slice].transpose(0, 1), v[rows_slice].transpose(0, 1)
             else:
-                k_seq = k_cache[group.gather].transpose(0, 1)  # [Hkv, ctx, hd]
-                v_seq = v_cache[group.gather].transpose(0, 1)
+                k_seq = gather_slots(k_cache, group.gather).transpose(0, 1)  # [Hkv, ctx, hd]
+                v_seq = gather_slots(v_cache, group.gather).transpose(0, 1)
             o = F.scaled_dot_product_attention(q_seq.unsqueeze(0), k_seq.unsqueeze(0), v_seq.unsqueeze(0),
                                                attn_mask=group.mask, is_causal=group.mask is None,
                                                enable_gqa=True)
@@ -196,8 +221,19 @@ class AttentionHalf(nn.Module):
         self.layers = nn.ModuleList(AttentionBlock(args) for _ in range(args.n_layers))
         self.norm = RMSNorm(args.dim, args.norm_eps)
         self.lm_head = None if args.tie_word_embeddings else nn.Linear(args.dim, args.vocab_size, bias=False)
+        self.logits_head: nn.Module | None = None  # an Int8Linear once quantised (see quantize_int8)
         with torch.device("cpu"):
             self.rotary = RotaryEmbedding(args)
+
+    def quantize_int8(self) -> None:
+        """W8A8 for every projection and the lm_head (tied or not); norms and embeddings stay float."""
+        from shared.model.quant import Int8Linear
+
+        for layer in range(self.args.n_layers):
+            self.block(layer).self_attn.quantize_int8()
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        self.logits_head = Int8Linear(weight)
+        self.lm_head = None  # its float weights are no longer read
 
     def block(self, layer: int) -> AttentionBlock:
         return cast(AttentionBlock, self.layers[layer])
@@ -228,6 +264,11 @@ class AttentionHalf(nn.Module):
     def logits(self, residual: Tensor, ffn_out: Tensor, rows: Tensor) -> Tensor:
         """Last layer's residual add, final norm and lm_head, for the rows that sample: [B', V]."""
         hidden = (residual[rows] + ffn_out[rows]) if rows.numel() != residual.shape[0] else residual + ffn_out
-        hidden = self.norm(hidden)
+        return self.project_logits(self.norm(hidden))
+
+    def project_logits(self, hidden: Tensor) -> Tensor:
+        # hidden: [B, D] (final-normed) -> logits [B, V] float32
+        if self.logits_head is not None:
+            return cast(Tensor, self.logits_head(hidden)).float()
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return F.linear(hidden, weight).float()

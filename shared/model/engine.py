@@ -107,9 +107,10 @@ class Engine:
 
     @classmethod
     def from_checkpoint(cls, checkpoint: Checkpoint, dtype: torch.dtype = torch.float32,
-                        device: str = "cpu", **kwargs: int) -> Engine:
-        attention = load_attention_half(checkpoint.args, checkpoint.tensors, dtype, device)
-        ffn = load_ffn_half(checkpoint.args, checkpoint.tensors, dtype, device)
+                        device: str = "cpu", quantize: str = "none", **kwargs: int) -> Engine:
+        """Both halves from a checkpoint; `quantize="int8"` runs their projections W8A8 (see quant.py)."""
+        attention = load_attention_half(checkpoint.args, checkpoint.tensors, dtype, device, quantize)
+        ffn = load_ffn_half(checkpoint.args, checkpoint.tensors, dtype, device, quantize)
         assert isinstance(attention, AttentionHalf) and isinstance(ffn, FFNHalf)
         return cls(attention, ffn, checkpoint.tokenizer, **kwargs)
 
@@ -296,5 +297,4 @@ def forward_unsplit(attention: AttentionHalf, ffn: FFNHalf, token_ids: list[int]
         block = attention.block(layer)
         h = x + block.self_attn.forward_contiguous(block.input_layernorm(x), cos, sin)
         x = h + ffn(layer, block.post_attention_layernorm(h))
-    weight = attention.embed_tokens.weight if attention.lm_head is None else attention.lm_head.weight
-    return torch.nn.functional.linear(attention.norm(x), weight).float()
+    return attention.project_logits(attention.norm(x))

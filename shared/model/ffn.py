@@ -58,6 +58,12 @@ class FFNHalf(nn.Module):
             for i in range(args.n_layers)
         )
 
+    def quantize_int8(self) -> None:
+        """W8A8 for every expert and dense MLP projection; MoE routers (`gate`) stay float."""
+        for module in self.modules():
+            if isinstance(module, SwiGLU):
+                module.quantize_int8()
+
     def forward(self, layer: int, ffn_in: Tensor) -> Tensor:
         # ffn_in: [T, D] -> ffn_out: [T, D]
         return self.layers[layer](ffn_in)

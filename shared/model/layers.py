@@ -93,7 +93,19 @@ class SwiGLU(nn.Module):
         self.gate_proj = nn.Linear(dim, hidden_dim, bias=False)
         self.up_proj = nn.Linear(dim, hidden_dim, bias=False)
         self.down_proj = nn.Linear(hidden_dim, dim, bias=False)
+        self.gate_up_proj: nn.Module | None = None  # gate and up fused in one Int8Linear (quantize_int8)
+
+    def quantize_int8(self) -> None:
+        """Fuse gate/up into one W8A8 product (one input quantisation), and down_proj W8A8."""
+        from shared.model.quant import Int8Linear, fuse_int8
+
+        self.gate_up_proj = fuse_int8([self.gate_proj, self.up_proj])
+        self.down_proj = Int8Linear.from_linear(self.down_proj)  # type: ignore[assignment]
+        del self.gate_proj, self.up_proj
 
     def forward(self, x: Tensor) -> Tensor:
         # x: [T, D] -> [T, D]
+        if self.gate_up_proj is not None:
+            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # [T, 2F] -> 2 x [T, F]
+            return self.down_proj(F.silu(gate) * up)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))

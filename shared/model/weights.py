@@ -18,6 +18,7 @@ from torch import nn
 
 from shared.errors import CheckpointError, MissingTensorError, TensorShapeError
 from shared.model.config import ModelArgs
+from shared.model.quant import check_quantization
 
 
 class TensorSource(Protocol):
@@ -125,22 +126,26 @@ def load_module(module: nn.Module, tensors: TensorSource, name_of: dict[str, str
 
 
 def load_attention_half(args: ModelArgs, tensors: TensorSource, dtype: torch.dtype = torch.float32,
-                        device: torch.device | str = "cpu") -> nn.Module:
+                        device: torch.device | str = "cpu", quantize: str = "none") -> nn.Module:
     from shared.model.attention import AttentionHalf
 
     with torch.device("meta"):
         half = AttentionHalf(args)
     name_of = {key: attention_tensor_name(key) for key, _ in half.named_parameters()}
     load_module(half, tensors, name_of, dtype, torch.device(device))
+    if check_quantization(quantize, device) == "int8":
+        half.quantize_int8()
     return half
 
 
 def load_ffn_half(args: ModelArgs, tensors: TensorSource, dtype: torch.dtype = torch.float32,
-                  device: torch.device | str = "cpu") -> nn.Module:
+                  device: torch.device | str = "cpu", quantize: str = "none") -> nn.Module:
     from shared.model.ffn import FFNHalf
 
     with torch.device("meta"):
         half = FFNHalf(args)
     name_of = {key: ffn_tensor_name(key, args) for key, _ in half.named_parameters()}
     load_module(half, tensors, name_of, dtype, torch.device(device))
+    if check_quantization(quantize, device) == "int8":
+        half.quantize_int8()
     return half
