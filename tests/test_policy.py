@@ -128,3 +128,49 @@ def test_fixed_chunks_scale_with_groups_and_cap_one_sequence() -> None:
     assert prefill_budget(fixed, 100_000, 0, units=4) == 4 * 2048
     assert seq_chunk_cap(fixed, 8192) == 2048
     assert seq_chunk_cap(BatchingRule(), 8192) == 8192
+
+
+def test_srpt_order_serves_short_prompts_first_and_ages_long_ones() -> None:
+    from shared.policy import prefill_order
+
+    srpt = BatchingRule(order="srpt", aging_s=10.0)
+    # arrivals at t=0, 1, 2 with 5000, 300, 1200 tokens left: shortest first at t=2
+    assert prefill_order(srpt, 2.0, [0.0, 1.0, 2.0], [5000, 300, 1200]) == [1, 2, 0]
+    # after aging_s of waiting the long prompt ranks with the shortest (and ahead of later arrivals)
+    assert prefill_order(srpt, 10.5, [0.0, 10.0, 10.2], [5000, 300, 1200])[0] == 0
+    # FCFS keeps the queue order
+    assert prefill_order(BatchingRule(), 2.0, [0.0, 1.0, 2.0], [5000, 300, 1200]) == [0, 1, 2]
+
+
+def test_prefill_only_iteration_is_capped_by_time_when_asked() -> None:
+    rule = BatchingRule(prefill_iter_frac=0.25)
+    assert prefill_budget(rule, 10_000, 0) == 10_000  # no predictor: everything queued
+    got = prefill_budget(rule, 10_000, 0, lambda n: n / 40_000, 0.1, prefill_iter_s=0.1)
+    assert 3900 <= got <= 4000
+
+
+def test_marginal_objective_scores_energy_above_the_idle_floor(pred: Predictor) -> None:
+    shape = PoolShape(split=False, replicas=4, tp=4)
+    s = BatchStats("decode", 64, 64 * 1000, 64 * 1000, 64)
+    total = plan_iteration(pred, shape, s, 0.1, ClockRule(per_operator=False))
+    marginal = plan_iteration(pred, shape, s, 0.1, ClockRule(per_operator=False, objective="marginal"))
+    assert marginal.feasible and total.feasible
+    # idle power is free under "marginal", so it never runs faster than "total" does
+    assert marginal.clock_attention <= total.clock_attention
+    with pytest.raises(ValueError):
+        plan_iteration(pred, shape, s, 0.1, ClockRule(objective="bogus"))
+
+
+def test_marginal_decode_scores_decode_only_and_provisioning_ignores_it(pred: Predictor) -> None:
+    shape = PoolShape(split=True, attention=1, ffn=1)
+    dec = BatchStats("decode", 64, 64 * 1500, 64 * 1500, 64)
+    md = ClockRule(objective="marginal-decode")
+    assert plan_iteration(pred, shape, dec, 0.1, md).clock_ffn <= plan_iteration(pred, shape, dec, 0.1,
+                                                                                    ClockRule()).clock_ffn
+    pre = BatchStats("prefill", 2048, 2048, 2048 * 1024, 2)
+    assert plan_iteration(pred, shape, pre, 0.2, md) == plan_iteration(pred, shape, pre, 0.2, ClockRule())
+    args = get_model("qwen3-32b")
+    spec = ClusterSpec(16, 80e9, attention_weight_bytes(args), ffn_weight_bytes(args), kv_bytes_per_token(args),
+                       400e9, 0.34, 0.1, 90.0)
+    load = WindowLoad(2.0, 1000, 200, 2500)
+    assert provision(pred, load, spec, md) == provision(pred, load, spec, ClockRule())

@@ -42,6 +42,7 @@ from shared.policy import (
     decode_admit,
     plan_iteration,
     prefill_budget,
+    prefill_order,
     provision,
     seq_chunk_cap,
     ttft_budget,
@@ -63,15 +64,20 @@ class PolicySpec:
 
 
 def policy_spec(name: str) -> PolicySpec:
-    fixed, adaptive = BatchingRule(adaptive=False), BatchingRule(adaptive=True)
+    md = "marginal-decode"  # AFlex scores decode iterations by energy above the idle floor (ClockRule)
+    fixed, adaptive = BatchingRule(adaptive=False), BatchingRule(adaptive=True, order="srpt", prefill_iter_frac=0.3)
     specs = {
         "colocated-max": PolicySpec(name, False, ClockRule(max_clock=True), fixed, adaptive_margin=False),
         "phase-dvfs": PolicySpec(name, False, ClockRule(per_operator=False), fixed),
+        # sensitivity only (not a published design): phase-dvfs scoring clocks by energy above the idle floor
+        "phase-dvfs-marginal": PolicySpec(name, False, ClockRule(per_operator=False, objective="marginal"), fixed),
         "af-max": PolicySpec(name, True, ClockRule(max_clock=True, depths=()), fixed, adaptive_margin=False),
-        "aflex": PolicySpec(name, True, ClockRule(), adaptive, dynamic_provisioning=True),
-        "aflex-no-opfreq": PolicySpec(name, True, ClockRule(per_operator=False), adaptive, dynamic_provisioning=True),
-        "aflex-fixed-depth": PolicySpec(name, True, ClockRule(depths=(2,)), adaptive, dynamic_provisioning=True),
-        "aflex-no-adaptive-batch": PolicySpec(name, True, ClockRule(), fixed, dynamic_provisioning=True),
+        "aflex": PolicySpec(name, True, ClockRule(objective=md), adaptive, dynamic_provisioning=True),
+        "aflex-no-opfreq": PolicySpec(name, True, ClockRule(per_operator=False, objective=md), adaptive,
+                                      dynamic_provisioning=True),
+        "aflex-fixed-depth": PolicySpec(name, True, ClockRule(depths=(2,), objective=md), adaptive,
+                                        dynamic_provisioning=True),
+        "aflex-no-adaptive-batch": PolicySpec(name, True, ClockRule(objective=md), fixed, dynamic_provisioning=True),
     }
     if name not in specs:
         raise ValueError(f"unknown policy {name!r}; known: {', '.join(specs)}")
@@ -356,6 +362,11 @@ class Simulation:
         budget = tpot_b if n_dec else math.inf
         if has_prefill:
             shape = pool.shape
+            if self.pol.batching.order != "fcfs" and len(pool.queue) > 1:
+                items = list(pool.queue)
+                order = prefill_order(self.pol.batching, now, [float(self.arr.time_s[r]) for r, _ in items],
+                                      [float(rem) for _, rem in items])
+                pool.queue = deque(items[k] for k in order)
 
             head_rem = pool.queue[0][1]
 
@@ -365,8 +376,10 @@ class Simulation:
                                 * tokens / 2, n_dec + 1, q1, q1, causal_pairs(q1, q1))
                 return plan_iteration(self.pred, shape, st, 0.0, ClockRule(max_clock=True, depths=(1,))).time_s
 
-            take = prefill_budget(self.pol.batching, pool.queued_tokens, n_dec, time_at_max if n_dec else None, tpot_b,
-                                  units=shape.units)
+            rule = self.pol.batching
+            iter_s = rule.prefill_iter_frac * self.cfg.ttft_slo_s
+            take = prefill_budget(rule, pool.queued_tokens, n_dec, time_at_max if n_dec or iter_s > 0 else None,
+                                  tpot_b, units=shape.units, prefill_iter_s=iter_s)
             cap = seq_chunk_cap(self.pol.batching, take)
             left = take
             deadlines: list[float] = []

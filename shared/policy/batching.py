@@ -3,9 +3,18 @@
 - Fixed (vLLM/SGLang default): a chunked-prefill budget of `chunk_tokens` per iteration and at most
   `max_running` decode sequences.
 - Adaptive: a prefill-only pool takes everything queued up to `max_chunk_tokens` (one big batch
-  reads the weights once for all of it); a pool that mixes in decode takes the largest chunk whose
-  predicted time (at the top clock) keeps the iteration inside the TPOT budget, never less than
-  `min_chunk_tokens` so prefill cannot starve. Decode admits sequences while the KV cache has room.
+  reads the weights once for all of it), but with `prefill_iter_frac` > 0 no more than an iteration of
+  that fraction of the TTFT SLO at the top clock holds (prefill is compute-bound well below that size,
+  so smaller iterations cost little and a prompt arriving mid-iteration waits less); a pool that
+  mixes in decode takes the largest chunk whose predicted time (at the top clock) keeps the
+  iteration inside the TPOT budget, never less than `min_chunk_tokens` so prefill cannot starve.
+  Decode admits sequences while the KV cache has room.
+
+Order (`order`): "fcfs" serves prompts in arrival order (vLLM/SGLang default). "srpt" is AFlex's
+adaptive ordering: shortest remaining prompt first, with aging so long prompts are not starved: a
+prompt's key is its remaining tokens × max(0, 1 − wait/`aging_s`), so after `aging_s` of waiting
+it ranks with the shortest and the aged are served in arrival order (`prefill_order`). Under bursts
+short prompts no longer queue behind long ones, which is what the TTFT percentiles measure.
 
 `ttft_budget` turns the queue into this iteration's latency budget: a request with slack s that
 needs k more iterations (this one included) allows s/k per iteration; the tightest request wins.
@@ -24,20 +33,26 @@ class BatchingRule:
     max_running: int = 256  # fixed decode batch cap (vLLM max_num_seqs)
     min_chunk_tokens: int = 256
     max_chunk_tokens: int = 16384
+    order: str = "fcfs"  # "fcfs" or "srpt" (shortest remaining prompt first, with aging)
+    aging_s: float = 30.0  # srpt: a prompt that waited this long ranks with the shortest
+    prefill_iter_frac: float = 0.0  # > 0: a prefill-only iteration lasts at most this share of the TTFT SLO
 
 
 def prefill_budget(rule: BatchingRule, queued_tokens: int, decode_running: int,
                    time_at_max: Callable[[int], float] | None = None, tpot_budget_s: float = 0.0,
-                   units: int = 1) -> int:
+                   units: int = 1, prefill_iter_s: float = 0.0) -> int:
     """Prefill tokens to schedule this iteration, over `units` groups that each take their own
-    chunk (replicas, or attention groups); `seq_chunk_cap` bounds one sequence's share."""
+    chunk (replicas, or attention groups); `seq_chunk_cap` bounds one sequence's share.
+    `prefill_iter_s` > 0 bounds a prefill-only iteration's time at the top clock (adaptive only)."""
     if queued_tokens <= 0:
         return 0
     units = max(1, units)
     if not rule.adaptive:
         return min(queued_tokens, rule.chunk_tokens * units)
     cap = min(queued_tokens, rule.max_chunk_tokens * units)
-    if decode_running == 0 or time_at_max is None or tpot_budget_s <= 0:
+    if decode_running == 0:
+        tpot_budget_s = prefill_iter_s
+    if time_at_max is None or tpot_budget_s <= 0:
         return cap
     lo, hi = min(rule.min_chunk_tokens, cap), cap
     if time_at_max(hi) <= tpot_budget_s:
@@ -49,6 +64,20 @@ def prefill_budget(rule: BatchingRule, queued_tokens: int, decode_running: int,
         else:
             hi = mid
     return lo
+
+
+def prefill_order(rule: BatchingRule, now: float, arrival_s: Sequence[float],
+                  remaining: Sequence[float]) -> list[int]:
+    """Indices of the prefill queue in the order to serve them (stable: ties keep queue order)."""
+    n = len(remaining)
+    if rule.order == "fcfs" or n <= 1:
+        return list(range(n))
+    if rule.order != "srpt":
+        raise ValueError(f"unknown prefill order {rule.order!r}")
+    aging = max(rule.aging_s, 1e-9)
+    keys = [(rem * max(0.0, 1.0 - (now - arr) / aging), arr, i)
+            for i, (arr, rem) in enumerate(zip(arrival_s, remaining, strict=True))]
+    return [k[2] for k in sorted(keys)]
 
 
 def seq_chunk_cap(rule: BatchingRule, budget_tokens: int) -> int:

@@ -5,7 +5,8 @@ predictor's clock table, keeps those whose predicted iteration time meets the bu
 the one with the least predicted energy (the lowest clock is not always the cheapest: static power
 makes energy per token U-shaped). In a split pool this is where pipeline slack goes: the side that
 is not the bottleneck slows until it nearly becomes it. If nothing meets the budget, the fastest
-point wins. With `per_operator=False` both sides share one clock (phase-level DVFS); with
+point wins. `objective="marginal"` scores energy above the pool's context-idle floor instead of the
+iteration's total (see ClockRule). With `per_operator=False` both sides share one clock (phase-level DVFS); with
 `max_clock=True` the clocks stay at the top (no DVFS). Hysteresis: the current point is kept while
 it still meets the budget and costs at most `hysteresis` more than the best.
 
@@ -74,6 +75,14 @@ class ClockRule:
     per_operator: bool = True
     depths: tuple[int, ...] = (1, 2, 3, 4)  # candidates; () means MegaScale-style from the floor
     hysteresis: float = 0.03
+    # "total": least energy of the iteration, its GPUs' idle power while it runs included (what a GPU
+    # meter reads over the iteration: DynamoLLM/VoltanaLLM). "marginal": least energy above the pool's
+    # context-idle floor, which its provisioned GPUs draw whether they compute or wait, so time inside
+    # the latency budget is free and a slower point wins unless it costs more dynamic energy.
+    # "marginal-decode": marginal for decode-only iterations, total for any with prefill (AFlex): a
+    # continuously busy decode pool turns a slower iteration into a larger batch (Little's law), which
+    # reads the weights once for more tokens; a prefill pool's slack is the next prompts' queueing time.
+    objective: str = "total"
 
 
 @dataclass(frozen=True)
@@ -140,6 +149,11 @@ def plan_iteration(pred: Predictor, shape: PoolShape, stats: BatchStats, budget_
     best: OperatingPoint | None = None
     fastest: OperatingPoint | None = None
     keep: OperatingPoint | None = None
+    marginal = rule.objective == "marginal" or (rule.objective == "marginal-decode" and stats.phase == "decode")
+    floor_w = shape.gpus * idle_w if marginal else 0.0
+    if rule.objective not in ("total", "marginal", "marginal-decode"):
+        raise ValueError(f"unknown clock objective {rule.objective!r}")
+    best_v = keep_v = np.inf
     depths = tuple(dict.fromkeys(min(d, max(1, int(stats.n_tokens))) for d in depths))
     for d in depths:
         t, e = _tables(pred, shape, stats, d, args.dim, args.n_layers, idle_w)
@@ -158,21 +172,23 @@ def plan_iteration(pred: Predictor, shape: PoolShape, stats: BatchStats, budget_
             fastest = p_fast
         ok = mask & (t <= budget_s)
         if ok.any():
-            em = np.where(ok, e, np.inf)
+            v = e - floor_w * t  # the objective (total energy, or energy above the pool's idle floor)
+            em = np.where(ok, v, np.inf)
             i = np.unravel_index(int(np.argmin(em)), t.shape)
             cand = OperatingPoint(d, float(clocks[i[0]]), float(clocks[i[1]]), float(t[i]), float(e[i]), True,
                                   (int(i[0]), int(i[1])))
-            if best is None or cand.energy_j < best.energy_j:
-                best = cand
+            if best is None or float(v[i]) < best_v:
+                best, best_v = cand, float(v[i])
             if current is not None and current.depth == d and current.index[0] >= 0:
                 ci = current.index
                 if ok[ci]:
                     keep = OperatingPoint(d, float(clocks[ci[0]]), float(clocks[ci[1]]), float(t[ci]), float(e[ci]),
                                           True, ci)
+                    keep_v = float(v[ci])
     if best is None:
         assert fastest is not None
         return fastest
-    if keep is not None and keep.energy_j <= best.energy_j * (1.0 + rule.hysteresis):
+    if keep is not None and keep_v <= best_v + abs(best_v) * rule.hysteresis:
         return keep
     return best
 

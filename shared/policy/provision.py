@@ -19,7 +19,7 @@ than `min_pd_gpus` GPUs the cluster is one mixed split pool (no prefill/decode p
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from shared.perf import Predictor
 from shared.policy.clocks import BatchStats, ClockRule, PoolShape, plan_iteration
@@ -143,6 +143,8 @@ def provision(pred: Predictor, load: WindowLoad, spec: ClusterSpec, rule: ClockR
     """The least-power plan for `load` (times `headroom`); `use_all` spreads every GPU over the pools;
     `prefill_tp` lets the prefill pool's attention GPUs run tensor parallel in groups."""
     hl = WindowLoad(load.rate_rps * headroom, load.mean_prompt, load.mean_output, load.p90_prompt)
+    if rule.objective != "total":  # pools are sized on whole-iteration energy (conservative, stable fixed point)
+        rule = replace(rule, objective="total")
     n = spec.gpus
     fmin = spec.ffn_min
     if n < min_pd_gpus:
