@@ -4,12 +4,16 @@ Both run SmolLM2-135M-Instruct (the default GGUF, dequantised to float32 by each
 loader) with the same prompt, greedy, a fixed number of new tokens (EOS ignored), at each
 concurrency. Decode throughput = (sequences x decoded tokens) / decode time, where decode time is
 the whole generation minus the time of a prefill-only run (one new token) of the same batch.
-Ratios are measured in one run, back to back, because the machine is noisy. Each dtype in
-`--dtypes` compares the two at that same dtype (float32 is exact against the reference;
-bfloat16 halves the bytes each decode step reads).
+Ratios are measured in one run, back to back, because the machine is noisy.
 
-    python benchmarks/engine_decode.py [--concurrency 1,16] [--new-tokens 64] [--dtypes float32,bfloat16]
+    python benchmarks/engine_decode.py [--concurrency 1,16] [--new-tokens 64] [--modes float32,bfloat16,int8]
                                        [--json out.json]
+
+Modes: `float32` and `bfloat16` compare the two at that same dtype (float32 is exact against the
+reference; bfloat16 halves the bytes each decode step reads); `int8` runs AFlex's W8A8 mode
+(`--quantize int8`, shared/model/quant.py) against `transformers` in float32 (the precision its
+GGUF loader gives) and against `transformers` with PyTorch's dynamic int8 Linear, and reports its
+agreement with float32 (teacher-forced top-1, perplexity) on docs/architecture.md.
 """
 
 from __future__ import annotations
@@ -61,46 +65,95 @@ def decode_tokens_per_s(time_fn, model, prompt_ids: list[int], batch: int, new_t
     return batch * (new_tokens - 1) / best
 
 
+MODES = {
+    # mode: (AFlex dtype, AFlex quantize, transformers dtype, also transformers' dynamic int8)
+    "float32": ("float32", "none", "float32", False),
+    "bfloat16": ("bfloat16", "none", "bfloat16", False),
+    "int8": ("float32", "int8", "float32", True),
+}
+ACCURACY_TEXT = Path(__file__).resolve().parents[1] / "docs" / "architecture.md"
+
+
+def accuracy_vs_float32(checkpoint, dtype: torch.dtype, quantize: str, reference: torch.Tensor,  # type: ignore[no-untyped-def]
+                        token_ids: list[int]) -> dict[str, float]:
+    """Teacher-forced next-token agreement with float32, and perplexity of both, on one fixed text."""
+    from shared.model.engine import forward_unsplit
+
+    engine = Engine.from_checkpoint(checkpoint, dtype=dtype, quantize=quantize)
+    logits = forward_unsplit(engine.attention, engine.ffn, token_ids)
+    targets = torch.tensor(token_ids[1:])
+    return {
+        "top1_agreement": round(float((logits.argmax(-1) == reference.argmax(-1)).float().mean()), 4),
+        "perplexity": round(float(torch.nn.functional.cross_entropy(logits[:-1], targets).exp()), 3),
+        "perplexity_float32": round(float(torch.nn.functional.cross_entropy(reference[:-1], targets).exp()), 3),
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--concurrency", default="1,16")
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--dtypes", default="float32")
+    parser.add_argument("--modes", default="float32", help=f"comma-separated: {', '.join(MODES)}")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
     from transformers import AutoModelForCausalLM
+
+    from shared.model.engine import forward_unsplit
 
     checkpoint = open_checkpoint("default")
     tokenizer = checkpoint.tokenizer
     assert tokenizer is not None
     prompt_ids = tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": PROMPT}]))
     gguf = default_model_path()
-    results = []
-    for dtype_name in args.dtypes.split(","):
-        dtype = getattr(torch, dtype_name)
-        hf = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=dtype).eval()
+    text_ids = tokenizer.encode(ACCURACY_TEXT.read_text())[:1024]
+    exact = Engine.from_checkpoint(checkpoint)
+    reference = forward_unsplit(exact.attention, exact.ffn, text_ids)
+    del exact
+    results, accuracy = [], {}
+    for mode in args.modes.split(","):
+        ours_dtype, quantize, hf_dtype, hf_int8 = MODES[mode]
+        if mode != "float32":
+            accuracy[mode] = accuracy_vs_float32(checkpoint, getattr(torch, ours_dtype), quantize, reference, text_ids)
+            print(f"{mode}: accuracy vs float32 on {ACCURACY_TEXT.name} ({len(text_ids)} tokens): {accuracy[mode]}",
+                  flush=True)
+        hf = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name,
+                                                  dtype=getattr(torch, hf_dtype)).eval()
         hf.generation_config.eos_token_id = None
+        hf_q = None
+        if hf_int8:  # transformers' model with PyTorch's own dynamic int8 Linear (fbgemm, per-tensor)
+            hf_q = torch.ao.quantization.quantize_dynamic(hf, {torch.nn.Linear}, dtype=torch.qint8)
+            hf_q.generation_config.eos_token_id = None
         for batch in (int(c) for c in args.concurrency.split(",")):
-            engine = Engine.from_checkpoint(checkpoint, dtype=dtype, num_kv_blocks=max(256, batch * 16),
-                                            block_size=16)
+            engine = Engine.from_checkpoint(checkpoint, dtype=getattr(torch, ours_dtype), quantize=quantize,
+                                            num_kv_blocks=max(256, batch * 16), block_size=16)
             ours = decode_tokens_per_s(time_engine, engine, prompt_ids, batch, args.new_tokens, args.repeats)
             theirs = decode_tokens_per_s(_time_hf, hf, prompt_ids, batch, args.new_tokens, args.repeats)
-            row = {"dtype": dtype_name, "concurrency": batch, "aflex_decode_tok_s": round(ours, 1),
+            row = {"mode": mode, "aflex": f"{ours_dtype}" + (f" {quantize}" if quantize != "none" else ""),
+                   "transformers": hf_dtype, "concurrency": batch, "aflex_decode_tok_s": round(ours, 1),
                    "transformers_decode_tok_s": round(theirs, 1), "ratio": round(ours / theirs, 2)}
+            line = (f"{mode:9s} concurrency {batch:3d}: aflex {ours:8.1f} tok/s   transformers ({hf_dtype}) "
+                    f"{theirs:8.1f} tok/s   ratio {ours / theirs:5.2f}x")
+            if hf_q is not None:
+                theirs_q = decode_tokens_per_s(_time_hf, hf_q, prompt_ids, batch, args.new_tokens, args.repeats)
+                row |= {"transformers_dynamic_int8_tok_s": round(theirs_q, 1),
+                        "ratio_to_dynamic_int8": round(ours / theirs_q, 2)}
+                line += f"   transformers (dynamic int8) {theirs_q:8.1f} tok/s   ratio {ours / theirs_q:5.2f}x"
             results.append(row)
-            print(f"{dtype_name:9s} concurrency {batch:3d}: aflex {ours:8.1f} tok/s   "
-                  f"transformers {theirs:8.1f} tok/s   ratio {ours / theirs:5.2f}x", flush=True)
+            print(line, flush=True)
+            del engine
     report = {
-        "model": "SmolLM2-135M-Instruct (GGUF Q4_1 dequantised to float32)",
+        "model": "SmolLM2-135M-Instruct (GGUF Q4_1, dequantised by each side's loader)",
         "prompt_tokens": len(prompt_ids),
         "new_tokens": args.new_tokens,
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
         "machine": f"{platform.machine()} {platform.processor() or ''}".strip(),
         "results": results,
+        "accuracy_vs_float32": accuracy,
     }
     if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(report, indent=2) + "\n")
 
 

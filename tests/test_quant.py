@@ -86,8 +86,9 @@ def test_int8_logits_stay_close_to_float32(arch: str, tiny_checkpoints: dict[str
     int8 = _engine(tiny_checkpoints[arch])
     reference = forward_unsplit(exact.attention, exact.ffn, PROMPT + OTHERS[1])
     quantised = forward_unsplit(int8.attention, int8.ffn, PROMPT + OTHERS[1])
-    cosine = torch.nn.functional.cosine_similarity(quantised, reference, dim=-1)
-    assert cosine.min() > 0.98, f"lowest per-position cosine {cosine.min():.4f}"
+    cosine = torch.nn.functional.cosine_similarity(quantised, reference, dim=-1)  # [positions]
+    # random tiny MoE models flip a router choice now and then: bound the mean and the worst position
+    assert cosine.mean() > 0.99 and cosine.min() > 0.9, f"cosine mean {cosine.mean():.4f}, min {cosine.min():.4f}"
     assert not torch.equal(quantised, reference)  # the int8 path really ran
 
 
@@ -107,9 +108,15 @@ def test_quantization_errors_say_what_was_wrong() -> None:
     assert check_quantization("int8", "cpu") == "int8"
 
 
-def test_default_model_int8_answers_paris() -> None:
-    engine = Engine.from_checkpoint(open_checkpoint("default"), quantize="int8", num_kv_blocks=64)
+def test_default_model_int8_answers_paris_and_tracks_float32() -> None:
+    checkpoint = open_checkpoint("default")
+    engine = Engine.from_checkpoint(checkpoint, quantize="int8", num_kv_blocks=64)
+    exact = Engine.from_checkpoint(checkpoint, num_kv_blocks=64)
     assert engine.tokenizer is not None
+    text = engine.tokenizer.encode((Path(__file__).parents[1] / "docs" / "architecture.md").read_text())[:256]
+    agreement = (forward_unsplit(engine.attention, engine.ffn, text).argmax(-1)
+                 == forward_unsplit(exact.attention, exact.ffn, text).argmax(-1)).float().mean()
+    assert agreement > 0.9, f"teacher-forced next-token agreement with float32 {agreement:.3f}"
     prompt = engine.tokenizer.encode(engine.tokenizer.apply_chat_template(
         [{"role": "user", "content": "What is the capital of France?"}]))
     completion = engine.generate([prompt], SamplingParams(temperature=0.0, max_tokens=20))[0]

@@ -137,21 +137,27 @@ class SelfAttention(nn.Module):
         self.q_norm = RMSNorm(args.head_dim, args.norm_eps) if args.qk_norm else None
         self.k_norm = RMSNorm(args.head_dim, args.norm_eps) if args.qk_norm else None
         self.qkv_proj: nn.Module | None = None  # q, k and v fused in one Int8Linear (quantize_int8)
-        self.qkv_sizes = [args.q_dim, args.kv_dim, args.kv_dim]
 
     def quantize_int8(self) -> None:
         """Fuse q/k/v into one W8A8 product (one input quantisation), and o_proj W8A8."""
         from shared.model.quant import Int8Linear, fuse_int8
 
         self.qkv_proj = fuse_int8([self.q_proj, self.k_proj, self.v_proj])
-        self.o_proj = Int8Linear.from_linear(self.o_proj)  # type: ignore[assignment]
+        # o_proj's input (attention outputs) has no outlier channels to spread: measured on SmolLM2,
+        # rotating it changes nothing (top-1 agreement with float32 95.1% unrotated vs 94.3%)
+        self.o_proj = Int8Linear.from_linear(self.o_proj, rotate=False)  # type: ignore[assignment]
         del self.q_proj, self.k_proj, self.v_proj
 
     def project_qkv(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         # x: [T, D] -> q: [T, H, hd], k, v: [T, Hkv, hd], RoPE applied to q and k
         n_tokens = x.shape[0]
         if self.qkv_proj is not None:
-            q, k, v = cast(Tensor, self.qkv_proj(x)).split(self.qkv_sizes, dim=-1)
+            heads = self.n_heads + 2 * self.n_kv_heads
+            qkv = cast(Tensor, self.qkv_proj(x)).view(n_tokens, heads, self.head_dim)  # [T, H + 2 Hkv, hd]
+            if self.q_norm is None:  # RoPE on q and k in one pass
+                qk = apply_rope(qkv[:, :self.n_heads + self.n_kv_heads], cos, sin)
+                return qk[:, :self.n_heads], qk[:, self.n_heads:], qkv[:, self.n_heads + self.n_kv_heads:]
+            q, k, v = qkv.split([self.n_heads, self.n_kv_heads, self.n_kv_heads], dim=1)
         else:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         q = q.reshape(n_tokens, self.n_heads, self.head_dim)

@@ -73,8 +73,13 @@ def rotation_block(in_features: int) -> int:
 def quantize_rows(x: Tensor) -> tuple[Tensor, Tensor]:
     """Symmetric int8 per row: x [M, K] -> (q [M, K] int8, scale [M, 1] float32), x ~= q * scale."""
     x32 = x.float()
-    scale = x32.abs().amax(dim=-1, keepdim=True).clamp(min=1e-12) / _INT8_MAX  # [M, 1]
-    return torch.round(x32 / scale).to(torch.int8), scale
+    scale = _row_absmax(x32).div_(_INT8_MAX)  # [M, 1]
+    return x32.div(scale).round_().to(torch.int8), scale
+
+
+def _row_absmax(x: Tensor) -> Tensor:
+    # x: [M, K] -> max |x| per row [M, 1], at least 1e-12 (one reduction: the inf-norm)
+    return torch.linalg.vector_norm(x, ord=math.inf, dim=-1, keepdim=True).clamp_(min=1e-12)
 
 
 class Int8Linear(nn.Module):
@@ -95,11 +100,11 @@ class Int8Linear(nn.Module):
     signs: Tensor
     bias: Tensor | None
 
-    def __init__(self, weight: Tensor, bias: Tensor | None = None) -> None:
+    def __init__(self, weight: Tensor, bias: Tensor | None = None, rotate: bool = True) -> None:
         super().__init__()
         # weight: [N, K] float -> rotated, then int8 [N, K] with one scale per output row
         self.out_features, self.in_features = weight.shape
-        self.block = rotation_block(self.in_features)
+        self.block = rotation_block(self.in_features) if rotate else 1
         rotation = hadamard(self.block)
         rotated = weight.detach().float()
         if self.block > 1:
@@ -120,14 +125,14 @@ class Int8Linear(nn.Module):
         first to 16-bit integers, every partial sum of +-1 products is an integer below 2^21, exact
         in float32 whatever the summation order, so the rotation is exact and batch-independent.
         """
-        scale = rows.abs().amax(dim=-1, keepdim=True).clamp(min=1e-12) / _INT16_MAX  # [M, 1]
-        integers = torch.round(rows / scale)  # [M, K], |value| <= 32767
+        scale = _row_absmax(rows).div_(_INT16_MAX)  # [M, 1]
+        integers = rows.div(scale).round_()  # [M, K], |value| <= 32767
         rotated = (integers.reshape(-1, self.block) @ self.signs).reshape(rows.shape)
         return rotated, scale
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear) -> Int8Linear:
-        return cls(linear.weight, linear.bias)
+    def from_linear(cls, linear: nn.Linear, rotate: bool = True) -> Int8Linear:
+        return cls(linear.weight, linear.bias, rotate)
 
     def forward(self, x: Tensor) -> Tensor:
         # x: [..., K] -> [..., N], in x's dtype
@@ -138,9 +143,9 @@ class Int8Linear(nn.Module):
             rows, pre_scale = self._rotate_rows(rows)
         q, scale = quantize_rows(rows)
         acc = torch._int_mm(q, self.weight_t)  # [M, N] int32, exact
-        y = acc.float() * (scale * pre_scale) * self.weight_scale
+        y = torch.mul(acc, scale * pre_scale).mul_(self.weight_scale)  # int32 * float32 -> float32
         if self.bias is not None:
-            y = y + self.bias
+            y += self.bias
         return y.to(x.dtype).reshape(*lead, self.out_features)
 
     def extra_repr(self) -> str:
