@@ -2,8 +2,9 @@
 
 A frame is `MAGIC | u32 header length | orjson header | raw bytes`. The header says which
 microbatch, layer and direction the tensor belongs to, its dtype and shape, and which chunk of
-how many this is; the receiver's `FrameAssembler` puts chunks back together. No pickle, no
-copies beyond the one into the payload.
+how many this is; the receiver's `FrameAssembler` puts chunks back together. No pickle; the
+sender copies the tensor's storage once, into the payload, and the receiver once, out of it
+(`torch.frombuffer` needs a writable buffer, and the payload is immutable `bytes`).
 """
 
 from __future__ import annotations
@@ -33,29 +34,46 @@ def _torch_dtype(name: str) -> Any:
     return getattr(torch, name)
 
 
-def tensor_bytes(tensor: Any) -> bytes:
-    """Raw bytes of a contiguous CPU copy of `tensor` (bf16 goes through an int16 view)."""
+def _raw_view(tensor: Any) -> memoryview:
+    """The tensor's bytes as a flat view of its own storage: a copy only for a non-contiguous or
+    non-CPU tensor (bf16/f16 go through an int16 view, which numpy can hold)."""
     import torch
 
-    t = tensor.detach().contiguous().cpu()
+    t = tensor.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    if not t.is_contiguous():
+        t = t.contiguous()
     if t.dtype in (torch.bfloat16, torch.float16):
         t = t.view(torch.int16)
-    return bytes(t.numpy().data)
+    return memoryview(t.numpy()).cast("B")
+
+
+def tensor_bytes(tensor: Any) -> bytes:
+    """Raw bytes of a contiguous CPU copy of `tensor` (bf16 goes through an int16 view)."""
+    return bytes(_raw_view(tensor))
 
 
 def encode_frames(header: dict[str, Any], tensor: Any, max_payload: int) -> list[bytes]:
-    """Frames for `tensor` with `header` (which must not use the keys dtype/shape/chunk/chunks/nbytes)."""
-    raw = tensor_bytes(tensor)
+    """Frames for `tensor` with `header` (which must not use the keys dtype/shape/chunk/chunks/nbytes).
+
+    The tensor's bytes are copied once, straight from its storage into each frame (this sits on
+    every seam hop, twice per layer).
+    """
+    raw = _raw_view(tensor)
     dtype = str(tensor.dtype).removeprefix("torch.")
     base = {**header, "dtype": dtype, "shape": list(tensor.shape), "nbytes": len(raw)}
-    room = max_payload - 1024 - len(orjson.dumps(base))  # leave space for the header itself
+    head = orjson.dumps({**base, "chunk": 0, "chunks": 1})
+    room = max_payload - 1024 - len(head)  # leave space for the header itself
     if room <= 0:
         raise FrameError(f"max_payload {max_payload} is too small for a frame header")
-    chunks = max(1, -(-len(raw) // room))
+    if len(raw) <= room:  # the common case: one frame, one header
+        return [b"".join((MAGIC, _LEN.pack(len(head)), head, raw))]
+    chunks = -(-len(raw) // room)
     frames = []
     for index in range(chunks):
         head = orjson.dumps({**base, "chunk": index, "chunks": chunks})
-        frames.append(MAGIC + _LEN.pack(len(head)) + head + raw[index * room:(index + 1) * room])
+        frames.append(b"".join((MAGIC, _LEN.pack(len(head)), head, raw[index * room:(index + 1) * room])))
     return frames
 
 

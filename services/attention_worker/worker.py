@@ -21,6 +21,7 @@ whole microbatch (all its sequences) but never the worker.
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import time
 from collections.abc import Sequence
@@ -120,7 +121,7 @@ class AttentionWorker:
     def load(self) -> None:
         """Load the attention half and allocate the KV cache (blocking)."""
         s = self.settings
-        checkpoint, module = load_half(s.model, "attention", s.dtype, s.device)
+        checkpoint, module = load_half(s.model, "attention", s.dtype, s.device, s.quantize)
         assert isinstance(module, AttentionHalf)
         self.model, self.model_id = module, checkpoint.model_id
         weight = module.embed_tokens.weight
@@ -135,6 +136,7 @@ class AttentionWorker:
         with stop_on_signals(stop):
             if self.model is None:
                 await asyncio.to_thread(self.load)
+            gc.freeze()  # see the FFN worker: no full collection walks the model's objects mid-microbatch
             assert self.model is not None and self.sequences is not None
             self.nc = nc = await bus.connect(self.settings.nats_url, name=f"aflex-attention-{self.worker_id}")
             heartbeat_task: asyncio.Task[None] | None = None
@@ -357,7 +359,9 @@ class AttentionWorker:
     async def _publish_done(self, done: MicrobatchDone) -> None:
         assert self.nc is not None
         try:
-            await self.nc.publish(subjects.SCHED_DONE, encode(done))
+            # At once: with another microbatch in flight, its attention would otherwise run first and
+            # the scheduler would hear of this one (and send its next step) only afterwards.
+            await bus.publish_now(self.nc, subjects.SCHED_DONE, encode(done))
         except Exception as exc:
             log.error("could not publish the result of microbatch %s: %s", done.mb_id, exc)
 
@@ -424,25 +428,31 @@ class AttentionWorker:
         the energy of its share of the FFN forward, and that forward's compute time."""
         assert self.nc is not None
         key = (desc.mb_id, layer)
-        future: asyncio.Future[tuple[Tensor, float, float]] = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[tuple[Tensor, float, float]] = loop.create_future()
         self._replies[key] = future
+        # A timer on the future itself rather than `asyncio.wait_for`, which wakes this task through
+        # an extra callback (one more turn of the event loop on every hop).
+        timer = loop.call_later(self.ffn_reply_timeout_s, self._expire_hop, future, desc, layer)
         try:
             header: dict[str, Any] = {"mb_id": desc.mb_id, "layer": layer, "direction": "to_ffn",
                                       "reply_to": self.subject, "worker_id": self.worker_id,
                                       "phase": clock_phase(desc.phase)}
             for frame in wire.encode_frames(header, ffn_in, self.nc.max_payload):
-                await self.nc.publish(subjects.ffn_mb(desc.ffn_worker), frame)
-            try:
-                out, energy_j, compute_s = await asyncio.wait_for(future, self.ffn_reply_timeout_s)
-            except TimeoutError:
-                raise FFNReplyError(f"FFN worker {desc.ffn_worker} did not answer layer {layer} of microbatch "
-                                    f"{desc.mb_id} within {self.ffn_reply_timeout_s:.0f} s") from None
+                await bus.publish_now(self.nc, subjects.ffn_mb(desc.ffn_worker), frame)
+            out, energy_j, compute_s = await future
         finally:
+            timer.cancel()
             self._replies.pop(key, None)
         if tuple(out.shape) != tuple(ffn_in.shape):
             raise FFNReplyError(f"FFN worker {desc.ffn_worker} returned shape {list(out.shape)} for layer {layer} "
                                 f"of microbatch {desc.mb_id}, expected {list(ffn_in.shape)}")
         return out.to(device=ffn_in.device, dtype=ffn_in.dtype), energy_j, compute_s
+
+    def _expire_hop(self, future: asyncio.Future[Any], desc: MicrobatchDescriptor, layer: int) -> None:
+        if not future.done():
+            future.set_exception(FFNReplyError(f"FFN worker {desc.ffn_worker} did not answer layer {layer} of "
+                                               f"microbatch {desc.mb_id} within {self.ffn_reply_timeout_s:.0f} s"))
 
 
 async def run(settings: AttentionWorkerSettings, *, stop: asyncio.Event | None = None) -> None:

@@ -20,6 +20,7 @@ error frame (header `error`, empty tensor) when it says where to reply, and drop
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import time
 from collections import deque
@@ -80,7 +81,7 @@ class FFNWorker:
 
     def load(self) -> None:
         s = self.settings
-        checkpoint, module = load_half(s.model, "ffn", s.dtype, s.device)
+        checkpoint, module = load_half(s.model, "ffn", s.dtype, s.device, s.quantize)
         assert isinstance(module, FFNHalf)
         self.model, self.model_id = module, checkpoint.model_id
 
@@ -90,6 +91,9 @@ class FFNWorker:
         with stop_on_signals(stop):
             if self.model is None:
                 await asyncio.to_thread(self.load)
+            # What exists now (the model, torch, nats) lives as long as the worker: out of the
+            # collector's sight, a full collection no longer walks it all in the middle of a hop.
+            gc.freeze()
             assert self.model is not None
             self.nc = nc = await bus.connect(self.settings.nats_url, name=f"aflex-ffn-{self.worker_id}")
             self._closing = False
@@ -229,7 +233,7 @@ class FFNWorker:
             header["error"] = error
         try:
             for frame in wire.encode_frames(header, tensor, self.nc.max_payload):
-                await self.nc.publish(reply_to, frame)
+                await bus.publish_now(self.nc, reply_to, frame)  # not behind the next forward
         except Exception as exc:  # a bad reply subject or a lost connection: the attention side times out
             log.warning("ffn worker %s: could not reply to %s: %s", self.worker_id, reply_to, exc)
 
