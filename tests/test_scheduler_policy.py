@@ -46,6 +46,7 @@ from shared.settings import SchedulerSettings
 from tests.test_scheduler import FakeAttention, heartbeat, wait_for
 
 QWEN = get_model("qwen3-32b")
+AFLEX_RULE = ClockRule(objective="marginal-decode")  # the simulator's aflex clock rule (policy_spec("aflex"))
 MODEL = ModelInfo("test-model", frozenset({2}), vocab_size=1000, max_seq_len=4096, args=QWEN)
 A800 = load_profile("a800")
 A800_CLOCKS = A800.clocks_mhz
@@ -87,12 +88,21 @@ def test_plan_pair_is_the_policy_and_misses_raise_clocks() -> None:
     assert plan is not None and plan.budget_s == pytest.approx(0.120 * (1 - pl.margins["decode"].margin))
     pred = cached_predictor(A800, QWEN)
     expected = plan_iteration(pred, PoolShape(split=True), BatchStats("decode", 1, 30, 30, 1), plan.budget_s,
-                              ClockRule())
-    assert plan.op == expected
+                              AFLEX_RULE)
+    assert plan.op == expected and pl.rule.objective == "marginal-decode"
+    # energy above the idle floor, not the iteration's total: here a slower decode point than the old rule's
+    total = plan_iteration(pred, PoolShape(split=True), BatchStats("decode", 1, 30, 30, 1), plan.budget_s,
+                           ClockRule())
+    assert plan.op.clock_attention + plan.op.clock_ffn < total.clock_attention + total.clock_ffn
+    # prefill iterations keep the whole-iteration objective
+    pre = [IterationSample(0.0, "prefill", 512, 512.0, 512.0 * 513 / 2, 1, 0, 512)]
+    pplan = pl.plan_pair(A800, "prefill", pre)
+    assert pplan is not None
+    assert pplan.op == plan_iteration(pred, PoolShape(split=True), pre[0].stats, pplan.budget_s, ClockRule())
     # a batch whose time follows the clock, an SLO just above its unconstrained optimum: misses widen
     # the margin until the optimum no longer fits, and the clocks rise
     big = [IterationSample(0.0, "decode", 128, 128 * 25.0, 128 * 25.0, 128, 128, 0)]
-    best = plan_iteration(pred, PoolShape(split=True), big[0].stats, 1e9, ClockRule())
+    best = plan_iteration(pred, PoolShape(split=True), big[0].stats, 1e9, AFLEX_RULE)
     tight = AflexPlanner(QWEN, ttft_slo_ms=400, tpot_slo_ms=best.time_s * 1e3 / 0.8, depths=(1, 2, 3, 4))
     before = tight.plan_pair(A800, "decode", big)
     for _ in range(6):
@@ -228,7 +238,7 @@ def test_aflex_commands_follow_the_policy_under_a_large_decode_batch(nats_url: s
             rec = lv.sched.plans["a0"]["decode"]
             assert rec.stats.phase == "decode" and rec.stats.n_tokens >= 150
             pred = cached_predictor(A800, QWEN)  # no timings reported: no correction either
-            op = plan_iteration(pred, PoolShape(split=True), rec.stats, rec.budget_s, ClockRule(), rec.current)
+            op = plan_iteration(pred, PoolShape(split=True), rec.stats, rec.budget_s, AFLEX_RULE, rec.current)
             assert op == rec.op
             assert rec.budget_s == pytest.approx(0.120 * (1 - lv.sched.aflex.margins["decode"].margin))  # type: ignore[union-attr]
             a_cmd, f_cmd = lv.commands["a0"][-1].clocks_mhz, lv.commands["f0"][-1].clocks_mhz
@@ -246,8 +256,9 @@ def test_aflex_commands_follow_the_policy_under_a_large_decode_batch(nats_url: s
 
 
 def test_aflex_clocks_rise_after_misses(nats_url: str) -> None:
-    nominal = BatchStats("decode", 128, 128 * 25, 128 * 25, 128)  # what each round's decode looks like
-    best = plan_iteration(cached_predictor(A800, QWEN), PoolShape(split=True), nominal, 1e9, ClockRule())
+    # what each round's decode looks like: short prompts, so the prefill cap admits a round at once
+    nominal = BatchStats("decode", 128, 128 * 6, 128 * 6, 128)
+    best = plan_iteration(cached_predictor(A800, QWEN), PoolShape(split=True), nominal, 1e9, AFLEX_RULE)
     tpot_slo_ms = best.time_s * 1e3 / 0.8  # fits the optimum at the starting margin, not at a wide one
 
     async def main() -> None:
@@ -259,7 +270,7 @@ def test_aflex_clocks_rise_after_misses(nats_url: str) -> None:
             async def burst() -> None:  # 128 requests decoding together
                 nonlocal rounds
                 rounds += 1
-                dones = await asyncio.gather(*(lv.submit(f"b{rounds}-{i}", 20, 5) for i in range(128)))
+                dones = await asyncio.gather(*(lv.submit(f"b{rounds}-{i}", 2, 5) for i in range(128)))
                 await asyncio.wait_for(asyncio.gather(*(d.wait() for d in dones)), 15)
 
             def decode_clocks() -> tuple[int, int]:

@@ -1,4 +1,4 @@
-"""The `aflex` clock policy of the live scheduler: shared/policy's clock selection on the scheduler's own load.
+"""The live scheduler's `aflex` policy: shared/policy's clock selection and batching rules on its own load.
 
 Pure (no I/O, no clock of its own): the service feeds it what it saw and publishes what it answers.
 
@@ -6,13 +6,22 @@ Every frequency window, for each attention worker (paired with the FFN workers i
 to) and each clock phase, `AflexPlanner.plan_pair` takes the iterations that worker ran in the window
 (batch tokens, context tokens, score pairs, sequences sampled: `IterationSample`), picks the one at the
 90th percentile of batch tokens as the load to plan for, and asks `shared.policy.plan_iteration` (the
-simulator's own call) for the least-energy (depth, attention clock, FFN clock) whose predicted
-iteration time meets the phase's budget:
+simulator's own call, with the simulator's `aflex` rule: `ClockRule(objective="marginal-decode")`) for
+the (depth, attention clock, FFN clock) whose predicted iteration time meets the phase's budget at the
+least energy: above the pool's context-idle floor for decode-only iterations, in total for any with
+prefill:
 
 - decode: TPOT·(1 − margin), one token per sequence per iteration;
 - prefill (any prefill chunk in the iteration, mixed included): `shared.policy.ttft_budget` over the
-  worker's queue (and the window's longest prompt) with TTFT·(1 − margin), and the TPOT budget too
-  when decode sequences ride along.
+  worker's queue in serving order (`prefill_order`) and the window's longest prompt, with
+  TTFT·(1 − margin), and the TPOT budget too when decode sequences ride along.
+
+Batching (`BATCHING`, the simulator's `aflex` rule): waiting prompts are served shortest remaining
+first with aging (`shared.policy.prefill_order` at the scheduler's monotonic time: after `aging_s` a
+prompt ranks with the shortest, so none starves), and `prefill_tokens` caps an iteration's prefill
+tokens with `shared.policy.prefill_budget`: at the top clock, an iteration with decode sequences in
+it stays inside the TPOT budget and a prefill-only one inside `prefill_iter_frac` of the TTFT SLO,
+never below `min_chunk_tokens`.
 
 The predictors are `shared.perf`'s, fitted for the worker's GPU profile and the served model
 (`cached_predictor`, the simulator's construction), one per (profile, model); each planner keeps its
@@ -41,8 +50,33 @@ from shared.gpu.emulated import GPUProfile
 from shared.messages import ClockPhase
 from shared.model.config import ModelArgs
 from shared.perf import Predictor, cached_predictor, causal_pairs
-from shared.policy import BatchStats, ClockRule, OperatingPoint, PoolShape, SloMargin, plan_iteration, ttft_budget
+from shared.policy import (
+    BatchingRule,
+    BatchStats,
+    ClockRule,
+    OperatingPoint,
+    PoolShape,
+    SloMargin,
+    plan_iteration,
+    prefill_budget,
+    prefill_order,
+    ttft_budget,
+)
 from shared.policy.pipeline import seam_transfer_s
+
+# The simulator's `aflex` policy (`loadgen.sim.engine.policy_spec("aflex")`; the tests check they agree):
+# shortest-prompt-first prefill with aging, prefill iterations capped by the SLOs, decode clocks scored
+# by energy above the idle floor. The clock depths are the scheduler's (`microbatch_depth`).
+BATCHING = BatchingRule(adaptive=True, order="srpt", prefill_iter_frac=0.3)
+CLOCK_OBJECTIVE = "marginal-decode"
+_AT_MAX = ClockRule(max_clock=True, depths=(1,))
+
+
+def serving_order(now_mono: float, queue: Sequence[tuple[float, float]],
+                  rule: BatchingRule = BATCHING) -> list[int]:
+    """Indices of `queue` ((arrival, prefill tokens left) per request, in queue order) in the order the
+    policy serves them: `prefill_order` at `now_mono` (arrival on the same clock)."""
+    return prefill_order(rule, now_mono, [a for a, _ in queue], [r for _, r in queue])
 
 
 @dataclass(frozen=True)
@@ -119,7 +153,8 @@ class AflexPlanner:
                  max_correction: float = 4.0) -> None:
         self.args = args
         self.ttft_slo_ms, self.tpot_slo_ms = ttft_slo_ms, tpot_slo_ms
-        self.rule = ClockRule(depths=depths)
+        self.rule = ClockRule(depths=depths, objective=CLOCK_OBJECTIVE)
+        self.batching = BATCHING
         self.link_bytes_s = link_bytes_s
         self.max_batch_tokens = max_batch_tokens
         self.observe_band = observe_band
@@ -181,6 +216,34 @@ class AflexPlanner:
         budget = self.budget_s(phase, rep, now_unix, queue)
         op = plan_iteration(pred, shape, stats, budget, self.rule, current)
         return PairPlan(phase, stats, budget, shape, self.rule, current, op)
+
+    # -- prefill cap -------------------------------------------------------------------------------
+    def prefill_time_at_max(self, profile: GPUProfile, tokens: int, n_decode: int = 0, decode_ctx: float = 0.0,
+                            head_tokens: int | None = None, share: int = 1) -> float:
+        """Predicted time at the top clocks of an iteration of `tokens` fresh prefill tokens (the longest
+        one sequence's chunk at most `head_tokens`) beside `n_decode` decode sequences holding
+        `decode_ctx` tokens of context (the simulator's `time_at_max`; `share` as in `plan_pair`)."""
+        k = max(1, share)
+        q1 = float(tokens if head_tokens is None else min(tokens, head_tokens))
+        n = float(n_decode + tokens)
+        ctx = decode_ctx + n
+        pairs = decode_ctx + n_decode + tokens * tokens / 2.0
+        stats = BatchStats("prefill", n * k, ctx * k, pairs * k, float(n_decode + 1) * k, q1, q1, causal_pairs(q1, q1))
+        shape = PoolShape(split=True, attention=k, ffn=1, link_bytes_s=self.link_bytes_s)
+        return plan_iteration(self.predictor(profile), shape, stats, 0.0, _AT_MAX).time_s
+
+    def prefill_tokens(self, profile: GPUProfile, queued_tokens: int, n_decode: int = 0, decode_ctx: float = 0.0,
+                       head_tokens: int | None = None, share: int = 1) -> int:
+        """Prefill tokens for one iteration of one attention worker (`shared.policy.prefill_budget`)."""
+        rule = self.batching
+
+        def time_at_max(tokens: int) -> float:
+            return self.prefill_time_at_max(profile, tokens, n_decode, decode_ctx, head_tokens, share)
+
+        iter_s = rule.prefill_iter_frac * self.ttft_slo_ms / 1e3
+        tpot_b = self.margins["decode"].budget(self.tpot_slo_ms / 1e3)
+        return prefill_budget(rule, queued_tokens, n_decode, time_at_max if n_decode or iter_s > 0 else None,
+                              tpot_b, prefill_iter_s=iter_s)
 
     # -- online correction -------------------------------------------------------------------------
     def observe(self, profile: GPUProfile, phase: ClockPhase, sample: IterationSample, *, attention_s: float,

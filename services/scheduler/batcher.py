@@ -1,10 +1,17 @@
 """Forming one iteration of one attention worker, and cutting it into microbatches. Pure: no I/O.
 
-The rule is the in-process engine's (`shared.model.engine.Engine._schedule`): running sequences
-first (a decode step feeds the last sampled token; an unfinished prefill feeds its next chunk),
-then waiting ones are admitted while the token budget and `max_num_seqs` allow, their prompts
-chunked to what is left of the budget. Nothing here mutates the request states: the service
-applies the plan, so the plan can be unit-tested and reused by the simulator.
+The default rule is the in-process engine's (`shared.model.engine.Engine._schedule`): running
+sequences first (a decode step feeds the last sampled token; an unfinished prefill feeds its next
+chunk), then waiting ones are admitted first-come first-served while the token budget and
+`max_num_seqs` allow, their prompts chunked to what is left of the budget.
+
+With a `BatchingRule` (the `aflex` policy): decode steps first, then the prefill work (unfinished
+prefills of running sequences and waiting requests) in the rule's order (`shared.policy.prefill_order`
+at `now`, each request's arrival being its `received_mono`: shortest remaining prompt first, with
+aging), within the token budget and, if `prefill_cap` is given, at most that many prefill tokens.
+Admission of waiting requests still stops at the first refusal, so a request that has aged to the
+front is not overtaken while it waits for room. Nothing here mutates the request states: the service
+applies the plan, so the plan can be unit-tested.
 """
 
 from __future__ import annotations
@@ -14,6 +21,10 @@ from dataclasses import dataclass
 
 from services.scheduler.state import RequestState
 from shared.messages import Phase, SeqWork
+from shared.policy import BatchingRule, prefill_order
+
+# (prefill tokens queued, decode sequences, their context tokens, the first prompt's tokens) -> prefill tokens
+PrefillCap = Callable[[int, int, float, int], int]
 
 AUTO_DEPTH_MIN_SEQS = 4  # below this many sequences overlap cannot pay: depth 1 (as the paper found)
 
@@ -47,14 +58,61 @@ class Pass:
 
 def plan_iteration(running: Iterable[RequestState], waiting: Iterable[RequestState], *, max_batch_tokens: int,
                    max_num_seqs: int, can_admit: Callable[[RequestState], bool] | None = None,
+                   rule: BatchingRule | None = None, now: float = 0.0, prefill_cap: PrefillCap | None = None,
                    ) -> tuple[list[Pass], list[RequestState]]:
     """Passes for this iteration, and the waiting requests they admit (in order).
 
     Running sequences already in flight or with nothing to feed are skipped. `can_admit` lets the
     caller refuse a waiting request (e.g. not enough free KV); admission stops at the first refusal
-    so the queue stays first-come first-served.
+    so no later request overtakes it. `rule` (with `now`, on the clock of `received_mono`) and
+    `prefill_cap` select the policy's ordering and prefill cap (module docstring).
     """
     running = list(running)
+    if rule is None and prefill_cap is None:
+        return _plan_fcfs(running, waiting, max_batch_tokens=max_batch_tokens, max_num_seqs=max_num_seqs,
+                          can_admit=can_admit)
+    live = [s for s in running if not (s.in_flight or s.finished) and s.pending_tokens > 0]
+    decodes = [s for s in live if s.num_computed >= len(s.prompt_ids)]
+    prefills = [s for s in live if s.num_computed < len(s.prompt_ids)]
+    queue: list[tuple[RequestState, bool]] = [(s, False) for s in prefills] + [(s, True) for s in waiting]
+    if rule is not None and len(queue) > 1:
+        order = prefill_order(rule, now, [s.received_mono for s, _ in queue],
+                              [float(s.pending_tokens) for s, _ in queue])
+        queue = [queue[k] for k in order]
+    passes: list[Pass] = []
+    budget = max_batch_tokens
+    for state in decodes:
+        if budget <= 0:
+            break
+        n_new = min(state.pending_tokens, budget)
+        passes.append(Pass.of(state, n_new))
+        budget -= n_new
+    if prefill_cap is not None and queue:
+        queued = sum(s.pending_tokens for s, _ in queue)
+        ctx = float(sum(s.num_computed for s in decodes))
+        budget = min(budget, max(0, prefill_cap(queued, len(decodes), ctx, queue[0][0].pending_tokens)))
+    admitted: list[RequestState] = []
+    admitting = True
+    for state, is_waiting in queue:
+        if budget <= 0:
+            break
+        if is_waiting:
+            if not admitting:
+                continue
+            if len(running) + len(admitted) >= max_num_seqs or (can_admit is not None and not can_admit(state)):
+                admitting = False  # no later waiting request overtakes it; running prefills go on
+                continue
+            admitted.append(state)
+        n_new = min(state.pending_tokens, budget)
+        passes.append(Pass.of(state, n_new))
+        budget -= n_new
+    return passes, admitted
+
+
+def _plan_fcfs(running: list[RequestState], waiting: Iterable[RequestState], *, max_batch_tokens: int,
+               max_num_seqs: int, can_admit: Callable[[RequestState], bool] | None,
+               ) -> tuple[list[Pass], list[RequestState]]:
+    """The engine's rule: running sequences in their order, then waiting ones first-come first-served."""
     passes: list[Pass] = []
     budget = max_batch_tokens
     for state in running:

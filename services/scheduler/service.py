@@ -14,11 +14,16 @@ refusals) a request ends with finish_reason "error".
 Energy: each `MicrobatchDone.energy_j` is shared among the sequences of that microbatch in
 proportion to the tokens each fed in the pass; a request's shares add up to its `Usage.energy_j`.
 Clocks: every `freq_window_s` each healthy worker with supported clocks gets a `FrequencyCommand`.
-With the default policy `aflex` (aflex.py) the clocks come from shared/policy's clock selection on
-the iterations each attention worker ran in the window, under SLO margins fed by the TTFT/TPOT
-observed in it; `MicrobatchDone` timings correct its predictors online, and its depth choice sets
-the microbatch depth when `microbatch_depth` is "auto". A worker whose GPU profile is unknown (or a
-model whose shape is unknown) falls back to `slo`; `max`, `fixed` and `slo` are clocks.py's. Telemetry: a
+With the default policy `aflex` (aflex.py) the clocks come from shared/policy's clock selection (the
+simulator's `aflex` rule: decode iterations by energy above the idle floor) on the iterations each
+attention worker ran in the window, under SLO margins fed by the TTFT/TPOT observed in it;
+`MicrobatchDone` timings correct its predictors online, and its depth choice sets the microbatch
+depth when `microbatch_depth` is "auto". A worker whose GPU profile is unknown (or a
+model whose shape is unknown) falls back to `slo`; `max`, `fixed` and `slo` are clocks.py's.
+Batching under `aflex` is the simulator's too (batcher.py): waiting prompts shortest first with aging
+(on `time.monotonic()`, from each request's `received_mono`), and, where the worker's profile and the
+model's shape are known, an iteration's prefill tokens capped by `AflexPlanner.prefill_tokens`; the
+other policies keep first-come first-served within `max_batch_tokens`. Telemetry: a
 `SchedulerTelemetry` at `telemetry_hz` (queue, running, finished, SLO attainment, p90s, clocks).
 """
 
@@ -39,8 +44,23 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 
 from services.scheduler.admission import validate_request
-from services.scheduler.aflex import AflexPlanner, IterationSample, PairPlan, guess_profile, sample_of
-from services.scheduler.batcher import Pass, microbatch_depth, phase_of, plan_iteration, split_microbatches
+from services.scheduler.aflex import (
+    BATCHING,
+    AflexPlanner,
+    IterationSample,
+    PairPlan,
+    guess_profile,
+    sample_of,
+    serving_order,
+)
+from services.scheduler.batcher import (
+    Pass,
+    PrefillCap,
+    microbatch_depth,
+    phase_of,
+    plan_iteration,
+    split_microbatches,
+)
 from services.scheduler.clocks import PHASES, PhaseSignal, parse_fixed_clocks, percentile, plan_clocks, snap_up
 from services.scheduler.model_info import ModelInfo, load_model_info
 from services.scheduler.registry import Registry, Worker
@@ -70,6 +90,7 @@ from shared.messages import (
     decode,
     encode,
 )
+from shared.policy import BatchingRule
 from shared.settings import SchedulerSettings
 
 log = logging.getLogger("aflex.scheduler")
@@ -112,6 +133,8 @@ class Scheduler:
         self.plans: dict[str, dict[ClockPhase, PairPlan]] = {}
         self._profiles: dict[tuple[str, str], GPUProfile | None] = {}
         self._warned: set[str] = set()
+        # aflex batching: shortest prompt first with aging (any worker); the prefill cap where predicted
+        self.batching: BatchingRule | None = BATCHING if settings.freq_policy == "aflex" else None
         if settings.freq_policy == "aflex":
             if model.args is None:
                 log.warning("clock policy aflex: the shape of model %s is unknown; every worker falls back to slo",
@@ -327,7 +350,8 @@ class Scheduler:
                 epoch = worker.epoch
             passes, admitted = plan_iteration(
                 worker.running, worker.waiting, max_batch_tokens=self.settings.max_batch_tokens,
-                max_num_seqs=self.settings.max_num_seqs, can_admit=lambda s: self._fits(worker, s))
+                max_num_seqs=self.settings.max_num_seqs, can_admit=lambda s: self._fits(worker, s),
+                rule=self.batching, now=time.monotonic(), prefill_cap=self._prefill_cap(worker))
             if not passes or not self.registry.healthy("ffn"):
                 if worker.pending_release and self.registry.healthy("ffn"):
                     await self._publish_release_only(worker)
@@ -350,6 +374,23 @@ class Scheduler:
         own = worker.reserved_blocks.get(state.request_id, 0)
         chunk = min(state.pending_tokens, self.settings.max_batch_tokens)
         return worker.est_free_blocks + own >= worker.blocks_for(chunk)
+
+    def _share(self) -> int:
+        """Attention workers per FFN worker (each FFN worker serves about this many)."""
+        return max(1, math.ceil(len(self.registry.healthy("attention")) / max(1, len(self.registry.healthy("ffn")))))
+
+    def _prefill_cap(self, worker: Worker) -> PrefillCap | None:
+        """aflex: the policy's prefill tokens per iteration of `worker` (None: no cap, the token budget only)."""
+        planner = self.aflex
+        profile = self.profile_of(worker) if planner is not None else None
+        if planner is None or profile is None:
+            return None
+        share = self._share()
+
+        def cap(queued: int, n_decode: int, decode_ctx: float, head: int) -> int:
+            assert planner is not None and profile is not None
+            return planner.prefill_tokens(profile, queued, n_decode, decode_ctx, head, share)
+        return cap
 
     def _depth(self, worker: Worker, passes: list[Pass]) -> int:
         """Microbatch depth: the aflex plan's for this phase when "auto" (and planned), else batcher.py's rule."""
@@ -617,7 +658,7 @@ class Scheduler:
         assert self.aflex is not None
         attention = self.registry.healthy("attention")
         ffn = self.registry.healthy("ffn")
-        share = max(1, math.ceil(len(attention) / max(1, len(ffn))))
+        share = self._share()
         now_mono, now_unix = time.monotonic(), time.time()
         fresh: dict[str, dict[ClockPhase, PairPlan]] = {}
         for w in attention:
@@ -627,7 +668,10 @@ class Scheduler:
             profile = self.profile_of(w)
             if profile is None or not window:
                 continue
-            queue = [(s.arrival_ts, float(s.pending_tokens)) for s in w.waiting]
+            waiting = list(w.waiting)
+            order = serving_order(now_mono, [(s.received_mono, float(s.pending_tokens)) for s in waiting],
+                                  self.aflex.batching)
+            queue = [(waiting[k].arrival_ts, float(waiting[k].pending_tokens)) for k in order]
             previous = self.plans.setdefault(w.worker_id, {})
             for phase in PHASES:
                 prev = previous.get(phase)
