@@ -218,6 +218,8 @@ def main() -> None:
     parser.add_argument("--hop-samples", type=int, default=500)
     parser.add_argument("--torch-threads", type=int, default=None,
                         help="torch threads per worker (default: aflex up's split of the cores)")
+    parser.add_argument("--quantize", choices=["none", "int8"], default="none",
+                        help="both sides: the engine and the mesh's workers (int8 = W8A8, shared/model/quant.py)")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
 
@@ -229,13 +231,14 @@ def main() -> None:
     model_args = checkpoint.args
     n_layers, hidden = model_args.n_layers, model_args.dim
 
-    engine = Engine.from_checkpoint(checkpoint, num_kv_blocks=max(256, args.concurrency * 16), block_size=16)
+    engine = Engine.from_checkpoint(checkpoint, num_kv_blocks=max(256, args.concurrency * 16), block_size=16,
+                                    quantize=args.quantize)
     throughput = []
     decode_dones: list[tuple[int, MicrobatchDone]] = []
     time_engine(engine, prompt_ids, args.concurrency, 2)  # warm-up
     for depth in (int(d) for d in args.depths.split(",")):
         with aflex_up(args.model, "--attention-workers", "1", "--ffn-workers", "1",
-                      "--microbatch-depth", str(depth),
+                      "--microbatch-depth", str(depth), "--quantize", args.quantize,
                       *(["--torch-threads", str(args.torch_threads)] if args.torch_threads else [])) as mesh:
             port, nats_port = mesh.port, mesh.nats_port
             pairs, dones = asyncio.run(mesh_decode(
@@ -257,7 +260,7 @@ def main() -> None:
     full = [(rows, d) for rows, d in decode_dones if rows == args.concurrency]
     if full:
         rows = args.concurrency
-        ffn = load_ffn_half(model_args, checkpoint.tensors)
+        ffn = load_ffn_half(model_args, checkpoint.tensors, quantize=args.quantize)
         ffn_s = ffn_layer_s(ffn, n_layers, rows, hidden)
         payload = bytes(torch.randn(rows, hidden).numpy().data)
         bare_s = asyncio.run(bare_round_trip_s(payload, args.hop_samples))
@@ -291,6 +294,7 @@ def main() -> None:
         "prompt_tokens": len(prompt_ids),
         "concurrency": args.concurrency,
         "max_tokens": args.max_tokens,
+        "quantize": args.quantize,
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
         "machine": f"{platform.machine()} {platform.processor() or ''}".strip(),

@@ -22,9 +22,11 @@ from services.launch import Mesh, aflex_up
 QUESTION = "Tell me about the sea."
 
 
-def generate(model: Path | str, *, max_tokens: int, temperature: float, seed: int | None) -> dict:
+def generate(model: Path | str, *, max_tokens: int, temperature: float, seed: int | None,
+             quantize: str = "none") -> dict:
     command = [sys.executable, "-m", "services.cli", "generate", "--model", str(model), "--chat", "--prompt", QUESTION,
-               "--max-tokens", str(max_tokens), "--temperature", str(temperature), "--json", "--ignore-eos"]
+               "--max-tokens", str(max_tokens), "--temperature", str(temperature), "--json", "--ignore-eos",
+               "--quantize", quantize]
     if seed is not None:
         command += ["--seed", str(seed)]
     return json.loads(subprocess.run(command, capture_output=True, text=True, check=True, timeout=300).stdout)
@@ -158,6 +160,20 @@ def test_topologies_serve_generate_tokens(tiny_chat_checkpoint: Path, topology: 
             response = client.chat.completions.create(model=model, messages=[{"role": "user", "content": QUESTION}],
                                                       max_tokens=8, temperature=0, extra_body={"ignore_eos": True})
             assert response.choices[0].message.content == expected["text"]
+
+
+def test_int8_mesh_serves_the_int8_engine_tokens(tiny_chat_checkpoint: Path) -> None:
+    """`aflex up --quantize int8`: each half quantises its own projections, and the split mesh gives
+    the in-process int8 engine's tokens, which differ from float32's."""
+    expected = generate(tiny_chat_checkpoint, max_tokens=12, temperature=0.0, seed=None, quantize="int8")
+    assert expected["token_ids"] != generate(tiny_chat_checkpoint, max_tokens=12, temperature=0.0,
+                                             seed=None)["token_ids"]
+    with aflex_up(str(tiny_chat_checkpoint), "--quantize", "int8") as mesh:
+        client = _client(mesh)
+        response = client.chat.completions.create(model=_model_id(client), max_tokens=12, temperature=0,
+                                                  messages=[{"role": "user", "content": QUESTION}],
+                                                  extra_body={"ignore_eos": True})
+        assert response.choices[0].message.content == expected["text"]
 
 
 def test_smollm2_answers_paris() -> None:

@@ -198,7 +198,7 @@ def test_greedy_tokens_match_engine(arch: str, nats_url: str, tiny_checkpoints: 
     run_async(body)
 
 
-# -- 2: the FFN worker merges queued frames of one layer -------------------------------------------
+# -- 2: the FFN worker merges queued frames of one layer from different attention workers ----------
 
 
 def _publish_from_thread(url: str, messages: list[tuple[str, bytes]]) -> None:
@@ -216,6 +216,8 @@ def _publish_from_thread(url: str, messages: list[tuple[str, bytes]]) -> None:
 
 
 def test_ffn_worker_merges_frames_of_one_layer(nats_url: str, tiny_checkpoints: dict[str, Path]) -> None:
+    """Frames of one layer from two attention workers share a forward; two microbatches of the same
+    attention worker never do (that would put its pipeline back in lockstep)."""
     path = tiny_checkpoints["llama"]
     checkpoint = open_checkpoint(str(path))
     reference = load_ffn_half(checkpoint.args, checkpoint.tensors)
@@ -226,7 +228,8 @@ def test_ffn_worker_merges_frames_of_one_layer(nats_url: str, tiny_checkpoints: 
 
     async def body() -> None:
         async with mesh(nats_url, path) as m:
-            inbox = f"test.replies.{uuid.uuid4().hex}"
+            inboxes = [f"test.replies.{uuid.uuid4().hex}" for _ in range(2)]  # two attention workers
+            sender = {"m0": inboxes[0], "m1": inboxes[1], "m2": inboxes[0], "m3": inboxes[1]}
             replies: asyncio.Queue[tuple[dict[str, Any], torch.Tensor]] = asyncio.Queue()
             assembler = wire.FrameAssembler()
 
@@ -235,11 +238,12 @@ def test_ffn_worker_merges_frames_of_one_layer(nats_url: str, tiny_checkpoints: 
                 if got is not None:
                     replies.put_nowait(got)
 
-            await m.nc.subscribe(inbox, cb=on_reply)
+            for inbox in inboxes:
+                await m.nc.subscribe(inbox, cb=on_reply)
             await m.nc.flush()
             frames = []
             for mb_id, x in inputs.items():
-                header = {"mb_id": mb_id, "layer": layers[mb_id], "direction": "to_ffn", "reply_to": inbox}
+                header = {"mb_id": mb_id, "layer": layers[mb_id], "direction": "to_ffn", "reply_to": sender[mb_id]}
                 frames += [(subjects.ffn_mb(m.ffn.worker_id), f)
                            for f in wire.encode_frames(header, x, 1400 if mb_id == "m2" else bus.MAX_PAYLOAD_BYTES)]
             assert len(frames) > len(inputs)
@@ -252,7 +256,7 @@ def test_ffn_worker_merges_frames_of_one_layer(nats_url: str, tiny_checkpoints: 
                 assert header["direction"] == "to_attention" and "error" not in header
                 got[header["mb_id"]] = (header["layer"], out)
             assert m.ffn.frames_served - served == 4
-            assert m.ffn.forwards - forwards == 2  # layer 1: m0, m1, m2 in one forward; layer 2: m3
+            assert m.ffn.forwards - forwards == 3  # layer 1: m0 + m1 (two senders), then m2; layer 2: m3
             with torch.inference_mode():
                 for mb_id, x in inputs.items():
                     layer, out = got[mb_id]

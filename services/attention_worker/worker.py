@@ -377,7 +377,7 @@ class AttentionWorker:
         gpu, controller, meter = worker_gpu.gpu, worker_gpu.controller, worker_gpu.meter
         phase = clock_phase(desc.phase)
         device = model.embed_tokens.weight.device
-        dtype_bytes = model.embed_tokens.weight.element_size()
+        dtype_bytes = model.weight_bytes
         t = time.perf_counter()
         with torch.inference_mode():
             meta = AttentionMeta.build([a.seq_pass for a in admitted], device)

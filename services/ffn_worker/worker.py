@@ -159,14 +159,26 @@ class FFNWorker:
     # -- serving --------------------------------------------------------------------------------
 
     def _take_batch(self) -> list[_Work]:
-        """The oldest frame, plus (when merging) every other queued frame of its layer and dtype."""
+        """The oldest frame, plus (when merging) the oldest queued frame of its layer and dtype from
+        each *other* attention worker.
+
+        Frames of one attention worker (one `reply_to`) are never merged: they are its pipelined
+        microbatches, and answering them together would put them back in lockstep, so that its
+        attention and this FFN stop overlapping (measured on SmolLM2 at depth 2: 168 tok/s merged,
+        the same as depth 1).
+        """
         first = self._queue.popleft()
         batch = [first]
         if self.settings.merge_microbatches and self._queue:
+            senders = {first.reply_to}
             rest: deque[_Work] = deque()
             for work in self._queue:
                 same = work.layer == first.layer and work.hidden.dtype == first.hidden.dtype
-                (batch if same else rest).append(work)
+                if same and work.reply_to not in senders:
+                    senders.add(work.reply_to)
+                    batch.append(work)
+                else:
+                    rest.append(work)
             self._queue = rest
         return batch
 
@@ -177,17 +189,16 @@ class FFNWorker:
         assert model is not None and worker_gpu is not None
         gpu = worker_gpu.gpu
         phase = "prefill" if any(w.phase == "prefill" for w in batch) else "decode"
-        weight = next(model.parameters())
         rows = [w.hidden.shape[0] for w in batch]
         x = batch[0].hidden if len(batch) == 1 else torch.cat([w.hidden for w in batch])
         worker_gpu.controller.before_microbatch(phase)
         energy0 = gpu.total_energy_j()
         started = time.perf_counter()
         with torch.inference_mode():
-            out = model(batch[0].layer, x.to(device=weight.device, dtype=weight.dtype))
+            out = model(batch[0].layer, x.to(device=model.device, dtype=model.activation_dtype))
         measured_s = time.perf_counter() - started
         total_rows = sum(rows)
-        modelled_s = gpu.run(ffn_work(model.args, total_rows, dtype_bytes=weight.element_size(), layer=batch[0].layer,
+        modelled_s = gpu.run(ffn_work(model.args, total_rows, dtype_bytes=model.weight_bytes, layer=batch[0].layer,
                                        phase=phase), measured_s)
         energy = gpu.total_energy_j() - energy0
         meter = worker_gpu.meter

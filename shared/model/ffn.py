@@ -53,6 +53,8 @@ class FFNHalf(nn.Module):
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
         self.args = args
+        # what callers must feed and what the GPU model reads per weight (set by the loader; int8: 1 byte)
+        self.activation_dtype, self.device, self.weight_bytes = torch.float32, torch.device("cpu"), 4
         self.layers = nn.ModuleList(
             MoE(args) if args.is_moe_layer(i) else SwiGLU(args.dim, args.intermediate_size)
             for i in range(args.n_layers)
@@ -63,6 +65,7 @@ class FFNHalf(nn.Module):
         for module in self.modules():
             if isinstance(module, SwiGLU):
                 module.quantize_int8()
+        self.weight_bytes = 1
 
     def forward(self, layer: int, ffn_in: Tensor) -> Tensor:
         # ffn_in: [T, D] -> ffn_out: [T, D]

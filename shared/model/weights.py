@@ -133,6 +133,7 @@ def load_attention_half(args: ModelArgs, tensors: TensorSource, dtype: torch.dty
         half = AttentionHalf(args)
     name_of = {key: attention_tensor_name(key) for key, _ in half.named_parameters()}
     load_module(half, tensors, name_of, dtype, torch.device(device))
+    half.weight_bytes = dtype.itemsize
     if check_quantization(quantize, device) == "int8":
         half.quantize_int8()
     return half
@@ -146,6 +147,7 @@ def load_ffn_half(args: ModelArgs, tensors: TensorSource, dtype: torch.dtype = t
         half = FFNHalf(args)
     name_of = {key: ffn_tensor_name(key, args) for key, _ in half.named_parameters()}
     load_module(half, tensors, name_of, dtype, torch.device(device))
+    half.activation_dtype, half.device, half.weight_bytes = dtype, torch.device(device), dtype.itemsize
     if check_quantization(quantize, device) == "int8":
         half.quantize_int8()
     return half
