@@ -405,8 +405,10 @@ def _ordering() -> list[str]:
         "7. **Seam round trips.** For every layer the attention worker publishes `ffn_in` to the FFN worker the "
         "descriptor names and awaits the `to_attention` frame with the same `(mb_id, layer)`; frames nobody waits "
         "for are dropped. Several microbatches of one attention worker interleave at these awaits.",
-        "8. **The FFN worker serves frames oldest first**, merging every queued frame of the same layer and dtype "
-        "into one forward; each part goes back to its own `reply_to`.",
+        "8. **The FFN worker serves frames oldest first**, merging into one forward the oldest queued frame of "
+        "the same layer and dtype from each other `reply_to` (attention worker); two microbatches of one attention "
+        "worker are never merged, which would put its pipeline back in lockstep. Each part goes back to its own "
+        "`reply_to`.",
         "9. **Failures are recomputed, not repaired.** A request's token history lives at the scheduler; a "
         "worker's KV is disposable. Failed sequences, timed-out microbatches and lost or restarted attention "
         "workers all lead to the sequence being re-routed and recomputed from prompt + output tokens "
