@@ -65,6 +65,47 @@ def decode_tokens_per_s(time_fn, model, prompt_ids: list[int], batch: int, new_t
     return batch * (new_tokens - 1) / best
 
 
+TRACE_SLICE = Path(__file__).resolve().parents[1] / "tests" / "data" / "azure_conv_slice.csv"
+
+
+def mixed_requests(text_ids: list[int], count: int, max_prompt: int, max_output: int) -> list[tuple[list[int], int]]:
+    """`count` (prompt ids, output tokens) pairs with the lengths of the first requests of the Azure
+    conversation trace slice (tests/data, CC-BY 4.0), clipped; prompts are windows of a fixed text."""
+    rows = TRACE_SLICE.read_text().splitlines()[1:count + 1]
+    requests = []
+    for index, row in enumerate(rows):
+        _, context, generated = row.split(",")
+        n_prompt, n_out = min(int(context), max_prompt), max(1, min(int(generated), max_output))
+        start = (37 * index) % max(1, len(text_ids) - n_prompt)
+        requests.append((text_ids[start:start + n_prompt], n_out))
+    return requests
+
+
+def time_engine_mixed(engine: Engine, requests: list[tuple[list[int], int]]) -> float:
+    """Seconds for the engine to serve all requests, each to its own length (continuous batching)."""
+    params = [SamplingParams(temperature=0.0, max_tokens=n_out, ignore_eos=True) for _, n_out in requests]
+    start = time.perf_counter()
+    completions = engine.generate([p for p, _ in requests], params)
+    elapsed = time.perf_counter() - start
+    assert [len(c.token_ids) for c in completions] == [n for _, n in requests]
+    return elapsed
+
+
+def time_hf_mixed(model: torch.nn.Module, requests: list[tuple[list[int], int]]) -> float:
+    """Seconds for `generate` to serve the requests as one left-padded batch: it runs until the longest
+    output is done (a static batch cannot release a finished sequence)."""
+    longest = max(len(p) for p, _ in requests)
+    ids = torch.tensor([[0] * (longest - len(p)) + p for p, _ in requests])
+    mask = torch.tensor([[0] * (longest - len(p)) + [1] * len(p) for p, _ in requests])
+    start = time.perf_counter()
+    with torch.inference_mode():
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=max(n for _, n in requests),
+                             do_sample=False, pad_token_id=0)
+    elapsed = time.perf_counter() - start
+    assert out.shape[1] == longest + max(n for _, n in requests)
+    return elapsed
+
+
 MODES = {
     # mode: (AFlex dtype, AFlex quantize, transformers dtype, also transformers' dynamic int8)
     "float32": ("float32", "none", "float32", False),
@@ -95,6 +136,11 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--modes", default="float32", help=f"comma-separated: {', '.join(MODES)}")
+    parser.add_argument("--mixed", type=int, default=0, metavar="N",
+                        help="also serve N requests with the Azure conv slice's prompt/output lengths "
+                             "(clipped by --mixed-max-prompt/--mixed-max-output): aggregate output tok/s")
+    parser.add_argument("--mixed-max-prompt", type=int, default=512)
+    parser.add_argument("--mixed-max-output", type=int, default=128)
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
     from transformers import AutoModelForCausalLM
@@ -139,6 +185,25 @@ def main() -> None:
                 row |= {"transformers_dynamic_int8_tok_s": round(theirs_q, 1),
                         "ratio_to_dynamic_int8": round(ours / theirs_q, 2)}
                 line += f"   transformers (dynamic int8) {theirs_q:8.1f} tok/s   ratio {ours / theirs_q:5.2f}x"
+            results.append(row)
+            print(line, flush=True)
+            del engine
+        if args.mixed:
+            requests = mixed_requests(text_ids, args.mixed, args.mixed_max_prompt, args.mixed_max_output)
+            engine = Engine.from_checkpoint(checkpoint, dtype=getattr(torch, ours_dtype), quantize=quantize,
+                                            num_kv_blocks=2048, block_size=16)
+            time_engine_mixed(engine, requests[:2])  # warm-up
+            outputs = sum(n for _, n in requests)
+            ours = outputs / min(time_engine_mixed(engine, requests) for _ in range(args.repeats))
+            hf_models = [("transformers", hf)] + ([("transformers dynamic int8", hf_q)] if hf_q is not None else [])
+            line = f"{mode:9s} mixed {len(requests)} requests ({outputs} output tokens): aflex {ours:8.1f} tok/s"
+            row = {"mode": mode, "workload": "mixed", "requests": len(requests), "output_tokens": outputs,
+                   "prompt_tokens": sum(len(p) for p, _ in requests), "aflex_tok_s": round(ours, 1)}
+            for name, model in hf_models:
+                theirs = outputs / min(time_hf_mixed(model, requests) for _ in range(args.repeats))
+                key = name.replace(" ", "_")
+                row |= {f"{key}_tok_s": round(theirs, 1), f"ratio_to_{key}": round(ours / theirs, 2)}
+                line += f"   {name} {theirs:8.1f} tok/s   ratio {ours / theirs:5.2f}x"
             results.append(row)
             print(line, flush=True)
             del engine
