@@ -48,6 +48,10 @@ class TensorShapeError(CheckpointError):
         self.source = source
 
 
+class DeviceError(AFlexError):
+    """A torch device that does not exist or is not available here."""
+
+
 class TokenizerError(AFlexError):
     """Text was asked for but the checkpoint has no usable tokenizer or chat template."""
 

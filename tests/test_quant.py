@@ -100,6 +100,18 @@ def test_int8_halves_hold_no_float_projection_weights(tiny_checkpoints: dict[str
     assert any(isinstance(m, Int8Linear) for m in engine.ffn.modules())
 
 
+def test_unusable_devices_are_typed_errors_before_any_loading(tiny_checkpoints: dict[str, Path]) -> None:
+    from shared.errors import DeviceError
+    from shared.model.weights import load_attention_half, load_ffn_half
+
+    checkpoint = open_checkpoint(str(tiny_checkpoints["llama"]))
+    for load in (load_attention_half, load_ffn_half):
+        with pytest.raises(DeviceError, match="'cuda:99' is not available"):
+            load(checkpoint.args, checkpoint.tensors, device="cuda:99")
+        with pytest.raises(DeviceError, match="'bogus' is not a torch device"):
+            load(checkpoint.args, checkpoint.tensors, device="bogus")
+
+
 def test_quantization_errors_say_what_was_wrong() -> None:
     with pytest.raises(QuantizationError, match="unknown quantization 'int4'"):
         check_quantization("int4", "cpu")

@@ -16,7 +16,7 @@ from typing import Protocol
 import torch
 from torch import nn
 
-from shared.errors import CheckpointError, MissingTensorError, TensorShapeError
+from shared.errors import CheckpointError, DeviceError, MissingTensorError, TensorShapeError
 from shared.model.config import ModelArgs
 from shared.model.quant import check_quantization
 
@@ -104,6 +104,20 @@ def ffn_tensor_name(key: str, args: ModelArgs) -> str:
     return f"model.layers.{layer}.mlp.{'.'.join(rest)}"
 
 
+def check_device(device: torch.device | str) -> torch.device:
+    """The torch device to load onto, or a typed error saying why it cannot be used."""
+    try:
+        target = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise DeviceError(f"{device!r} is not a torch device: {exc}") from None
+    if target.type == "cuda" and not torch.cuda.is_available():
+        raise DeviceError(f"device {device!r} is not available: this torch ({torch.__version__}) sees no CUDA GPU; "
+                          "use --device cpu")
+    if target.type == "cuda" and target.index is not None and target.index >= torch.cuda.device_count():
+        raise DeviceError(f"device {device!r} is not available: {torch.cuda.device_count()} CUDA GPU(s) visible")
+    return target
+
+
 def load_module(module: nn.Module, tensors: TensorSource, name_of: dict[str, str],
                 dtype: torch.dtype, device: torch.device) -> None:
     """Fill a module built on the meta device with checkpoint tensors, checking every shape."""
@@ -129,6 +143,7 @@ def load_attention_half(args: ModelArgs, tensors: TensorSource, dtype: torch.dty
                         device: torch.device | str = "cpu", quantize: str = "none") -> nn.Module:
     from shared.model.attention import AttentionHalf
 
+    check_quantization(quantize, check_device(device))
     with torch.device("meta"):
         half = AttentionHalf(args)
     name_of = {key: attention_tensor_name(key) for key, _ in half.named_parameters()}
@@ -143,6 +158,7 @@ def load_ffn_half(args: ModelArgs, tensors: TensorSource, dtype: torch.dtype = t
                   device: torch.device | str = "cpu", quantize: str = "none") -> nn.Module:
     from shared.model.ffn import FFNHalf
 
+    check_quantization(quantize, check_device(device))
     with torch.device("meta"):
         half = FFNHalf(args)
     name_of = {key: ffn_tensor_name(key, args) for key, _ in half.named_parameters()}
