@@ -143,13 +143,14 @@ def load_attention_half(args: ModelArgs, tensors: TensorSource, dtype: torch.dty
                         device: torch.device | str = "cpu", quantize: str = "none") -> nn.Module:
     from shared.model.attention import AttentionHalf
 
-    check_quantization(quantize, check_device(device))
+    target = check_device(device)
+    mode = check_quantization(quantize, target)
     with torch.device("meta"):
         half = AttentionHalf(args)
     name_of = {key: attention_tensor_name(key) for key, _ in half.named_parameters()}
-    load_module(half, tensors, name_of, dtype, torch.device(device))
+    load_module(half, tensors, name_of, dtype, target)
     half.weight_bytes = dtype.itemsize
-    if check_quantization(quantize, device) == "int8":
+    if mode == "int8":
         half.quantize_int8()
     return half
 
@@ -158,12 +159,13 @@ def load_ffn_half(args: ModelArgs, tensors: TensorSource, dtype: torch.dtype = t
                   device: torch.device | str = "cpu", quantize: str = "none") -> nn.Module:
     from shared.model.ffn import FFNHalf
 
-    check_quantization(quantize, check_device(device))
+    target = check_device(device)
+    mode = check_quantization(quantize, target)
     with torch.device("meta"):
         half = FFNHalf(args)
     name_of = {key: ffn_tensor_name(key, args) for key, _ in half.named_parameters()}
-    load_module(half, tensors, name_of, dtype, torch.device(device))
-    half.activation_dtype, half.device, half.weight_bytes = dtype, torch.device(device), dtype.itemsize
-    if check_quantization(quantize, device) == "int8":
+    load_module(half, tensors, name_of, dtype, target)
+    half.activation_dtype, half.device, half.weight_bytes = dtype, target, dtype.itemsize
+    if mode == "int8":
         half.quantize_int8()
     return half
