@@ -33,6 +33,18 @@ from shared.model.sampling import SamplingParams
 PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
 
 
+def environment() -> dict[str, object]:
+    """What a benchmark's figures depend on besides its flags: torch, its threads, the machine."""
+    return {"torch": torch.__version__, "threads": torch.get_num_threads(),
+            "machine": f"{platform.machine()} {platform.processor() or ''}".strip()}
+
+
+def write_report(path: Path | None, report: dict[str, object]) -> None:
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(report, indent=2) + "\n")
+
+
 def time_engine(engine: Engine, prompt_ids: list[int], batch: int, new_tokens: int) -> float:
     """Seconds the engine takes to generate `new_tokens` (EOS ignored) for `batch` copies of the prompt."""
     params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
@@ -211,15 +223,11 @@ def main() -> None:
         "model": "SmolLM2-135M-Instruct (GGUF Q4_1, dequantised by each side's loader)",
         "prompt_tokens": len(prompt_ids),
         "new_tokens": args.new_tokens,
-        "torch": torch.__version__,
-        "threads": torch.get_num_threads(),
-        "machine": f"{platform.machine()} {platform.processor() or ''}".strip(),
+        **environment(),
         "results": results,
         "accuracy_vs_float32": accuracy,
     }
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(report, indent=2) + "\n")
+    write_report(args.json, report)
 
 
 if __name__ == "__main__":

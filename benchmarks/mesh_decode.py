@@ -31,8 +31,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import functools
-import json
-import platform
 import statistics
 import subprocess
 import sys
@@ -42,7 +40,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from engine_decode import time_engine  # the script's own folder is on sys.path
+from engine_decode import PROMPT, environment, time_engine, write_report  # the script's folder is on sys.path
 
 from services.launch import aflex_up
 from shared import subjects
@@ -52,7 +50,6 @@ from shared.model.engine import Engine
 from shared.model.weights import load_ffn_half
 from shared.nats_server import EmbeddedNatsServer
 
-PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
 ROOT = Path(__file__).resolve().parent.parent
 
 ECHO_RESPONDER = """
@@ -295,15 +292,11 @@ def main() -> None:
         "concurrency": args.concurrency,
         "max_tokens": args.max_tokens,
         "quantize": args.quantize,
-        "torch": torch.__version__,
-        "threads": torch.get_num_threads(),
-        "machine": f"{platform.machine()} {platform.processor() or ''}".strip(),
+        **environment(),
         "throughput": throughput,
         "hop": hop,
     }
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(report, indent=2) + "\n")
+    write_report(args.json, report)
 
 
 if __name__ == "__main__":
