@@ -67,12 +67,7 @@ class SamplingSpec(Message):
     def to_params(self) -> SamplingParams:
         from shared.model.params import SamplingParams
 
-        return SamplingParams(
-            temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, seed=self.seed,
-            presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
-            max_tokens=self.max_tokens, min_tokens=self.min_tokens,
-            stop_token_ids=tuple(self.stop_token_ids), ignore_eos=self.ignore_eos,
-        )
+        return SamplingParams(**self.model_dump())  # the same fields; lists become tuples there
 
 
 # -- gateway <-> scheduler ---------------------------------------------------------------------
