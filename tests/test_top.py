@@ -6,7 +6,6 @@ import asyncio
 import io
 import subprocess
 import sys
-from collections.abc import Iterator
 from typing import Any
 
 import orjson
@@ -15,7 +14,6 @@ import pytest
 from services.top import TopState, clock_text, main, render, run_top
 from shared import bus, subjects
 from shared.messages import PhaseLatency, SchedulerTelemetry, WorkerTelemetry, encode
-from shared.nats_server import EmbeddedNatsServer
 
 
 def worker(wid: str, role: str = "attention", **kw: Any) -> WorkerTelemetry:
@@ -90,12 +88,6 @@ def test_not_applied_and_table() -> None:
     assert "scheduler-0" in out and "95.0%" in out and "210.0" in out and "48.5" in out
     assert "cluster" in out and "350.0" in out
     assert "no telemetry yet" in text_of(render(TopState()))
-
-
-@pytest.fixture(scope="module")
-def nats_url() -> Iterator[str]:
-    with EmbeddedNatsServer() as server:
-        yield server.url
 
 
 async def _publish_while(url: str, task: asyncio.Task[int], n: int = 1000) -> None:

@@ -12,7 +12,7 @@ import contextlib
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -41,19 +41,12 @@ from shared.model.engine import Engine
 from shared.model.ffn import FFNHalf
 from shared.model.sampling import SamplingParams
 from shared.model.weights import load_ffn_half
-from shared.nats_server import EmbeddedNatsServer
 from shared.settings import AttentionWorkerSettings, FFNWorkerSettings
 
 PROMPT_A = [5, 17, 33, 101, 7, 250, 11, 64, 3]
 PROMPT_B = [9, 8, 200, 31, 4, 77]
 NEW_TOKENS = 8
 GREEDY = SamplingSpec(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
-
-
-@pytest.fixture(scope="module")
-def nats_url() -> Iterator[str]:
-    with EmbeddedNatsServer() as server:
-        yield server.url
 
 
 @dataclass
