@@ -29,7 +29,7 @@ from shared.messages import (
     decode,
     encode,
 )
-from tests.test_workers import GREEDY, Mesh, mesh, nats_url, run_async  # noqa: F401 - nats_url is a fixture
+from tests.test_workers import GREEDY, Mesh, mesh, run_async
 
 HZ = 10.0
 PROMPT = [5, 17, 33, 101, 7, 250, 11, 64, 3]
@@ -88,7 +88,7 @@ async def until(predicate: Any, timeout_s: float) -> float:
     return time.monotonic() - start
 
 
-def test_telemetry_frequency_and_energy(nats_url: str, tiny_checkpoints: dict[str, Path]) -> None:  # noqa: F811
+def test_telemetry_frequency_and_energy(nats_url: str, tiny_checkpoints: dict[str, Path]) -> None:
     path = tiny_checkpoints["llama"]
     gpus = {"attention": EmulatedGPU("a800"), "ffn": EmulatedGPU("a800")}
     energy_start = sum(g.total_energy_j() for g in gpus.values())

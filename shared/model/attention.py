@@ -228,7 +228,6 @@ class AttentionHalf(nn.Module):
         self.norm = RMSNorm(args.dim, args.norm_eps)
         self.lm_head = None if args.tie_word_embeddings else nn.Linear(args.dim, args.vocab_size, bias=False)
         self.logits_head: nn.Module | None = None  # an Int8Linear once quantised (see quantize_int8)
-        self.weight_bytes = 4  # bytes per projection weight, for the GPU model (set by the loader; int8: 1)
         with torch.device("cpu"):
             self.rotary = RotaryEmbedding(args)
 
@@ -241,7 +240,11 @@ class AttentionHalf(nn.Module):
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         self.logits_head = Int8Linear(weight)
         self.lm_head = None  # its float weights are no longer read
-        self.weight_bytes = 1
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes per projection weight, for the GPU model: 1 once quantised, else the float dtype's."""
+        return 1 if self.logits_head is not None else self.embed_tokens.weight.element_size()
 
     def block(self, layer: int) -> AttentionBlock:
         return cast(AttentionBlock, self.layers[layer])

@@ -149,7 +149,6 @@ def load_attention_half(args: ModelArgs, tensors: TensorSource, dtype: torch.dty
         half = AttentionHalf(args)
     name_of = {key: attention_tensor_name(key) for key, _ in half.named_parameters()}
     load_module(half, tensors, name_of, dtype, target)
-    half.weight_bytes = dtype.itemsize
     if mode == "int8":
         half.quantize_int8()
     return half
