@@ -1,8 +1,9 @@
 """W8A8 int8 matrix products for the CPU: int8 weights per output channel, int8 activations per token.
 
 Why: on a CPU a decode step at a few dozen rows is bound by its float32 matrix products (80% of
-a SmolLM2 step). `torch._int_mm` runs int8 x int8 -> int32 on AVX-512 VNNI (oneDNN) several
-times faster than float32 GEMMs and reads a quarter of the weight bytes.
+a SmolLM2 step). int8 x int8 -> int32 products on AVX-512 VNNI run several times faster than
+float32 GEMMs and read a quarter of the weight bytes: the fused kernel of int8_kernel.py where it
+builds, `torch._int_mm` (oneDNN) with torch ops around it elsewhere, with bit-identical results.
 
 Why per-token activation scales (and not fbgemm's per-tensor dynamic quantisation): each row is
 quantised with its own scale and accumulated exactly in int32, so a row's result does not depend
@@ -25,6 +26,7 @@ import torch
 from torch import Tensor, nn
 
 from shared.errors import AFlexError
+from shared.model.int8_kernel import Int8Kernel, kernel_choice, load_kernel
 
 Quantization = Literal["none", "int8"]
 QUANTIZATIONS: tuple[str, ...] = ("none", "int8")
@@ -41,6 +43,8 @@ class QuantizationError(AFlexError):
 def check_quantization(quantize: str, device: torch.device | str) -> Quantization:
     if quantize not in QUANTIZATIONS:
         raise QuantizationError(f"unknown quantization {quantize!r}; choose one of {', '.join(QUANTIZATIONS)}")
+    if quantize == "int8":
+        kernel_choice()  # a bad AFLEX_INT8_KERNEL fails here, before any weight is read
     if quantize == "int8" and torch.device(device).type != "cpu":
         raise QuantizationError(f"--quantize int8 runs on the CPU (VNNI int8 matrix products), not on {device}; "
                                 "on a GPU use --dtype bfloat16")
@@ -91,16 +95,20 @@ class Int8Linear(nn.Module):
     Rotating spreads them over a block, as QuaRot does, from the weights alone: no calibration
     data, and the attention and FFN halves quantise independently.
 
-    Buffers: `weight_t` [K, N] int8 (the transposed layout `torch._int_mm` reads), `weight_scale`
-    [N] float32, `signs` [B, B] (the unnormalised Hadamard block), `bias` [N] or None.
+    Two backends, bit-identical: the fused VNNI kernel (int8_kernel.py) where it is available,
+    else torch ops around `torch._int_mm`. Buffers: `packed` (the kernel's weight panels) or
+    `weight_t` [K, N] int8 (the transposed layout `torch._int_mm` reads), `weight_scale` [N]
+    float32, `signs` [B, B] (the unnormalised Hadamard block), `bias` [N] or None.
     """
 
-    weight_t: Tensor
+    weight_t: Tensor | None
+    packed: Tensor | None
     weight_scale: Tensor
     signs: Tensor
     bias: Tensor | None
 
-    def __init__(self, weight: Tensor, bias: Tensor | None = None, rotate: bool = True) -> None:
+    def __init__(self, weight: Tensor, bias: Tensor | None = None, rotate: bool = True,
+                 use_kernel: bool = True) -> None:
         super().__init__()
         # weight: [N, K] float -> rotated, then int8 [N, K] with one scale per output row
         self.out_features, self.in_features = weight.shape
@@ -113,7 +121,10 @@ class Int8Linear(nn.Module):
         # The activation side uses the +-1 matrix on integer-valued rows (see _rotate_rows) and folds
         # the 1/sqrt(B) into its scale.
         self.register_buffer("signs", hadamard_signs(self.block), persistent=False)  # [B, B] of +-1
-        self.register_buffer("weight_t", q.t(), persistent=False)  # [K, N] view of the row-major [N, K]
+        self.kernel: Int8Kernel | None = load_kernel() if use_kernel else None
+        packed = self.kernel.pack(q) if self.kernel is not None else None
+        self.register_buffer("packed", packed, persistent=False)  # [N/64, K/4, 256] uint8
+        self.register_buffer("weight_t", None if packed is not None else q.t(), persistent=False)  # [K, N] view
         self.register_buffer("weight_scale", scale.squeeze(1) / math.sqrt(self.block), persistent=False)  # [N]
         self.register_buffer("bias", None if bias is None else bias.detach().float(), persistent=False)
 
@@ -134,10 +145,18 @@ class Int8Linear(nn.Module):
     def from_linear(cls, linear: nn.Linear, rotate: bool = True) -> Int8Linear:
         return cls(linear.weight, linear.bias, rotate)
 
+    @property
+    def backend(self) -> str:
+        return "vnni" if self.kernel is not None else "torch"
+
     def forward(self, x: Tensor) -> Tensor:
         # x: [..., K] -> [..., N], in x's dtype
         lead = x.shape[:-1]
         rows = x.reshape(-1, self.in_features).float()  # [M, K]
+        if self.kernel is not None and self.packed is not None:
+            y = self.kernel.linear(rows, self.packed, self.weight_scale, self.bias, self.block, self.out_features)
+            return y.to(x.dtype).reshape(*lead, self.out_features)
+        assert self.weight_t is not None
         pre_scale: Tensor | float = 1.0
         if self.block > 1:
             rows, pre_scale = self._rotate_rows(rows)
@@ -149,7 +168,8 @@ class Int8Linear(nn.Module):
         return y.to(x.dtype).reshape(*lead, self.out_features)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, w8a8, hadamard={self.block}"
+        return (f"in_features={self.in_features}, out_features={self.out_features}, w8a8, hadamard={self.block}, "
+                f"backend={self.backend}")
 
 
 def fuse_int8(linears: list[nn.Linear]) -> Int8Linear:
