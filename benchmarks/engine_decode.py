@@ -35,11 +35,11 @@ PROMPT = "Write a short story about a lighthouse keeper who finds a message in a
 
 def environment() -> dict[str, object]:
     """What a benchmark's figures depend on besides its flags: torch, its threads, the machine."""
-    from shared.model.int8_kernel import kernel_status
+    from shared.model.cpu_kernels import kernel_status
 
     return {"torch": torch.__version__, "threads": torch.get_num_threads(),
             "machine": f"{platform.machine()} {platform.processor() or ''}".strip(),
-            "int8_kernel": kernel_status().reason or "vnni (shared/model/kernels/int8_linear.cpp)"}
+            "cpu_kernels": kernel_status().reason or "built (shared/model/kernels)"}
 
 
 def write_report(path: Path | None, report: dict[str, object]) -> None:

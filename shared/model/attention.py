@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from shared.model.config import ModelArgs
+from shared.model.cpu_kernels import CPUKernels, load_kernels
 from shared.model.layers import RMSNorm, RotaryEmbedding, apply_rope
 from shared.model.seam import add_rms_norm
 
@@ -48,6 +49,13 @@ def gather_slots(cache: Tensor, slots: Tensor) -> Tensor:
     return rows.view(*slots.shape, *cache.shape[1:])
 
 
+def decode_kernel_fits(q: Tensor, k_cache: Tensor) -> bool:
+    """Whether cpu_kernels' decode attention takes these: float32, head size 16..128 in steps of 16."""
+    head_dim = q.shape[-1]
+    return (q.dtype == torch.float32 and k_cache.dtype == torch.float32 and k_cache.is_contiguous()
+            and head_dim % 16 == 0 and 16 <= head_dim <= 128)
+
+
 @dataclass(frozen=True)
 class SequencePass:
     """One sequence's share of a forward pass."""
@@ -75,9 +83,11 @@ class AttentionMeta:
     decode_rows: Tensor | None  # [Bd] rows of single-token sequences, None if all rows decode
     decode_gather: Tensor | None  # [Bd, C] context slots (padded with slot 0)
     decode_mask: Tensor | None  # [Bd, 1, 1, C] True where a key is part of the context
+    decode_lengths: Tensor | None  # [Bd] context length of each decode row
     prefills: list[PrefillGroup]
     logits_rows: Tensor  # [B'] rows whose logits are sampled
     n_tokens: int
+    kernels: CPUKernels | None = None  # decode attention straight from the cache (cpu_kernels.py)
 
     @classmethod
     def build(cls, seqs: list[SequencePass], device: torch.device) -> AttentionMeta:
@@ -106,7 +116,7 @@ class AttentionMeta:
             if seq.wants_logits:
                 logits_rows.append(row + seq.n_new - 1)
             row += seq.n_new
-        d_rows = d_gather = d_mask = None
+        d_rows = d_gather = d_mask = lengths = None
         if decode_ctx:
             longest = max(len(c) for c in decode_ctx)
             d_gather = torch.tensor([c + [0] * (longest - len(c)) for c in decode_ctx], device=device)
@@ -120,9 +130,11 @@ class AttentionMeta:
             decode_rows=d_rows,
             decode_gather=d_gather,
             decode_mask=d_mask,
+            decode_lengths=lengths,
             prefills=prefills,
             logits_rows=torch.tensor(logits_rows, dtype=torch.long, device=device),
             n_tokens=row,
+            kernels=load_kernels() if device.type == "cpu" else None,
         )
 
 
@@ -176,11 +188,15 @@ class SelfAttention(nn.Module):
         out = torch.empty_like(q)  # [T, H, hd]
         if meta.decode_gather is not None:
             rows = meta.decode_rows
-            q_dec = (q if rows is None else q[rows]).unsqueeze(2)  # [Bd, H, 1, hd]
-            k_ctx = gather_slots(k_cache, meta.decode_gather).transpose(1, 2)  # [Bd, Hkv, C, hd]
-            v_ctx = gather_slots(v_cache, meta.decode_gather).transpose(1, 2)
-            o = F.scaled_dot_product_attention(q_dec, k_ctx, v_ctx, attn_mask=meta.decode_mask,
-                                               enable_gqa=True).squeeze(2)  # [Bd, H, hd]
+            q_dec = q if rows is None else q[rows]  # [Bd, H, hd]
+            if meta.kernels is not None and decode_kernel_fits(q_dec, k_cache):
+                assert meta.decode_lengths is not None
+                o = meta.kernels.decode_attention(q_dec, k_cache, v_cache, meta.decode_gather, meta.decode_lengths)
+            else:
+                k_ctx = gather_slots(k_cache, meta.decode_gather).transpose(1, 2)  # [Bd, Hkv, C, hd]
+                v_ctx = gather_slots(v_cache, meta.decode_gather).transpose(1, 2)
+                o = F.scaled_dot_product_attention(q_dec.unsqueeze(2), k_ctx, v_ctx, attn_mask=meta.decode_mask,
+                                                   enable_gqa=True).squeeze(2)  # [Bd, H, hd]
             if rows is None:
                 out = o
             else:

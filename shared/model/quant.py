@@ -2,7 +2,7 @@
 
 Why: on a CPU a decode step at a few dozen rows is bound by its float32 matrix products (80% of
 a SmolLM2 step). int8 x int8 -> int32 products on AVX-512 VNNI run several times faster than
-float32 GEMMs and read a quarter of the weight bytes: the fused kernel of int8_kernel.py where it
+float32 GEMMs and read a quarter of the weight bytes: the fused kernel of cpu_kernels.py where it
 builds, `torch._int_mm` (oneDNN) with torch ops around it elsewhere, with bit-identical results.
 
 Why per-token activation scales (and not fbgemm's per-tensor dynamic quantisation): each row is
@@ -26,7 +26,7 @@ import torch
 from torch import Tensor, nn
 
 from shared.errors import AFlexError
-from shared.model.int8_kernel import Int8Kernel, kernel_choice, load_kernel
+from shared.model.cpu_kernels import CPUKernels, kernel_choice, load_kernels
 
 Quantization = Literal["none", "int8"]
 QUANTIZATIONS: tuple[str, ...] = ("none", "int8")
@@ -44,7 +44,7 @@ def check_quantization(quantize: str, device: torch.device | str) -> Quantizatio
     if quantize not in QUANTIZATIONS:
         raise QuantizationError(f"unknown quantization {quantize!r}; choose one of {', '.join(QUANTIZATIONS)}")
     if quantize == "int8":
-        kernel_choice()  # a bad AFLEX_INT8_KERNEL fails here, before any weight is read
+        kernel_choice()  # a bad AFLEX_CPU_KERNELS fails here, before any weight is read
     if quantize == "int8" and torch.device(device).type != "cpu":
         raise QuantizationError(f"--quantize int8 runs on the CPU (VNNI int8 matrix products), not on {device}; "
                                 "on a GPU use --dtype bfloat16")
@@ -95,7 +95,7 @@ class Int8Linear(nn.Module):
     Rotating spreads them over a block, as QuaRot does, from the weights alone: no calibration
     data, and the attention and FFN halves quantise independently.
 
-    Two backends, bit-identical: the fused VNNI kernel (int8_kernel.py) where it is available,
+    Two backends, bit-identical: the fused VNNI kernel (cpu_kernels.py) where it is available,
     else torch ops around `torch._int_mm`. Buffers: `packed` (the kernel's weight panels) or
     `weight_t` [K, N] int8 (the transposed layout `torch._int_mm` reads), `weight_scale` [N]
     float32, `signs` [B, B] (the unnormalised Hadamard block), `bias` [N] or None.
@@ -121,7 +121,7 @@ class Int8Linear(nn.Module):
         # The activation side uses the +-1 matrix on integer-valued rows (see _rotate_rows) and folds
         # the 1/sqrt(B) into its scale.
         self.register_buffer("signs", hadamard_signs(self.block), persistent=False)  # [B, B] of +-1
-        self.kernel: Int8Kernel | None = load_kernel() if use_kernel else None
+        self.kernel: CPUKernels | None = load_kernels() if use_kernel else None
         packed = self.kernel.pack(q) if self.kernel is not None else None
         self.register_buffer("packed", packed, persistent=False)  # [N/64, K/4, 256] uint8
         self.register_buffer("weight_t", None if packed is not None else q.t(), persistent=False)  # [K, N] view
@@ -154,7 +154,7 @@ class Int8Linear(nn.Module):
         lead = x.shape[:-1]
         rows = x.reshape(-1, self.in_features).float()  # [M, K]
         if self.kernel is not None and self.packed is not None:
-            y = self.kernel.linear(rows, self.packed, self.weight_scale, self.bias, self.block, self.out_features)
+            y = self.kernel.int8_linear(rows, self.packed, self.weight_scale, self.bias, self.block, self.out_features)
             return y.to(x.dtype).reshape(*lead, self.out_features)
         assert self.weight_t is not None
         pre_scale: Tensor | float = 1.0

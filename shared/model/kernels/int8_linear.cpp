@@ -16,8 +16,6 @@
 // memory: weights are packed as unsigned bytes w + 128, a row's four int8 codes are the broadcast
 // operand, and the product is corrected by 128 * (the row's sum of codes), exactly.
 
-#include <torch/extension.h>
-
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
@@ -27,6 +25,8 @@
 #include <cstring>
 #include <vector>
 
+#include "aflex_kernels.h"
+
 namespace {
 
 constexpr int64_t kPanel = 64;  // output columns per packed panel: 4 zmm registers of 16 int32
@@ -35,12 +35,6 @@ constexpr int kTileRows = 6;    // rows per micro-tile: 6 x 4 accumulators + 4 w
 constexpr float kInt8Max = 127.0f;
 constexpr float kInt16Max = 32767.0f;
 constexpr float kMinScale = 1e-12f;
-
-bool cpu_has_vnni() {
-  __builtin_cpu_init();
-  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-         __builtin_cpu_supports("avx512vnni");
-}
 
 int64_t round_up(int64_t value, int64_t multiple) { return (value + multiple - 1) / multiple * multiple; }
 
@@ -206,7 +200,7 @@ constexpr TileFn kTiles[kTileRows + 1] = {nullptr, tile<1>, tile<2>, tile<3>, ti
 
 }  // namespace
 
-bool has_avx512_vnni() { return cpu_has_vnni(); }
+namespace aflex {
 
 // weight [N, K] int8 -> panels [ceil(N/64), ceil(K/4), 64 * 4] of unsigned bytes w + 128 (padding 128 = 0)
 torch::Tensor pack_weight(const torch::Tensor& weight) {
@@ -229,7 +223,7 @@ torch::Tensor pack_weight(const torch::Tensor& weight) {
 // x [M, K] float32 -> y [M, N] float32; weight_scale [N] and bias [N] float32 (scale already / sqrt(block)).
 torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& weight_scale,
                           const c10::optional<torch::Tensor>& bias, int64_t block, int64_t N) {
-  TORCH_CHECK(cpu_has_vnni(), "int8_linear needs AVX-512 VNNI");
+  TORCH_CHECK(cpu_has_avx512_vnni(), "int8_linear needs AVX-512 VNNI");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "int8_linear takes float32 [M, K] rows");
   TORCH_CHECK(block == 1 || (block > 1 && (block & (block - 1)) == 0 && block <= 64 && x.size(1) % block == 0),
               "the rotation block must be 1 or a power of two <= 64 dividing K");
@@ -269,8 +263,4 @@ torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& packed, c
   return y;
 }
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("has_avx512_vnni", &has_avx512_vnni, "whether this CPU runs the VNNI kernel");
-  m.def("pack_weight", &pack_weight, "int8 [N, K] -> VNNI panels of w + 128");
-  m.def("int8_linear", &int8_linear, "per-row int8 quantisation, rotation, VNNI product and rescale");
-}
+}  // namespace aflex
