@@ -105,6 +105,9 @@ def _worker_flags(p: argparse.ArgumentParser) -> None:
                    help="emulated GPU: pace work to the modelled time, so a lower clock really slows the worker")
     p.add_argument("--telemetry-hz", type=float, help="telemetry messages per second (default 10)")
     p.add_argument("--torch-threads", type=int, help="CPU threads for torch (default: torch's own choice)")
+    p.add_argument("--seam-transport", choices=["lean", "nats-py"],
+                   help="seam frames on the worker's lean NATS link (default) or its nats-py connection "
+                        "(for TLS or NKey/JWT servers) (env AFLEX_SEAM_TRANSPORT)")
 
 
 def _settings(cls: type, args: argparse.Namespace, fields: tuple[str, ...]) -> object:
@@ -130,7 +133,7 @@ def _run_service(args: argparse.Namespace) -> int:
     entry: Callable[..., Coroutine[Any, Any, None]]
     common = ("nats_url", "log_level")
     worker = (*common, "worker_id", "model", "dtype", "quantize", "device", "gpu_backend", "gpu_profile", "gpu_pace",
-              "telemetry_hz", "torch_threads")
+              "telemetry_hz", "torch_threads", "seam_transport")
     settings: Any
     if args.command == "gateway":
         from services.gateway.app import serve

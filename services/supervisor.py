@@ -283,6 +283,8 @@ def add_up_arguments(parser: argparse.ArgumentParser) -> None:
                         help="microbatches in flight per attention worker (default: the scheduler's own)")
     parser.add_argument("--torch-threads", type=int, default=None, metavar="N",
                         help="CPU threads for each worker's torch (default: the cores split among the workers)")
+    parser.add_argument("--seam-transport", choices=["lean", "nats-py"], default=None,
+                        help="how workers carry seam frames: their lean NATS link (default) or nats-py")
     parser.add_argument("--freq-policy", choices=["aflex", "slo", "max", "fixed"], default=None,
                         help="how the scheduler picks worker clocks (default aflex)")
     parser.add_argument("--gpu-control", choices=["auto", "nvml", "nvml-readonly", "emulated"], default=None,
@@ -324,6 +326,7 @@ def build_commands(args: argparse.Namespace) -> list[ChildSpec]:
     # at once (the ping-pong pipeline) do not oversubscribe them.
     threads = getattr(args, "torch_threads", None) or max(1, (os.cpu_count() or 1) // n_workers)
     gpu += ["--torch-threads", str(threads)]
+    gpu += ["--seam-transport", args.seam_transport] if getattr(args, "seam_transport", None) else []
     real_gpus = gpu_control in (None, "auto", "nvml", "nvml-readonly")
     devices = worker_devices(n_workers) if real_gpus else [None] * n_workers
     specs = [ChildSpec("scheduler", "scheduler", [*cli, "scheduler", *model, *depth])]

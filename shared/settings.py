@@ -67,6 +67,9 @@ class WorkerSettings(ServiceSettings):
     hysteresis_mhz: int = 30  # the clock switches only for a change larger than this
     min_hold_s: float = 0.2  # and at most once per this many seconds
     torch_threads: int | None = None  # CPU threads for torch; `aflex up` splits the cores among workers
+    # seam frames: "lean" = the worker's own lean NATS link (shared/seam_link.py), "nats-py" = its nats-py
+    # connection (for a server the lean link does not speak to: TLS, NKey/JWT credentials)
+    seam_transport: Literal["lean", "nats-py"] = "lean"
 
 
 class AttentionWorkerSettings(WorkerSettings):

@@ -3,8 +3,9 @@
 A frame is `MAGIC | u32 header length | orjson header | raw bytes`. The header says which
 microbatch, layer and direction the tensor belongs to, its dtype and shape, and which chunk of
 how many this is; the receiver's `FrameAssembler` puts chunks back together. No pickle; the
-sender copies the tensor's storage once, into the payload, and the receiver once, out of it
-(`torch.frombuffer` needs a writable buffer, and the payload is immutable `bytes`).
+sender copies the tensor's storage once, into the payload; the receiver makes the tensor on the
+payload itself when it is a writable `bytearray` (what the seam link delivers), and copies it once
+when it is immutable `bytes` (`torch.frombuffer` needs a writable buffer).
 """
 
 from __future__ import annotations
@@ -77,7 +78,7 @@ def encode_frames(header: dict[str, Any], tensor: Any, max_payload: int) -> list
     return frames
 
 
-def decode_frame(payload: bytes) -> tuple[dict[str, Any], memoryview]:
+def decode_frame(payload: bytes | bytearray) -> tuple[dict[str, Any], memoryview]:
     if payload[:4] != MAGIC or len(payload) < 8:
         raise FrameError("not an AFlex tensor frame (bad magic)")
     (head_len,) = _LEN.unpack_from(payload, 4)
@@ -96,7 +97,10 @@ def frame_tensor(header: dict[str, Any], raw: bytes | bytearray | memoryview) ->
         raise FrameError(f"frame carries {len(raw)} bytes, header says {header['nbytes']}")
     if header["nbytes"] == 0:
         return torch.empty(header["shape"], dtype=dtype)
-    flat = torch.frombuffer(bytearray(raw), dtype=torch.int16 if dtype != torch.float32 else dtype)
+    # a writable buffer (a bytearray payload from the seam link) becomes the tensor's storage as it
+    # is; read-only bytes are copied once, since torch.frombuffer needs to be able to write
+    buffer = raw if isinstance(raw, memoryview) and not raw.readonly else bytearray(raw)
+    flat = torch.frombuffer(buffer, dtype=torch.int16 if dtype != torch.float32 else dtype)
     return flat.view(dtype).reshape(header["shape"])
 
 
@@ -112,7 +116,7 @@ class FrameAssembler:
     def __init__(self) -> None:
         self._partials: dict[tuple[Any, ...], _Partial] = {}
 
-    def add(self, payload: bytes, key_fields: tuple[str, ...] = ("mb_id", "layer", "direction")
+    def add(self, payload: bytes | bytearray, key_fields: tuple[str, ...] = ("mb_id", "layer", "direction")
             ) -> tuple[dict[str, Any], Any] | None:
         header, raw = decode_frame(payload)
         if header.get("chunks", 1) == 1:

@@ -11,6 +11,7 @@ import json
 import subprocess
 import sys
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -160,6 +161,19 @@ def test_topologies_serve_generate_tokens(tiny_chat_checkpoint: Path, topology: 
             response = client.chat.completions.create(model=model, messages=[{"role": "user", "content": QUESTION}],
                                                       max_tokens=8, temperature=0, extra_body={"ignore_eos": True})
             assert response.choices[0].message.content == expected["text"]
+
+
+def test_the_nats_py_seam_serves_the_same_tokens(tiny_chat_checkpoint: Path) -> None:
+    """`--seam-transport nats-py` (for servers the lean seam link does not speak to) is a whole mesh too."""
+    expected = generate(tiny_chat_checkpoint, max_tokens=8, temperature=0.0, seed=None)
+    with aflex_up(str(tiny_chat_checkpoint), "--seam-transport", "nats-py", "--microbatch-depth", "2") as mesh:
+        client = _client(mesh)
+        model = _model_id(client)
+        with ThreadPoolExecutor(4) as pool:  # several sequences, so that depth 2 splits them
+            texts = list(pool.map(lambda _: client.chat.completions.create(
+                model=model, messages=[{"role": "user", "content": QUESTION}], max_tokens=8, temperature=0,
+                extra_body={"ignore_eos": True}).choices[0].message.content, range(4)))
+        assert texts == [expected["text"]] * 4
 
 
 def test_int8_mesh_serves_the_int8_engine_tokens(tiny_chat_checkpoint: Path) -> None:

@@ -1,7 +1,9 @@
 """The attention worker: runs microbatches through every layer, ping-ponging with an FFN worker.
 
 One subject, `attn.<wid>.mb`, carries two kinds of message: JSON `MicrobatchDescriptor`s from the
-scheduler and binary seam frames (`wire.MAGIC`) coming back from FFN workers. Each descriptor runs
+scheduler and binary seam frames (`wire.MAGIC`) coming back from FFN workers. Both arrive, and the
+seam frames leave, through the worker's seam port (`shared/seam_port.py`: the lean seam link by
+default); registration, heartbeats and `MicrobatchDone` go on the ordinary nats-py connection. Each descriptor runs
 as its own asyncio task: it computes inline on the event loop and awaits the FFN's reply for each
 layer, and those awaits are where microbatches interleave (the A/F ping-pong pipeline: while the
 FFN works on one microbatch's layer l, this worker computes another's attention).
@@ -30,7 +32,6 @@ from typing import Any
 import orjson
 import torch
 from nats.aio.client import Client
-from nats.aio.msg import Msg
 from torch import Tensor
 
 from services.attention_worker.sequences import Admitted, SequenceRefused, SequenceTable
@@ -61,6 +62,7 @@ from shared.messages import (
 from shared.model.attention import AttentionHalf, AttentionMeta, PagedKVStore
 from shared.model.kv_cache import BlockAllocator, BlockTables
 from shared.model.sampling import sample_next_tokens
+from shared.seam_port import SeamPort, open_seam_port
 from shared.settings import AttentionWorkerSettings
 
 log = logging.getLogger("aflex.attention_worker")
@@ -106,6 +108,7 @@ class AttentionWorker:
         self.kv: PagedKVStore | None = None
         self.sequences: SequenceTable | None = None
         self.nc: Client | None = None
+        self.seam: SeamPort | None = None
         self._accepting = False
         self._tasks: set[asyncio.Task[None]] = set()
         self._busy: set[str] = set()  # sequences in an in-flight microbatch
@@ -140,13 +143,15 @@ class AttentionWorker:
             assert self.model is not None and self.sequences is not None
             self.nc = nc = await bus.connect(self.settings.nats_url, name=f"aflex-attention-{self.worker_id}")
             heartbeat_task: asyncio.Task[None] | None = None
-            sub = None
+            seam: SeamPort | None = None
             gpu: WorkerGPU | None = None
             try:
                 self.gpu = gpu = WorkerGPU(self.settings, self.worker_id, "attention", self._gpu_arg)
                 gpu.meter.kv(0, self.sequences.total_blocks)
                 await gpu.start(nc)
-                sub = await nc.subscribe(self.subject, cb=self._on_message)
+                self.seam = seam = await open_seam_port(self.settings.seam_transport, self.settings.nats_url,
+                                                        f"aflex-attention-{self.worker_id}", nc)
+                await seam.subscribe(self.subject, self._on_payload)
                 self._accepting = True
                 args = self.model.args
                 presence = Presence(
@@ -163,7 +168,9 @@ class AttentionWorker:
             finally:
                 self._accepting = False
                 await self._finish_in_flight()
-                await stop_presence(heartbeat_task, sub)
+                await stop_presence(heartbeat_task, None)
+                if seam is not None:
+                    await seam.close()
                 if gpu is not None:
                     await gpu.stop()  # resets the clock
                 await bus.close(nc)
@@ -186,13 +193,14 @@ class AttentionWorker:
 
     # -- dispatch -------------------------------------------------------------------------------
 
-    async def _on_message(self, msg: Msg) -> None:
-        data = msg.data
+    def _on_payload(self, subject: str, data: bytearray) -> None:
+        """A message on `attn.<wid>.mb`, inside the socket read: a seam frame resolves its hop's future,
+        a descriptor starts its microbatch's task."""
         try:
             if data[:4] == wire.MAGIC:
                 self._on_frame(data)
             elif data.lstrip()[:1] == b"{":
-                self._on_descriptor(data)
+                self._on_descriptor(bytes(data))
             else:
                 log.warning("dropped a message on %s that is neither a descriptor nor a seam frame (%d bytes)",
                             self.subject, len(data))
@@ -227,7 +235,7 @@ class AttentionWorker:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    def _on_frame(self, data: bytes) -> None:
+    def _on_frame(self, data: bytearray) -> None:
         got = self._assembler.add(data)
         if got is None:
             return  # more chunks to come
@@ -426,7 +434,8 @@ class AttentionWorker:
                               ) -> tuple[Tensor, float, float]:
         """Send layer `layer`'s ffn_in to the FFN worker and await its ffn_out (keyed by mb_id and layer),
         the energy of its share of the FFN forward, and that forward's compute time."""
-        assert self.nc is not None
+        seam = self.seam
+        assert seam is not None
         key = (desc.mb_id, layer)
         loop = asyncio.get_running_loop()
         future: asyncio.Future[tuple[Tensor, float, float]] = loop.create_future()
@@ -438,8 +447,8 @@ class AttentionWorker:
             header: dict[str, Any] = {"mb_id": desc.mb_id, "layer": layer, "direction": "to_ffn",
                                       "reply_to": self.subject, "worker_id": self.worker_id,
                                       "phase": clock_phase(desc.phase)}
-            for frame in wire.encode_frames(header, ffn_in, self.nc.max_payload):
-                await bus.publish_now(self.nc, subjects.ffn_mb(desc.ffn_worker), frame)
+            for frame in wire.encode_frames(header, ffn_in, seam.max_payload):
+                seam.publish(subjects.ffn_mb(desc.ffn_worker), frame)
             out, energy_j, compute_s = await future
         finally:
             timer.cancel()

@@ -1,7 +1,10 @@
 """The FFN worker: a stateless server of per-layer FFNs, merging microbatches that wait together.
 
-Seam frames arrive on `ffn.<wid>.mb` (chunks reassembled by `wire.FrameAssembler`) and queue up.
-A single loop takes the next frame plus every other queued frame of the same layer, stacks their
+Seam frames arrive on `ffn.<wid>.mb` through the worker's seam port (`shared/seam_port.py`: the
+lean seam link by default), chunks reassembled by `wire.FrameAssembler`, and queue up. Serving is
+a loop callback (`call_soon`), not a task waiting on an event: a task's wake-up costs another trip
+through the event loop on every hop. Each call takes the next frame plus every other queued frame of
+the same layer, stacks their
 rows into one [sum T, D] tensor and runs the layer's FFN once: with several microbatches (or
 several attention workers) in flight, one bigger GEMM replaces several small ones, which is where
 an FFN worker's throughput comes from. The output is split back by row counts and each part goes
@@ -29,7 +32,6 @@ from typing import Any
 
 import torch
 from nats.aio.client import Client
-from nats.aio.msg import Msg
 from torch import Tensor
 
 from services.worker_common import Presence, WorkerGPU, clock_phase, load_half, registration, stop_presence
@@ -40,6 +42,7 @@ from shared.gpu.workload import ffn_work
 from shared.lifecycle import stop_on_signals
 from shared.messages import Heartbeat
 from shared.model.ffn import FFNHalf
+from shared.seam_port import SeamPort, open_seam_port
 from shared.settings import FFNWorkerSettings
 
 log = logging.getLogger("aflex.ffn_worker")
@@ -68,9 +71,11 @@ class FFNWorker:
         self.model: FFNHalf | None = None
         self.model_id = ""
         self.nc: Client | None = None
+        self.seam: SeamPort | None = None
         self._queue: deque[_Work] = deque()
-        self._wakeup = asyncio.Event()
-        self._closing = False
+        self._serve_scheduled = False  # a `_serve_next` call is on the loop's ready queue
+        self._idle = asyncio.Event()  # set while nothing is queued or scheduled
+        self._idle.set()
         self._assembler = wire.FrameAssembler()
         self.forwards = 0  # FFN forward calls made
         self.frames_served = 0  # frames answered with a result (> forwards when merging)
@@ -96,14 +101,14 @@ class FFNWorker:
             gc.freeze()
             assert self.model is not None
             self.nc = nc = await bus.connect(self.settings.nats_url, name=f"aflex-ffn-{self.worker_id}")
-            self._closing = False
             self.gpu = gpu = WorkerGPU(self.settings, self.worker_id, "ffn", self._gpu_arg)
-            loop_task = asyncio.create_task(self._serve_loop(), name=f"ffn-{self.worker_id}")
             heartbeat_task: asyncio.Task[None] | None = None
-            sub = None
+            seam: SeamPort | None = None
             try:
                 await gpu.start(nc)
-                sub = await nc.subscribe(self.subject, cb=self._on_message)
+                self.seam = seam = await open_seam_port(self.settings.seam_transport, self.settings.nats_url,
+                                                        f"aflex-ffn-{self.worker_id}", nc)
+                await seam.subscribe(self.subject, self._on_payload)
                 presence = Presence(nc, registration(self.worker_id, "ffn", self.model_id, self.model.args.n_layers,
                                                      gpu=gpu.gpu),
                                     self._heartbeat, period_s=self.settings.heartbeat_period_s,
@@ -114,10 +119,11 @@ class FFNWorker:
                              self.subject, self.settings.merge_microbatches)
                     await stop.wait()
             finally:
-                await stop_presence(heartbeat_task, sub)
-                self._closing = True
-                self._wakeup.set()
-                await asyncio.gather(loop_task, return_exceptions=True)
+                await stop_presence(heartbeat_task, None)
+                if seam is not None:
+                    await seam.stop_receiving()
+                    await self._idle.wait()  # answers what is queued
+                    await seam.close()
                 await gpu.stop()  # resets the clock
                 await bus.close(nc)
                 log.info("ffn worker %s stopped", self.worker_id)
@@ -127,20 +133,21 @@ class FFNWorker:
 
     # -- receiving ------------------------------------------------------------------------------
 
-    async def _on_message(self, msg: Msg) -> None:
+    def _on_payload(self, subject: str, payload: bytearray) -> None:
+        """A seam frame (or chunk), inside the socket read: check it, queue it, make sure serving is scheduled."""
         header: dict[str, Any] = {}
         try:
-            got = self._assembler.add(msg.data, _ASSEMBLY_KEY)
+            got = self._assembler.add(payload, _ASSEMBLY_KEY)
             if got is None:
                 return  # more chunks to come
             header, tensor = got
             self._queue.append(self._check(header, tensor))
-            self._wakeup.set()
+            self._schedule_serving()
         except Exception as exc:  # never let a bad frame take the subscription down
-            log.warning("ffn worker %s: dropped a frame on %s: %s", self.worker_id, self.subject, exc)
+            log.warning("ffn worker %s: dropped a frame on %s: %s", self.worker_id, subject, exc)
             reply_to = header.get("reply_to")
             if isinstance(reply_to, str) and reply_to and isinstance(header.get("mb_id"), str):
-                await self._reply_error(reply_to, header["mb_id"], header.get("layer"), str(exc))
+                self._reply_error(reply_to, header["mb_id"], header.get("layer"), str(exc))
 
     def _check(self, header: dict[str, Any], tensor: Tensor) -> _Work:
         assert self.model is not None
@@ -209,47 +216,55 @@ class FFNWorker:
         shares = [energy * r / total_rows if total_rows else energy / len(batch) for r in rows]
         return [part.to(batch[0].hidden.dtype) for part in out.split(rows)], shares, measured_s
 
-    async def _serve_loop(self) -> None:
-        while True:
-            if not self._queue:
-                if self._closing:
-                    return
-                self._wakeup.clear()
-                await self._wakeup.wait()
-                continue
-            batch = self._take_batch()
-            started = time.perf_counter()
-            try:
-                outputs, energies, compute_s = self._forward(batch)
-            except Exception as exc:
-                log.exception("ffn worker %s: layer %d forward failed", self.worker_id, batch[0].layer)
-                for work in batch:
-                    await self._reply_error(work.reply_to, work.mb_id, work.layer, f"FFN forward failed: {exc}")
-                continue
-            log.debug("ffn layer %d: %d frame(s), %d rows in one forward (%.2f ms)", batch[0].layer, len(batch),
-                      sum(o.shape[0] for o in outputs), (time.perf_counter() - started) * 1e3)
-            for work, out, energy_j in zip(batch, outputs, energies, strict=True):
-                await self._reply(work.reply_to, work.mb_id, work.layer, out, energy_j=energy_j, compute_s=compute_s)
-                self.frames_served += 1
-            await asyncio.sleep(0)  # let the subscription queue more frames before the next forward
+    def _schedule_serving(self) -> None:
+        if not self._serve_scheduled:
+            self._serve_scheduled = True
+            self._idle.clear()
+            asyncio.get_running_loop().call_soon(self._serve_next)
 
-    async def _reply(self, reply_to: str, mb_id: str, layer: Any, tensor: Tensor,
+    def _serve_next(self) -> None:
+        """One forward over the next batch, its replies written; then, if more is queued, again on the
+        loop's next turn (so frames that arrive meanwhile are queued, and can merge, first)."""
+        self._serve_scheduled = False
+        if self._queue:
+            self._serve(self._take_batch())
+        if self._queue:
+            self._schedule_serving()
+        else:
+            self._idle.set()
+
+    def _serve(self, batch: list[_Work]) -> None:
+        try:
+            outputs, energies, compute_s = self._forward(batch)
+        except Exception as exc:
+            log.exception("ffn worker %s: layer %d forward failed", self.worker_id, batch[0].layer)
+            for work in batch:
+                self._reply_error(work.reply_to, work.mb_id, work.layer, f"FFN forward failed: {exc}")
+            return
+        log.debug("ffn layer %d: %d frame(s), %d rows in one forward (%.2f ms)", batch[0].layer, len(batch),
+                  sum(o.shape[0] for o in outputs), compute_s * 1e3)
+        for work, out, energy_j in zip(batch, outputs, energies, strict=True):
+            self._reply(work.reply_to, work.mb_id, work.layer, out, energy_j=energy_j, compute_s=compute_s)
+            self.frames_served += 1
+
+    def _reply(self, reply_to: str, mb_id: str, layer: Any, tensor: Tensor,
                      error: str | None = None, *, energy_j: float = 0.0, compute_s: float = 0.0) -> None:
         """Send a frame's FFN output back, with its energy share and the forward's compute time (so the
         attention side can tell transport time from FFN time)."""
-        assert self.nc is not None
+        seam = self.seam
+        assert seam is not None
         header: dict[str, Any] = {"mb_id": mb_id, "layer": layer, "direction": "to_attention",
                                   "worker_id": self.worker_id, "energy_j": energy_j, "compute_s": compute_s}
         if error is not None:
             header["error"] = error
         try:
-            for frame in wire.encode_frames(header, tensor, self.nc.max_payload):
-                await bus.publish_now(self.nc, reply_to, frame)  # not behind the next forward
+            for frame in wire.encode_frames(header, tensor, seam.max_payload):
+                seam.publish(reply_to, frame)  # on the socket now, not behind the next forward
         except Exception as exc:  # a bad reply subject or a lost connection: the attention side times out
             log.warning("ffn worker %s: could not reply to %s: %s", self.worker_id, reply_to, exc)
 
-    async def _reply_error(self, reply_to: str, mb_id: str, layer: Any, error: str) -> None:
-        await self._reply(reply_to, mb_id, layer, torch.empty(0), error)
+    def _reply_error(self, reply_to: str, mb_id: str, layer: Any, error: str) -> None:
+        self._reply(reply_to, mb_id, layer, torch.empty(0), error)
 
 
 async def run(settings: FFNWorkerSettings, *, stop: asyncio.Event | None = None) -> None:
