@@ -404,7 +404,11 @@ def _ordering() -> list[str]:
         "is not awaited; if a `MicrobatchDone` comes for it, it only updates KV counts.",
         "7. **Seam round trips.** For every layer the attention worker publishes `ffn_in` to the FFN worker the "
         "descriptor names and awaits the `to_attention` frame with the same `(mb_id, layer)`; frames nobody waits "
-        "for are dropped. Several microbatches of one attention worker interleave at these awaits.",
+        "for are dropped. Several microbatches of one attention worker interleave at these awaits. Workers carry "
+        "these frames (and the attention worker also its descriptors) on a second connection of their own to the "
+        "same server, speaking the NATS protocol directly (`shared/seam_link.py`; `AFLEX_SEAM_TRANSPORT=nats-py` "
+        "puts them on the worker's nats-py connection instead): to everyone else it is one more client, and "
+        "the subjects and frames are the same either way.",
         "8. **The FFN worker serves frames oldest first**, merging into one forward the oldest queued frame of "
         "the same layer and dtype from each other `reply_to` (attention worker); two microbatches of one attention "
         "worker are never merged, which would put its pipeline back in lockstep. Each part goes back to its own "
