@@ -23,10 +23,11 @@ whole microbatch (all its sequences) but never the worker.
 from __future__ import annotations
 
 import asyncio
+import functools
 import gc
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import orjson
@@ -46,7 +47,7 @@ from services.worker_common import (
 )
 from shared import bus, subjects, wire
 from shared.errors import AFlexError
-from shared.gpu.base import GPU
+from shared.gpu.base import GPU, OperatorWork
 from shared.gpu.workload import attention_work, lm_head_work
 from shared.lifecycle import stop_on_signals
 from shared.messages import (
@@ -402,10 +403,10 @@ class AttentionWorker:
             with torch.inference_mode():
                 residual, ffn_in = model.attend(layer, residual, ffn_out, rope, meta, kv)
             attend_s = time.perf_counter() - t
-            meter.op(phase, attend_s, gpu.run(layer_work, attend_s))
-            timing["attention_energy_j"] += gpu.total_energy_j() - energy0
             t = time.perf_counter()
-            ffn_out, ffn_energy, ffn_compute_s = await self._ffn_round_trip(desc, layer, ffn_in)
+            # the layer's accounting runs once ffn_in is on its way, while the FFN works
+            account = functools.partial(self._account_attention, phase, layer_work, attend_s, energy0, timing)
+            ffn_out, ffn_energy, ffn_compute_s = await self._ffn_round_trip(desc, layer, ffn_in, account)
             wait_s = time.perf_counter() - t
             timing["attention_s"] += attend_s
             timing["ffn_wait_s"] += wait_s
@@ -430,10 +431,20 @@ class AttentionWorker:
         timing["attention_s"] += logits_s
         return tokens
 
-    async def _ffn_round_trip(self, desc: MicrobatchDescriptor, layer: int, ffn_in: Tensor
-                              ) -> tuple[Tensor, float, float]:
+    def _account_attention(self, phase: str, work: OperatorWork, attend_s: float, energy0_j: float,
+                           timing: dict[str, float]) -> None:
+        """One layer's attention on the GPU's books: modelled time, meter, the microbatch's attention energy."""
+        worker_gpu = self.gpu
+        assert worker_gpu is not None
+        gpu = worker_gpu.gpu
+        worker_gpu.meter.op(phase, attend_s, gpu.run(work, attend_s))
+        timing["attention_energy_j"] += gpu.total_energy_j() - energy0_j
+
+    async def _ffn_round_trip(self, desc: MicrobatchDescriptor, layer: int, ffn_in: Tensor,
+                              while_waiting: Callable[[], None] | None = None) -> tuple[Tensor, float, float]:
         """Send layer `layer`'s ffn_in to the FFN worker and await its ffn_out (keyed by mb_id and layer),
-        the energy of its share of the FFN forward, and that forward's compute time."""
+        the energy of its share of the FFN forward, and that forward's compute time. `while_waiting` runs
+        between the send and the wait: work that need not delay the frame."""
         seam = self.seam
         assert seam is not None
         key = (desc.mb_id, layer)
@@ -449,6 +460,8 @@ class AttentionWorker:
                                       "phase": clock_phase(desc.phase)}
             for frame in wire.encode_frames(header, ffn_in, seam.max_payload):
                 seam.publish(subjects.ffn_mb(desc.ffn_worker), frame)
+            if while_waiting is not None:
+                while_waiting()
             out, energy_j, compute_s = await future
         finally:
             timer.cancel()
