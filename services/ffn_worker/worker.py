@@ -214,7 +214,10 @@ class FFNWorker:
         meter.queue_depth = len(self._queue)
         self.forwards += 1
         shares = [energy * r / total_rows if total_rows else energy / len(batch) for r in rows]
-        return [part.to(batch[0].hidden.dtype) for part in out.split(rows)], shares, measured_s
+        dtype = batch[0].hidden.dtype
+        if len(batch) == 1 and out.dtype == dtype:
+            return [out], shares, measured_s
+        return [part.to(dtype) for part in out.split(rows)], shares, measured_s
 
     def _schedule_serving(self) -> None:
         if not self._serve_scheduled:
