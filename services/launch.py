@@ -32,9 +32,12 @@ class Mesh:
 
 
 @contextmanager
-def aflex_up(model: str, *extra: str, timeout_s: float = 300.0) -> Iterator[Mesh]:
+def aflex_up(model: str, *extra: str, timeout_s: float = 300.0, nats_url: str | None = None) -> Iterator[Mesh]:
+    """`nats_url`: use that server (`AFLEX_NATS_URL`) instead of the embedded one `aflex up` starts."""
     port, nats_port = free_port(), free_port()
     env = {k: v for k, v in os.environ.items() if k != "AFLEX_NATS_URL"}
+    if nats_url is not None:
+        env["AFLEX_NATS_URL"] = nats_url
     process = subprocess.Popen(
         [sys.executable, "-m", "services.cli", "up", "--model", model, "--host", "127.0.0.1", "--port", str(port),
          "--nats-port", str(nats_port), *extra],

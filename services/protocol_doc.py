@@ -421,7 +421,12 @@ def _ordering() -> list[str]:
         f"({_default(WorkerSettings, 'heartbeat_period_s')} by default); a worker silent for `heartbeat_timeout_s` "
         f"({_default(SchedulerSettings, 'heartbeat_timeout_s')}) is unhealthy and its in-flight microbatches fail. A "
         "`MicrobatchDone` counts as a heartbeat. A `Register` from a worker the scheduler already knows is a "
-        "restart: its KV is taken as empty and what it held is recomputed.",
+        "restart: its KV is taken as empty and what it held is recomputed. An attention worker's heartbeat lists "
+        "the microbatches it is running (`active_mb_ids`): one the scheduler sent more than "
+        f"`microbatch_lost_after_s` ({_default(SchedulerSettings, 'microbatch_lost_after_s')}) ago that is "
+        "neither listed nor done a moment later was lost on the way (descriptor or `MicrobatchDone`) and is "
+        "recomputed; when the scheduler's own connection drops, everything in flight is recomputed at once. "
+        "`microbatch_timeout_s` stays the last resort for workers that do not report `active_mb_ids`.",
         "",
     ]
 

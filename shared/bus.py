@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import nats
@@ -41,10 +42,12 @@ class NoRespondersBusError(BusError):
 
 
 async def connect(url: str, name: str, *, connect_timeout_s: float = 5.0, first_connect_timeout_s: float = 30.0,
-                  reconnect_wait_s: float = 0.5, **options: Any) -> Client:
+                  reconnect_wait_s: float = 0.5, on_disconnect: Callable[[], None] | None = None,
+                  **options: Any) -> Client:
     """Connect with logging callbacks; once connected, reconnects forever (a restarted nats-server
     is picked up). The first connection gives up after `first_connect_timeout_s` with a `BusError`:
-    nats-py would otherwise retry an unreachable server forever.
+    nats-py would otherwise retry an unreachable server forever. `on_disconnect()` runs on every
+    drop: a message sent or received around it may be lost (NATS core is at most once).
     """
 
     async def error_cb(exc: Exception) -> None:
@@ -52,6 +55,8 @@ async def connect(url: str, name: str, *, connect_timeout_s: float = 5.0, first_
 
     async def disconnected_cb() -> None:
         log.warning("%s: disconnected from NATS", name)
+        if on_disconnect is not None:
+            on_disconnect()
 
     async def reconnected_cb() -> None:
         log.info("%s: reconnected to NATS at %s", name, nc.connected_url.netloc if nc.connected_url else url)

@@ -208,6 +208,9 @@ class Heartbeat(Message):
     kv_free_blocks: int = 0
     kv_total_blocks: int = 0
     queue_depth: int = 0
+    # attention workers: the microbatches running now. A microbatch the scheduler sent a while ago that
+    # is neither here nor done was lost on the way (its descriptor or its MicrobatchDone); None: not reported
+    active_mb_ids: list[str] | None = None
 
 
 class WorkerInfo(Message):

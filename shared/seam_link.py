@@ -19,8 +19,10 @@ server that requires TLS with a `SeamLinkError` that says to run the seam on nat
 Like `bus.connect`, it logs disconnects, reconnects, errors and closure under the service's name,
 reconnects forever once it has connected (re-subscribing), pings the server every
 `ping_interval_s` and treats `max_outstanding_pings` unanswered pings as a dead connection. A
-publish while disconnected raises `SeamLinkError` (nothing is buffered: a seam frame that cannot go
-now is a failed microbatch, which the attention worker reports, not a message to replay later).
+publish while disconnected raises `SeamLinkError`, and `on_disconnect` listeners hear of every drop:
+nothing is buffered, because a seam frame that could not go (or whose answer may have been lost
+with the connection) is a failed microbatch, which the scheduler recomputes, not a message to
+replay later.
 """
 
 from __future__ import annotations
@@ -202,6 +204,7 @@ class SeamLink:
         self._outstanding_pings = 0
         self._reconnect_task: asyncio.Task[None] | None = None
         self._ping_task: asyncio.Task[None] | None = None
+        self._disconnect_listeners: list[Callable[[], None]] = []
 
     @classmethod
     async def connect(cls, url: str, name: str, *, connect_timeout_s: float = 5.0, reconnect_wait_s: float = 0.5,
@@ -263,6 +266,11 @@ class SeamLink:
         if wire.transport is not None:
             wire.transport.abort()
 
+    def on_disconnect(self, listener: Callable[[], None]) -> None:
+        """Call `listener()` whenever the connection drops (not on close): whoever waits for a message
+        that may have been lost with it can stop waiting now."""
+        self._disconnect_listeners.append(listener)
+
     def _update_info(self, info: dict[str, Any]) -> None:
         payload = info.get("max_payload")
         if isinstance(payload, int) and payload > 0:
@@ -276,6 +284,11 @@ class SeamLink:
             log.info("%s: seam link closed", self.name)
             return
         log.warning("%s: seam link disconnected from NATS%s", self.name, f": {exc}" if exc else "")
+        for listener in list(self._disconnect_listeners):
+            try:
+                listener()
+            except Exception:  # a listener's bug must not stop the reconnect
+                log.exception("%s: seam disconnect listener failed", self.name)
         self._reconnect_task = asyncio.get_running_loop().create_task(self._reconnect(),
                                                                       name=f"seam-reconnect-{self.name}")
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Callable
 from typing import Literal, Protocol
 
 from nats.aio.client import Client
@@ -43,6 +44,8 @@ class SeamPort(Protocol):
 
     async def stop_receiving(self) -> None: ...
 
+    def on_disconnect(self, listener: Callable[[], None]) -> None: ...
+
     async def close(self) -> None: ...
 
 
@@ -63,6 +66,9 @@ class LeanSeamPort:
 
     def publish(self, subject: str, payload: bytes) -> None:
         self.link.publish(subject, payload)
+
+    def on_disconnect(self, listener: Callable[[], None]) -> None:
+        self.link.on_disconnect(listener)
 
     async def stop_receiving(self) -> None:
         for sid in self._sids:
@@ -104,6 +110,9 @@ class NatsPySeamPort:
             await bus.publish_now(self.nc, subject, payload)
         except Exception as exc:  # lost connection, bad subject: the waiting side times out and says so
             log.warning("seam publish to %s failed: %s", subject, exc)
+
+    def on_disconnect(self, listener: Callable[[], None]) -> None:
+        """Not called: nats-py keeps what is published while disconnected and sends it on reconnect."""
 
     async def close(self) -> None:
         await self.stop_receiving()

@@ -39,6 +39,8 @@ class SchedulerSettings(ServiceSettings):
     microbatch_depth: Literal["auto", "1", "2", "3", "4"] = "auto"
     heartbeat_timeout_s: float = 5.0
     microbatch_timeout_s: float = 120.0
+    # a microbatch sent this long ago that its worker's heartbeat does not list, and that is not done, is lost
+    microbatch_lost_after_s: float = 3.0
     # SLOs (vLLM's definitions: TTFT = first token - arrival, TPOT = (last - first) / (n - 1))
     ttft_slo_ms: float = 400.0
     tpot_slo_ms: float = 120.0

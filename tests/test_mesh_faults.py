@@ -1,8 +1,8 @@
-"""Nothing is lost when an attention worker dies: its sequences recompute on the other one.
+"""Nothing is lost when a worker dies or the NATS server restarts: the sequences recompute.
 
-`aflex up` with 2 attention workers and 1 FFN worker; 8 greedy streams start, one attention worker
-is SIGKILLed mid-stream; every stream still completes with its full length and exactly the text it
-gets when nothing fails (recomputing a greedy sequence on another worker gives the same tokens).
+`aflex up`; 8 greedy streams start; mid-stream an attention worker or an FFN worker is SIGKILLed, or
+the nats-server is stopped and started again; every stream still completes with its full length and
+exactly the text it gets when nothing fails (recomputing a greedy sequence gives the same tokens).
 """
 
 from __future__ import annotations
@@ -10,12 +10,14 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+from collections.abc import Callable
 from pathlib import Path
 
 import openai
 import pytest
 
 from services.launch import Mesh, aflex_up
+from shared.nats_server import EmbeddedNatsServer, free_port
 
 MAX_TOKENS = 160
 
@@ -51,15 +53,19 @@ async def _stream(client: openai.AsyncOpenAI, model: str, i: int, started: async
     return text, tokens
 
 
-async def _run(mesh: Mesh, kill: str | None) -> list[tuple[str, int]]:
+async def _run(mesh: Mesh, kill: str | None = None, fault: Callable[[], None] | None = None
+               ) -> list[tuple[str, int]]:
     client = openai.AsyncOpenAI(base_url=mesh.base_url, api_key="unused", max_retries=0, timeout=300)
     model = (await client.models.list()).data[0].id
     started = [asyncio.Event() for _ in range(8)]
     streams = [asyncio.create_task(_stream(client, model, i, started[i])) for i in range(8)]
-    if kill is not None:
+    if kill is not None or fault is not None:
         await asyncio.gather(*(e.wait() for e in started))  # every stream is decoding, on both workers
         assert not any(s.done() for s in streams)
-        os.kill(_child_pid(mesh, kill), signal.SIGKILL)
+        if kill is not None:
+            os.kill(_child_pid(mesh, kill), signal.SIGKILL)
+        if fault is not None:
+            fault()
     return await asyncio.gather(*streams)
 
 
@@ -84,5 +90,31 @@ def test_ffn_worker_loss_loses_no_request(tiny_chat_checkpoint: Path, monkeypatc
         log = mesh.output()
         assert "ffn-0 exited with status -9" in log
         assert "FFN worker ffn-0 did not answer" in log  # microbatches were waiting on it when it died
+    assert [tokens for _, tokens in after_fault] == [MAX_TOKENS] * 8
+    assert after_fault == baseline
+
+
+def test_a_nats_server_restart_loses_no_request(tiny_chat_checkpoint: Path) -> None:
+    """The nats-server stops mid-stream and a new one starts on its port: every service reconnects
+    (the seam links too, re-subscribing), the hops that were in flight fail at once rather than at
+    their timeout, their sequences recompute, and every stream completes with the no-fault text."""
+    port = free_port()
+    servers = [EmbeddedNatsServer(port=port).start()]
+
+    def restart() -> None:
+        servers[-1].stop()
+        servers.append(EmbeddedNatsServer(port=port).start())
+
+    try:
+        with aflex_up(str(tiny_chat_checkpoint), "--microbatch-depth", "2",
+                      nats_url=servers[0].url) as mesh:
+            baseline = asyncio.run(_run(mesh))
+            after_fault = asyncio.run(_run(mesh, fault=restart))
+            log = mesh.output()
+    finally:
+        servers[-1].stop()
+    assert "seam link reconnected" in log
+    assert "NATS connection lost while attn-0 was running" in log  # in-flight microbatches given up at once
+    assert "within 120.0 s" not in log  # and none waited for the microbatch timeout
     assert [tokens for _, tokens in after_fault] == [MAX_TOKENS] * 8
     assert after_fault == baseline

@@ -119,6 +119,10 @@ class FakeAttention:
     generated: dict[str, int] = field(default_factory=dict)
     fail_at: dict[str, int] = field(default_factory=dict)  # seq -> refuse the pass that would sample token #n
     hold: bool = False  # stop answering descriptors
+    drop: int = 0  # lose this many descriptors with sequences, as if NATS had (the worker never sees them)
+    report_active: bool = False  # heartbeats list the microbatches in flight, as real attention workers do
+    dropped: list[str] = field(default_factory=list)
+    active: set[str] = field(default_factory=set)
     _hb: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
@@ -127,7 +131,8 @@ class FakeAttention:
                        kv_total_blocks=self.kv_total_blocks, block_size=self.block_size, max_seq_len=4096)
         reply = decode(RegisterReply, (await self.nc.request(subjects.CONTROL_REGISTER, encode(reg), 5)).data)
         assert reply.ok
-        self._hb = asyncio.create_task(heartbeat(self.nc, self.worker_id, "attention", self.kv_total_blocks))
+        self._hb = asyncio.create_task(heartbeat(self.nc, self.worker_id, "attention", self.kv_total_blocks,
+                                                 (lambda: sorted(self.active)) if self.report_active else None))
 
     def stop_heartbeat(self) -> None:
         if self._hb:
@@ -135,6 +140,10 @@ class FakeAttention:
 
     async def _on_mb(self, msg: Msg) -> None:
         desc = decode(MicrobatchDescriptor, msg.data)
+        if desc.seqs and self.drop > 0:
+            self.drop -= 1
+            self.dropped.append(desc.mb_id)
+            return
         self.descriptors.append(desc)
         if self.hold:
             return
@@ -142,8 +151,10 @@ class FakeAttention:
             self.generated.pop(rid, None)
         if not desc.seqs:
             return
+        self.active.add(desc.mb_id)
         if self.delay_s:
             await asyncio.sleep(self.delay_s)
+        self.active.discard(desc.mb_id)
         if self.hold:
             return
         results, failed = [], []
@@ -169,10 +180,11 @@ class FakeAttention:
         return [(d, i) for d in self.descriptors for i, s in enumerate(d.seqs) if s.seq_id == rid]
 
 
-async def heartbeat(nc: Client, wid: str, role: str, kv_total: int) -> None:
+async def heartbeat(nc: Client, wid: str, role: str, kv_total: int,
+                    active: Callable[[], list[str]] | None = None) -> None:
     while True:
         hb = Heartbeat(worker_id=wid, role=role, ts=time.time(), kv_free_blocks=kv_total,  # type: ignore[arg-type]
-                       kv_total_blocks=kv_total)
+                       kv_total_blocks=kv_total, active_mb_ids=active() if active is not None else None)
         await nc.publish(subjects.heartbeat(wid), encode(hb))
         await asyncio.sleep(0.1)
 
@@ -457,4 +469,21 @@ def test_lost_attention_worker_requests_finish_elsewhere(nats_url: str) -> None:
             assert moved[0].start_pos == 0 and moved[0].sampling is not None and moved[0].generated_ids
             status = await m.status()
             assert {w.worker_id: w.healthy for w in status.workers}["a0"] is False
+    asyncio.run(main())
+
+
+def test_a_lost_descriptor_is_found_from_heartbeats(nats_url: str) -> None:
+    """A descriptor NATS lost (the worker never got it) is failed as soon as the worker's heartbeats
+    show it does not have it, and its sequence runs again: not after `microbatch_timeout_s` (120 s;
+    `collect` waits 5 s per delta). A slow microbatch the heartbeats list is left alone."""
+    async def main() -> None:
+        a0 = FakeAttention(None, "a0", drop=1, report_active=True)  # type: ignore[arg-type]
+        async with mesh(nats_url, attn=(a0,), microbatch_lost_after_s=0.3) as m:
+            deltas = await m.run_request("r1", [1, 2, 3], max_tokens=4)
+            assert tokens(deltas) == [100, 101, 102, 103]
+            assert len(a0.dropped) == 1 and a0.descriptors[0].seqs[0].seq_id == "r1"
+            a0.delay_s = 1.5  # listed as active for 1.5 s: longer than the 0.3 s grace, not lost
+            deltas = await m.run_request("r2", [1, 2, 3], max_tokens=2)
+            assert tokens(deltas) == [100, 101]
+            assert len(a0.dropped) == 1 and len(a0.seqs_of("r2")) == 2  # each pass sent once
     asyncio.run(main())

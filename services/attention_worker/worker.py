@@ -153,6 +153,7 @@ class AttentionWorker:
                 self.seam = seam = await open_seam_port(self.settings.seam_transport, self.settings.nats_url,
                                                         f"aflex-attention-{self.worker_id}", nc)
                 await seam.subscribe(self.subject, self._on_payload)
+                seam.on_disconnect(self._seam_lost)
                 self._accepting = True
                 args = self.model.args
                 presence = Presence(
@@ -190,7 +191,7 @@ class AttentionWorker:
         assert self.sequences is not None
         return Heartbeat(worker_id=self.worker_id, role="attention", ts=time.time(),
                          kv_free_blocks=self.sequences.free_blocks, kv_total_blocks=self.sequences.total_blocks,
-                         queue_depth=len(self._active_mbs))
+                         queue_depth=len(self._active_mbs), active_mb_ids=sorted(self._active_mbs))
 
     # -- dispatch -------------------------------------------------------------------------------
 
@@ -470,6 +471,14 @@ class AttentionWorker:
             raise FFNReplyError(f"FFN worker {desc.ffn_worker} returned shape {list(out.shape)} for layer {layer} "
                                 f"of microbatch {desc.mb_id}, expected {list(ffn_in.shape)}")
         return out.to(device=ffn_in.device, dtype=ffn_in.dtype), energy_j, compute_s
+
+    def _seam_lost(self) -> None:
+        """The seam's connection dropped: frames in flight either way may be gone, so every hop waiting
+        for an answer fails now (its microbatch is reported failed and recomputed), not at its timeout."""
+        for (mb_id, layer), future in list(self._replies.items()):
+            if not future.done():
+                future.set_exception(FFNReplyError(f"the seam's NATS connection dropped while layer {layer} of "
+                                                   f"microbatch {mb_id} was at the FFN worker"))
 
     def _expire_hop(self, future: asyncio.Future[Any], desc: MicrobatchDescriptor, layer: int) -> None:
         if not future.done():

@@ -97,10 +97,19 @@ log = logging.getLogger("aflex.scheduler")
 
 MAX_FAILURES = 3  # errored passes of one request before it ends with finish_reason "error"
 RETRY_AFTER_S = 1.0  # what overloaded / unavailable rejections suggest
+LOST_CONFIRM_S = 0.5  # how long a microbatch missing from a heartbeat has to turn up done before it is lost
 
 
 class WorkerLostError(AFlexError):
     """The attention worker of an in-flight microbatch stopped heartbeating or restarted."""
+
+
+class MicrobatchLostError(AFlexError):
+    """A microbatch's descriptor or its MicrobatchDone was lost: its worker, alive, does not have it."""
+
+
+class BusLostError(AFlexError):
+    """The scheduler's NATS connection dropped while a microbatch was in flight: its result may be lost."""
 
 
 @dataclass(frozen=True)
@@ -120,6 +129,7 @@ class Scheduler:
         self.requests: dict[str, RequestState] = {}
         self.unplaced: list[RequestState] = []  # waiting while no attention worker can take them
         self.futures: dict[str, tuple[str, asyncio.Future[MicrobatchDone]]] = {}  # mb_id -> (worker, done)
+        self.sent_at: dict[str, float] = {}  # mb_id -> time.monotonic() its descriptor was published
         self._run_token = uuid.uuid4().hex[:8]  # keeps mb ids unique across scheduler restarts
         self._tasks: set[asyncio.Task[None]] = set()
         self.fixed_clocks = parse_fixed_clocks(settings.fixed_clocks)  # a bad spec fails at start
@@ -216,10 +226,32 @@ class Scheduler:
 
     async def _on_heartbeat(self, msg: Msg) -> None:
         hb = decode(Heartbeat, msg.data)
-        worker, revived = self.registry.heartbeat(hb, time.monotonic())
+        now = time.monotonic()
+        worker, revived = self.registry.heartbeat(hb, now)
         if revived:
             log.info("worker %s is healthy again", worker.worker_id)
             self._on_capacity_change()
+        if hb.active_mb_ids is not None:
+            self._check_lost(hb.worker_id, set(hb.active_mb_ids), now)
+
+    def _check_lost(self, worker_id: str, active: set[str], now: float) -> None:
+        """Microbatches of `worker_id` sent over `microbatch_lost_after_s` ago that its heartbeat does not
+        list are suspects; one still not done a moment later (a MicrobatchDone sent just before the
+        heartbeat may still be in the scheduler's queue) was lost and fails now, not at its timeout."""
+        grace = self.settings.microbatch_lost_after_s
+        suspects = [mb_id for mb_id, (wid, fut) in self.futures.items()
+                    if wid == worker_id and not fut.done() and mb_id not in active
+                    and now - self.sent_at.get(mb_id, now) > grace]
+        if suspects:
+            asyncio.get_running_loop().call_later(LOST_CONFIRM_S, self._fail_lost, worker_id, suspects)
+
+    def _fail_lost(self, worker_id: str, mb_ids: list[str]) -> None:
+        for mb_id in mb_ids:
+            entry = self.futures.get(mb_id)
+            if entry is not None and not entry[1].done():
+                entry[1].set_exception(MicrobatchLostError(
+                    f"{worker_id} is alive but does not have microbatch {mb_id}: its descriptor or its "
+                    "MicrobatchDone was lost"))
 
     def _on_capacity_change(self) -> None:
         """A worker joined or came back: place unplaced requests, start loops, wake every loop."""
@@ -241,6 +273,14 @@ class Scheduler:
                             worker.role, timeout)
                 if worker.role == "attention":
                     self._lose(worker, restarted=False)
+
+    def on_bus_lost(self) -> None:
+        """The NATS connection dropped: a `MicrobatchDone` (or the descriptor itself) may have gone with
+        it, so every in-flight microbatch is given up now and its sequences recompute (not counted as
+        their failure), instead of waiting `microbatch_timeout_s` for a message that may never come."""
+        for mb_id, (wid, fut) in list(self.futures.items()):
+            if not fut.done():
+                fut.set_exception(BusLostError(f"NATS connection lost while {wid} was running {mb_id}"))
 
     def _lose(self, worker: Worker, *, restarted: bool) -> None:
         """The worker's KV can no longer be trusted: fail its in-flight microbatches, let its loop evacuate."""
@@ -425,23 +465,26 @@ class Scheduler:
                 p.state.first_pass_sent = True
             fut: asyncio.Future[MicrobatchDone] = loop.create_future()
             self.futures[mb_id] = (worker.worker_id, fut)
+            self.sent_at[mb_id] = time.monotonic()
             ffn_of[mb_id] = ffn.worker_id
             sent.append((mb_id, group, fut))
             await self.nc.publish(subjects.attn_mb(worker.worker_id), encode(desc))
         await asyncio.wait([f for _, _, f in sent], timeout=self.settings.microbatch_timeout_s)
         for mb_id, group, fut in sent:
             self.futures.pop(mb_id, None)
+            self.sent_at.pop(mb_id, None)
             if fut.done() and fut.exception() is None:
                 self._observe(worker, group, fut.result(), ffn_of[mb_id], lone=len(sent) == 1)
                 await self._apply(worker, group, fut.result())
                 continue
             reason = str(fut.exception()) if fut.done() else f"no MicrobatchDone for {mb_id} within " \
                 f"{self.settings.microbatch_timeout_s:.1f} s"
+            bus_lost = fut.done() and isinstance(fut.exception(), BusLostError)  # not the sequences' fault
             if not fut.done():
                 fut.cancel()
             log.warning("microbatch %s failed: %s", mb_id, reason)
             for p in group:
-                await self._requeue(worker, p.state, failure=True, reason=reason)
+                await self._requeue(worker, p.state, failure=not bus_lost, reason=reason)
 
     async def _on_done(self, msg: Msg) -> None:
         done = decode(MicrobatchDone, msg.data)
@@ -804,7 +847,13 @@ async def run(settings: SchedulerSettings, *, stop: asyncio.Event | None = None,
     """Run the scheduler until `stop` is set (or forever). `model` overrides reading the model card."""
     if model is None:
         model = await asyncio.to_thread(load_model_info, settings.model)
-    nc = await bus.connect(settings.nats_url, f"scheduler {settings.scheduler_id}")
+    scheduler: Scheduler | None = None
+
+    def bus_lost() -> None:
+        if scheduler is not None:
+            scheduler.on_bus_lost()
+
+    nc = await bus.connect(settings.nats_url, f"scheduler {settings.scheduler_id}", on_disconnect=bus_lost)
     scheduler = Scheduler(settings, nc, model)
     try:
         await scheduler.start()
