@@ -426,7 +426,10 @@ def _ordering() -> list[str]:
         f"`microbatch_lost_after_s` ({_default(SchedulerSettings, 'microbatch_lost_after_s')}) ago that is "
         "neither listed nor done a moment later was lost on the way (descriptor or `MicrobatchDone`) and is "
         "recomputed; when the scheduler's own connection drops, everything in flight is recomputed at once. "
-        "`microbatch_timeout_s` stays the last resort for workers that do not report `active_mb_ids`.",
+        "`microbatch_timeout_s` stays the last resort for workers that do not report `active_mb_ids`. Attention "
+        "workers listen to the FFN workers' heartbeats too: a seam hop waiting on an FFN worker that has sent "
+        f"none for `ffn_silence_s` ({_default(AttentionWorkerSettings, 'ffn_silence_s')}) fails then, not at "
+        f"`ffn_reply_timeout_s` ({_default(AttentionWorkerSettings, 'ffn_reply_timeout_s')}).",
         "",
     ]
 

@@ -81,6 +81,8 @@ class AttentionWorkerSettings(WorkerSettings):
     # One layer's FFN round trip; beyond it the microbatch fails and the scheduler re-runs its
     # sequences (with another FFN worker if this one is gone).
     ffn_reply_timeout_s: float = 30.0
+    # an FFN worker with no heartbeat for this long is gone: hops waiting on it fail now (0: off)
+    ffn_silence_s: float = 5.0
 
 
 class FFNWorkerSettings(WorkerSettings):

@@ -35,6 +35,7 @@ import torch
 from nats.aio.client import Client
 from torch import Tensor
 
+from services.attention_worker.ffn_watch import FFNWatch
 from services.attention_worker.sequences import Admitted, SequenceRefused, SequenceTable
 from services.worker_common import (
     Presence,
@@ -116,6 +117,7 @@ class AttentionWorker:
         self._release_later: set[str] = set()  # released while busy: freed when their microbatch ends
         self._active_mbs: set[str] = set()
         self._replies: dict[tuple[str, int], asyncio.Future[tuple[Tensor, float, float]]] = {}
+        self._ffn_watch = FFNWatch(settings.ffn_silence_s, self._ffn_silent)
         self._assembler = wire.FrameAssembler()
         self._gpu_arg = gpu  # None: the backend the settings select, built when the worker starts
         self.gpu: WorkerGPU | None = None
@@ -150,6 +152,7 @@ class AttentionWorker:
                 self.gpu = gpu = WorkerGPU(self.settings, self.worker_id, "attention", self._gpu_arg)
                 gpu.meter.kv(0, self.sequences.total_blocks)
                 await gpu.start(nc)
+                await self._ffn_watch.start(nc)
                 self.seam = seam = await open_seam_port(self.settings.seam_transport, self.settings.nats_url,
                                                         f"aflex-attention-{self.worker_id}", nc)
                 await seam.subscribe(self.subject, self._on_payload)
@@ -171,6 +174,7 @@ class AttentionWorker:
                 self._accepting = False
                 await self._finish_in_flight()
                 await stop_presence(heartbeat_task, None)
+                await self._ffn_watch.stop()
                 if seam is not None:
                     await seam.close()
                 if gpu is not None:
@@ -452,6 +456,7 @@ class AttentionWorker:
         loop = asyncio.get_running_loop()
         future: asyncio.Future[tuple[Tensor, float, float]] = loop.create_future()
         self._replies[key] = future
+        self._ffn_watch.track(key, desc.ffn_worker)
         # A timer on the future itself rather than `asyncio.wait_for`, which wakes this task through
         # an extra callback (one more turn of the event loop on every hop).
         timer = loop.call_later(self.ffn_reply_timeout_s, self._expire_hop, future, desc, layer)
@@ -467,10 +472,17 @@ class AttentionWorker:
         finally:
             timer.cancel()
             self._replies.pop(key, None)
+            self._ffn_watch.untrack(key)
         if tuple(out.shape) != tuple(ffn_in.shape):
             raise FFNReplyError(f"FFN worker {desc.ffn_worker} returned shape {list(out.shape)} for layer {layer} "
                                 f"of microbatch {desc.mb_id}, expected {list(ffn_in.shape)}")
         return out.to(device=ffn_in.device, dtype=ffn_in.dtype), energy_j, compute_s
+
+    def _ffn_silent(self, key: tuple[str, int], ffn_worker: str, silent_s: float) -> None:
+        future = self._replies.get(key)
+        if future is not None and not future.done():
+            future.set_exception(FFNReplyError(f"FFN worker {ffn_worker} has sent no heartbeat for {silent_s:.1f} s: "
+                                               f"presumed lost with layer {key[1]} of microbatch {key[0]}"))
 
     def _seam_lost(self) -> None:
         """The seam's connection dropped: frames in flight either way may be gone, so every hop waiting
