@@ -112,6 +112,7 @@ class _Wire(asyncio.Protocol):
         buf = self.buffer
         buf += data
         pos = 0
+        delivered = False
         size = len(buf)
         while True:
             if self.msg is not None:
@@ -123,6 +124,7 @@ class _Wire(asyncio.Protocol):
                 subject, sid = self.msg
                 self.msg = None
                 self.link._deliver(sid, subject, payload)
+                delivered = True
                 continue
             eol = buf.find(b"\r\n", pos)
             if eol < 0:
@@ -145,6 +147,8 @@ class _Wire(asyncio.Protocol):
                 self._on_error(line[4:].strip().strip(b"'").decode(errors="replace"))
             # +OK (verbose is off) and anything unknown are ignored
         del buf[:pos]
+        if delivered:
+            self.link._read_done()
 
     def _on_msg_line(self, line: bytes) -> None:
         # MSG <subject> <sid> [reply-to] <#bytes>
@@ -205,6 +209,7 @@ class SeamLink:
         self._reconnect_task: asyncio.Task[None] | None = None
         self._ping_task: asyncio.Task[None] | None = None
         self._disconnect_listeners: list[Callable[[], None]] = []
+        self._read_callbacks: list[Callable[[], None]] = []
 
     @classmethod
     async def connect(cls, url: str, name: str, *, connect_timeout_s: float = 5.0, reconnect_wait_s: float = 0.5,
@@ -265,6 +270,18 @@ class SeamLink:
     def _discard(wire: _Wire) -> None:
         if wire.transport is not None:
             wire.transport.abort()
+
+    def after_each_read(self, callback: Callable[[], None]) -> None:
+        """Call `callback()` after each socket read that delivered messages, once they all have been:
+        a subscriber that queues messages can then act on everything that arrived together."""
+        self._read_callbacks.append(callback)
+
+    def _read_done(self) -> None:
+        for callback in self._read_callbacks:
+            try:
+                callback()
+            except Exception:  # like a handler's: logged, the reader goes on
+                log.exception("%s: after-read callback failed", self.name)
 
     def on_disconnect(self, listener: Callable[[], None]) -> None:
         """Call `listener()` whenever the connection drops (not on close): whoever waits for a message

@@ -38,7 +38,8 @@ class SeamPort(Protocol):
     @property
     def max_payload(self) -> int: ...
 
-    async def subscribe(self, subject: str, handler: Handler) -> None: ...
+    async def subscribe(self, subject: str, handler: Handler, after_batch: Callable[[], None] | None = None
+                        ) -> None: ...
 
     def publish(self, subject: str, payload: bytes) -> None: ...
 
@@ -60,8 +61,12 @@ class LeanSeamPort:
     def max_payload(self) -> int:
         return self.link.max_payload
 
-    async def subscribe(self, subject: str, handler: Handler) -> None:
+    async def subscribe(self, subject: str, handler: Handler, after_batch: Callable[[], None] | None = None
+                        ) -> None:
+        """`after_batch()` runs right after each socket read that delivered messages (inline: no loop turn)."""
         self._sids.append(self.link.subscribe(subject, handler))
+        if after_batch is not None:
+            self.link.after_each_read(after_batch)
         await self.link.flush()  # subscribed at the server when this returns, as nats-py's subscribe+flush
 
     def publish(self, subject: str, payload: bytes) -> None:
@@ -93,9 +98,14 @@ class NatsPySeamPort:
     def max_payload(self) -> int:
         return self.nc.max_payload
 
-    async def subscribe(self, subject: str, handler: Handler) -> None:
+    async def subscribe(self, subject: str, handler: Handler, after_batch: Callable[[], None] | None = None
+                        ) -> None:
+        """nats-py hands over one message at a time: `after_batch()` runs on the loop's next turn, once
+        whatever else nats-py has already read was handed over too."""
         async def deliver(msg: Msg) -> None:
             handler(msg.subject, bytearray(msg.data))
+            if after_batch is not None:
+                asyncio.get_running_loop().call_soon(after_batch)
 
         self._subs.append(await self.nc.subscribe(subject, cb=deliver))
         await self.nc.flush()

@@ -258,3 +258,26 @@ def _parse(stream: bytes, chunk_size: int) -> tuple[list[tuple[int, str, bytes]]
     for start in range(0, len(stream), chunk_size):
         wire.data_received(stream[start:start + chunk_size])
     return got, transport.written, wire
+
+
+def test_after_each_read_runs_once_per_read_after_its_messages() -> None:
+    """A subscriber that queues messages acts on everything one read brought: the callback runs after
+    all of that read's deliveries, and not for a read that completed no message."""
+    msg = b"MSG a.b 1 5\r\nhello\r\n"
+
+    async def main() -> None:
+        link = SeamLink(ServerAddress("127.0.0.1", 4222), "reads", connect_timeout_s=1, reconnect_wait_s=1,
+                        ping_interval_s=60, max_outstanding_pings=2)
+        delivered: list[bytes] = []
+        seen_at_callback: list[int] = []
+        link._subs = {1: ("a.b", "", lambda s, p: delivered.append(bytes(p)))}
+        link.after_each_read(lambda: seen_at_callback.append(len(delivered)))
+        wire = _Wire(link)
+        wire.transport = _FakeTransport()  # type: ignore[assignment]
+        wire.data_received(msg * 3)  # three messages in one read
+        wire.data_received(msg[:10])  # half a message: nothing delivered, no callback
+        wire.data_received(msg[10:] + b"PING\r\n")
+        assert delivered == [b"hello"] * 4
+        assert seen_at_callback == [3, 4]
+
+    _run(main)

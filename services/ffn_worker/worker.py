@@ -1,10 +1,10 @@
 """The FFN worker: a stateless server of per-layer FFNs, merging microbatches that wait together.
 
 Seam frames arrive on `ffn.<wid>.mb` through the worker's seam port (`shared/seam_port.py`: the
-lean seam link by default), chunks reassembled by `wire.FrameAssembler`, and queue up. Serving is
-a loop callback (`call_soon`), not a task waiting on an event: a task's wake-up costs another trip
-through the event loop on every hop. Each call takes the next frame plus every other queued frame of
-the same layer, stacks their
+lean seam link by default), chunks reassembled by `wire.FrameAssembler`, and queue up. Serving
+starts right after the socket read that brought them (the seam port's `after_batch`), not in a task
+woken by an event: a task's wake-up costs another trip through the event loop on every hop. Each
+serving call takes the next frame plus every other queued frame of the same layer, stacks their
 rows into one [sum T, D] tensor and runs the layer's FFN once: with several microbatches (or
 several attention workers) in flight, one bigger GEMM replaces several small ones, which is where
 an FFN worker's throughput comes from. The output is split back by row counts and each part goes
@@ -108,7 +108,7 @@ class FFNWorker:
                 await gpu.start(nc)
                 self.seam = seam = await open_seam_port(self.settings.seam_transport, self.settings.nats_url,
                                                         f"aflex-ffn-{self.worker_id}", nc)
-                await seam.subscribe(self.subject, self._on_payload)
+                await seam.subscribe(self.subject, self._on_payload, after_batch=self._serve_arrived)
                 presence = Presence(nc, registration(self.worker_id, "ffn", self.model_id, self.model.args.n_layers,
                                                      gpu=gpu.gpu),
                                     self._heartbeat, period_s=self.settings.heartbeat_period_s,
@@ -134,7 +134,7 @@ class FFNWorker:
     # -- receiving ------------------------------------------------------------------------------
 
     def _on_payload(self, subject: str, payload: bytearray) -> None:
-        """A seam frame (or chunk), inside the socket read: check it, queue it, make sure serving is scheduled."""
+        """A seam frame (or chunk), inside the socket read: check it and queue it (`_serve_arrived` serves)."""
         header: dict[str, Any] = {}
         try:
             got = self._assembler.add(payload, _ASSEMBLY_KEY)
@@ -142,7 +142,7 @@ class FFNWorker:
                 return  # more chunks to come
             header, tensor = got
             self._queue.append(self._check(header, tensor))
-            self._schedule_serving()
+            self._idle.clear()
         except Exception as exc:  # never let a bad frame take the subscription down
             log.warning("ffn worker %s: dropped a frame on %s: %s", self.worker_id, subject, exc)
             reply_to = header.get("reply_to")
@@ -218,6 +218,12 @@ class FFNWorker:
         if len(batch) == 1 and out.dtype == dtype:
             return [out], shares, measured_s
         return [part.to(dtype) for part in out.split(rows)], shares, measured_s
+
+    def _serve_arrived(self) -> None:
+        """After a read's frames are queued (so those of one layer from several attention workers merge):
+        serve now, unless a serving call is already scheduled."""
+        if self._queue and not self._serve_scheduled:
+            self._serve_next()
 
     def _schedule_serving(self) -> None:
         if not self._serve_scheduled:
