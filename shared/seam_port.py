@@ -9,7 +9,9 @@ Both workers talk to the seam through this one small interface, so the transport
   (TLS, NKey/JWT credentials).
 
 Handlers get `(subject, payload)` with `payload` a writable `bytearray` of their own, called
-synchronously: they must hand work on (a queue, a future, a `call_soon`), not do it. `publish` is
+synchronously: they hand work on (a queue, a future), and a subscriber's `after_batch()` runs once
+everything that arrived together has been handed over (after the socket read on the lean link, on
+the loop's next turn on nats-py), which is where the FFN worker serves what queued. `publish` is
 synchronous too, so a worker can answer from a plain callback: on the lean link the bytes are on
 the socket when it returns; on nats-py they go out from a task on the loop's next turn (in order).
 """

@@ -3,10 +3,12 @@
 One subject, `attn.<wid>.mb`, carries two kinds of message: JSON `MicrobatchDescriptor`s from the
 scheduler and binary seam frames (`wire.MAGIC`) coming back from FFN workers. Both arrive, and the
 seam frames leave, through the worker's seam port (`shared/seam_port.py`: the lean seam link by
-default); registration, heartbeats and `MicrobatchDone` go on the ordinary nats-py connection. Each descriptor runs
-as its own asyncio task: it computes inline on the event loop and awaits the FFN's reply for each
-layer, and those awaits are where microbatches interleave (the A/F ping-pong pipeline: while the
-FFN works on one microbatch's layer l, this worker computes another's attention).
+default); registration, heartbeats and `MicrobatchDone` go on the ordinary nats-py connection.
+Each descriptor runs as its own asyncio task: it computes inline on the event loop and awaits the
+FFN's reply for each layer, and those awaits are where microbatches interleave (the A/F ping-pong
+pipeline: while the FFN works on one microbatch's layer l, this worker computes another's attention).
+A hop fails early, and with it its microbatch, when the seam's connection drops or its FFN worker's
+heartbeats stop (`ffn_watch.py`).
 
 Before each compute section (a layer's attention, the lm_head) the worker asks its DVFS controller
 for the clock of the microbatch's phase ("decode" runs decode clocks, "prefill" and "mixed" prefill

@@ -257,7 +257,7 @@ class FFNWorker:
             self.frames_served += 1
 
     def _reply(self, reply_to: str, mb_id: str, layer: Any, tensor: Tensor,
-                     error: str | None = None, *, energy_j: float = 0.0, compute_s: float = 0.0) -> None:
+               error: str | None = None, *, energy_j: float = 0.0, compute_s: float = 0.0) -> None:
         """Send a frame's FFN output back, with its energy share and the forward's compute time (so the
         attention side can tell transport time from FFN time)."""
         seam = self.seam
