@@ -245,10 +245,15 @@ def test_parser_handles_any_chunking() -> None:
     _run(main)
 
 
+def _offline_link() -> SeamLink:
+    """A link that never connects: its parser is fed by hand."""
+    return SeamLink(ServerAddress("127.0.0.1", 4222), "offline", connect_timeout_s=1, reconnect_wait_s=1,
+                    ping_interval_s=60, max_outstanding_pings=2)
+
+
 def _parse(stream: bytes, chunk_size: int) -> tuple[list[tuple[int, str, bytes]], list[bytes], _Wire]:
     """Feed `stream` to a link's parser in chunks; returns (deliveries as (sid, subject, payload), writes, wire)."""
-    link = SeamLink(ServerAddress("127.0.0.1", 4222), "parser", connect_timeout_s=1, reconnect_wait_s=1,
-                    ping_interval_s=60, max_outstanding_pings=2)
+    link = _offline_link()
     got: list[tuple[int, str, bytes]] = []
     link._subs = {1: ("a.b", "", lambda s, p: got.append((1, s, bytes(p)))),
                   2: ("c", "", lambda s, p: got.append((2, s, bytes(p))))}
@@ -266,8 +271,7 @@ def test_after_each_read_runs_once_per_read_after_its_messages() -> None:
     msg = b"MSG a.b 1 5\r\nhello\r\n"
 
     async def main() -> None:
-        link = SeamLink(ServerAddress("127.0.0.1", 4222), "reads", connect_timeout_s=1, reconnect_wait_s=1,
-                        ping_interval_s=60, max_outstanding_pings=2)
+        link = _offline_link()
         delivered: list[bytes] = []
         seen_at_callback: list[int] = []
         link._subs = {1: ("a.b", "", lambda s, p: delivered.append(bytes(p)))}
