@@ -273,6 +273,7 @@ def test_aflex_clocks_rise_after_misses(nats_url: str) -> None:
             await lv.sched.freq_window()
             await wait_for(lambda: len(lv.commands.get("a0", [])) >= 2 and len(lv.commands.get("f0", [])) >= 2)
             first = decode_clocks()
+            first_budget_s = lv.sched.plans["a0"]["decode"].budget_s
             a0.delay_s = 2 * tpot_slo_ms / 1e3  # every token now misses the TPOT SLO
             for _ in range(3):
                 await burst()
@@ -280,8 +281,12 @@ def test_aflex_clocks_rise_after_misses(nats_url: str) -> None:
             await wait_for(lambda: len(lv.commands["a0"]) >= 5 and len(lv.commands["f0"]) >= 5)
             last = decode_clocks()
             reasons = [c.reason for c in lv.commands["a0"]]
-            assert last[0] >= first[0] and last[1] >= first[1] and sum(last) > sum(first), (first, last, reasons)
+            # Faster clocks for a tighter budget. Not each clock: at a tighter budget the least-energy split
+            # may move one operator down while the other goes up (seen: A 300 -> 210, F 480 -> 1020 MHz).
+            assert sum(last) > sum(first) and max(last) > max(first), (first, last, reasons)
             assert lv.sched.aflex is not None and lv.sched.aflex.margins["decode"].margin > 0.3
+            plan = lv.sched.plans["a0"]["decode"]
+            assert plan.budget_s < first_budget_s and plan.op.feasible and plan.op.time_s <= plan.budget_s
     asyncio.run(main())
 
 
