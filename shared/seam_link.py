@@ -277,11 +277,15 @@ class SeamLink:
         self._read_callbacks.append(callback)
 
     def _read_done(self) -> None:
-        for callback in self._read_callbacks:
+        self._call_all(self._read_callbacks, "after-read callback")
+
+    def _call_all(self, callbacks: list[Callable[[], None]], what: str) -> None:
+        """Call each; one that fails is logged, and neither the reader nor the reconnect stops for it."""
+        for callback in list(callbacks):
             try:
                 callback()
-            except Exception:  # like a handler's: logged, the reader goes on
-                log.exception("%s: after-read callback failed", self.name)
+            except Exception:
+                log.exception("%s: %s failed", self.name, what)
 
     def on_disconnect(self, listener: Callable[[], None]) -> None:
         """Call `listener()` whenever the connection drops (not on close): whoever waits for a message
@@ -301,11 +305,7 @@ class SeamLink:
             log.info("%s: seam link closed", self.name)
             return
         log.warning("%s: seam link disconnected from NATS%s", self.name, f": {exc}" if exc else "")
-        for listener in list(self._disconnect_listeners):
-            try:
-                listener()
-            except Exception:  # a listener's bug must not stop the reconnect
-                log.exception("%s: seam disconnect listener failed", self.name)
+        self._call_all(self._disconnect_listeners, "disconnect listener")
         self._reconnect_task = asyncio.get_running_loop().create_task(self._reconnect(),
                                                                       name=f"seam-reconnect-{self.name}")
 

@@ -38,7 +38,7 @@ import uuid
 from collections import deque
 from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from nats.aio.client import Client
 from nats.aio.msg import Msg
@@ -112,6 +112,14 @@ class BusLostError(AFlexError):
     """The scheduler's NATS connection dropped while a microbatch was in flight: its result may be lost."""
 
 
+class InFlight(NamedTuple):
+    """A microbatch the scheduler sent and awaits."""
+
+    worker_id: str
+    done: asyncio.Future[MicrobatchDone]
+    sent_at: float  # time.monotonic() its descriptor was published
+
+
 @dataclass(frozen=True)
 class Finished:
     """A finished request, kept for a window for SLO attainment and the clock feedback."""
@@ -128,8 +136,7 @@ class Scheduler:
         self.registry = Registry()
         self.requests: dict[str, RequestState] = {}
         self.unplaced: list[RequestState] = []  # waiting while no attention worker can take them
-        self.futures: dict[str, tuple[str, asyncio.Future[MicrobatchDone]]] = {}  # mb_id -> (worker, done)
-        self.sent_at: dict[str, float] = {}  # mb_id -> time.monotonic() its descriptor was published
+        self.futures: dict[str, InFlight] = {}  # mb_id -> its worker, its done future, when it was sent
         self._run_token = uuid.uuid4().hex[:8]  # keeps mb ids unique across scheduler restarts
         self._tasks: set[asyncio.Task[None]] = set()
         self.fixed_clocks = parse_fixed_clocks(settings.fixed_clocks)  # a bad spec fails at start
@@ -239,17 +246,16 @@ class Scheduler:
         list are suspects; one still not done a moment later (a MicrobatchDone sent just before the
         heartbeat may still be in the scheduler's queue) was lost and fails now, not at its timeout."""
         grace = self.settings.microbatch_lost_after_s
-        suspects = [mb_id for mb_id, (wid, fut) in self.futures.items()
-                    if wid == worker_id and not fut.done() and mb_id not in active
-                    and now - self.sent_at.get(mb_id, now) > grace]
+        suspects = [mb_id for mb_id, (wid, fut, sent) in self.futures.items()
+                    if wid == worker_id and not fut.done() and mb_id not in active and now - sent > grace]
         if suspects:
             asyncio.get_running_loop().call_later(LOST_CONFIRM_S, self._fail_lost, worker_id, suspects)
 
     def _fail_lost(self, worker_id: str, mb_ids: list[str]) -> None:
         for mb_id in mb_ids:
             entry = self.futures.get(mb_id)
-            if entry is not None and not entry[1].done():
-                entry[1].set_exception(MicrobatchLostError(
+            if entry is not None and not entry.done.done():
+                entry.done.set_exception(MicrobatchLostError(
                     f"{worker_id} is alive but does not have microbatch {mb_id}: its descriptor or its "
                     "MicrobatchDone was lost"))
 
@@ -278,14 +284,14 @@ class Scheduler:
         """The NATS connection dropped: a `MicrobatchDone` (or the descriptor itself) may have gone with
         it, so every in-flight microbatch is given up now and its sequences recompute (not counted as
         their failure), instead of waiting `microbatch_timeout_s` for a message that may never come."""
-        for mb_id, (wid, fut) in list(self.futures.items()):
+        for mb_id, (wid, fut, _) in list(self.futures.items()):
             if not fut.done():
                 fut.set_exception(BusLostError(f"NATS connection lost while {wid} was running {mb_id}"))
 
     def _lose(self, worker: Worker, *, restarted: bool) -> None:
         """The worker's KV can no longer be trusted: fail its in-flight microbatches, let its loop evacuate."""
         worker.epoch += 1
-        for mb_id, (wid, fut) in list(self.futures.items()):
+        for mb_id, (wid, fut, _) in list(self.futures.items()):
             if wid == worker.worker_id and not fut.done():
                 fut.set_exception(WorkerLostError(f"attention worker {wid} lost while running {mb_id}"))
         if restarted:
@@ -464,15 +470,13 @@ class Scheduler:
                 p.state.in_flight = True
                 p.state.first_pass_sent = True
             fut: asyncio.Future[MicrobatchDone] = loop.create_future()
-            self.futures[mb_id] = (worker.worker_id, fut)
-            self.sent_at[mb_id] = time.monotonic()
+            self.futures[mb_id] = InFlight(worker.worker_id, fut, time.monotonic())
             ffn_of[mb_id] = ffn.worker_id
             sent.append((mb_id, group, fut))
             await self.nc.publish(subjects.attn_mb(worker.worker_id), encode(desc))
         await asyncio.wait([f for _, _, f in sent], timeout=self.settings.microbatch_timeout_s)
         for mb_id, group, fut in sent:
             self.futures.pop(mb_id, None)
-            self.sent_at.pop(mb_id, None)
             if fut.done() and fut.exception() is None:
                 self._observe(worker, group, fut.result(), ffn_of[mb_id], lone=len(sent) == 1)
                 await self._apply(worker, group, fut.result())
@@ -493,8 +497,8 @@ class Scheduler:
             worker.last_seen = time.monotonic()  # a done is as good as a heartbeat
             worker.kv_free_blocks, worker.kv_total_blocks = done.kv_free_blocks, done.kv_total_blocks
         entry = self.futures.get(done.mb_id)
-        if entry is not None and not entry[1].done():
-            entry[1].set_result(done)
+        if entry is not None and not entry.done.done():
+            entry.done.set_result(done)
 
     async def _apply(self, worker: Worker, group: list[Pass], done: MicrobatchDone) -> None:
         energy = getattr(done, "energy_j", None)
