@@ -138,6 +138,10 @@ class Predictor:
     _fits: dict[tuple[str, str, int], _Fit] = field(default_factory=dict)
     correction: dict[tuple[str, str], float] = field(default_factory=dict)
     energy_correction: dict[tuple[str, str], float] = field(default_factory=dict)
+    idle_table: np.ndarray = field(init=False, repr=False)  # context-idle power (W) of one GPU per clock
+
+    def __post_init__(self) -> None:
+        self.idle_table = self.profile.context_idle_table(self.clocks)
 
     @classmethod
     def for_profile(cls, profile: GPUProfile, args: ModelArgs, clock_step_mhz: int = 45, **kw: object) -> Predictor:

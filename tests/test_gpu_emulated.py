@@ -50,7 +50,10 @@ def test_profiles_load_and_carry_sources() -> None:
         assert all(b - a == 15 for a, b in itertools.pairwise(p.clocks_mhz))
     a800 = load_profile("a800")
     assert (a800.min_mhz, a800.max_mhz, len(a800.clocks_mhz), a800.max_power_w) == (210, 1410, 81, 400)
-    assert 60 <= a800.idle_power_w <= 65
+    # context-resident idle at 1410 MHz 58-63 W (VoltanaLLM 57.65, splitwise-sim 63, DGX A100 59-62);
+    # a released context saves 26-50 W (Model Parking Tax)
+    assert 58 <= a800.context_idle_power_at(1410) <= 63
+    assert 26 <= a800.context_idle_power_at(1410) - a800.idle_power_w <= 50
     for key in ("h100", "h200"):
         assert (load_profile(key).max_mhz, load_profile(key).max_power_w) == (1980, 700)
     with pytest.raises(GPUError, match="unknown GPU profile"):
@@ -70,7 +73,7 @@ def test_time_non_increasing_power_non_decreasing_in_clock(key: str, flops: floa
         assert hi.time_s <= lo.time_s * (1 + 1e-12)
         assert hi.power_w >= lo.power_w * (1 - 1e-12)
     assert costs[-1].power_w <= p.max_power_w + 1e-9
-    assert costs[0].power_w >= p.context_idle_power_w - 1e-9
+    assert costs[0].power_w >= p.warm_parked_power_w - 1e-9  # never below idle at the lowest clock
 
 
 @pytest.mark.parametrize("key", PROFILES)
@@ -111,17 +114,29 @@ def test_h200_decode_power_in_published_band() -> None:
 def test_energy_is_the_integral_of_power(key: str) -> None:
     clock = FakeClock()
     gpu = EmulatedGPU(key, clock=clock)
+    p = gpu.profile
     start = gpu.total_energy_j()
     assert start == 0.0 and gpu.power_w() == gpu.idle_power_w
+    landings = [(clock.now, p.default_mhz)]  # (time a clock takes effect, clock), the test's own record
+
+    def idle_j(t0: float, t1: float) -> float:
+        """Idle energy over [t0, t1] from the recorded switches (a switch inside splits the stretch)."""
+        edges = [t0] + [t for t, _ in landings if t0 < t < t1] + [t1]
+        return sum((b - a) * p.context_idle_power_at([c for t, c in landings if t <= a][-1])
+                   for a, b in itertools.pairwise(edges))
+
     expected, last = 0.0, gpu.total_energy_j()
     works = [decode_attention(16), ffn_work(QWEN3_8B, 16), attention_work(QWEN3_8B, 512, [512]),
              lm_head_work(QWEN3_8B, 16)]
     for i, work in enumerate(works * 3):
         gap = 0.002 * (i % 3)
+        expected += idle_j(clock.now, clock.now + gap)
         clock.now += gap
-        expected += gap * gpu.idle_power_w
         if i % 4 == 1:
-            gpu.set_sm_clock_mhz(gpu.min_sm_clock_mhz + 300 * i)
+            result = gpu.set_sm_clock_mhz(gpu.min_sm_clock_mhz + 300 * i)
+            if result.applied:
+                landings = [x for x in landings if x[0] <= clock.now] + [
+                    (clock.now + p.clock_switch_delay_s, result.target_mhz)]
         measured = 1e-6
         clock.now += measured
         t = gpu.run(work, measured)
@@ -134,8 +149,9 @@ def test_energy_is_the_integral_of_power(key: str) -> None:
         assert energy >= last
         last = energy
     assert gpu.total_energy_j() == pytest.approx(expected, rel=1e-9)
+    expected += idle_j(clock.now, clock.now + 1.0)
     clock.now += 1.0
-    assert gpu.total_energy_j() == pytest.approx(expected + gpu.idle_power_w, rel=1e-9)
+    assert gpu.total_energy_j() == pytest.approx(expected, rel=1e-9)
     assert gpu.power_w() == gpu.idle_power_w
 
 
@@ -143,8 +159,41 @@ def test_idle_power_with_and_without_context() -> None:
     clock = FakeClock()
     bare = EmulatedGPU("a800", clock=clock, context_resident=False)
     loaded = EmulatedGPU("a800", clock=clock)
+    p = loaded.profile
     clock.now += 10
-    assert bare.total_energy_j() == pytest.approx(10 * 62) and loaded.total_energy_j() == pytest.approx(10 * 90)
+    assert bare.total_energy_j() == pytest.approx(10 * p.idle_power_w)
+    assert loaded.total_energy_j() == pytest.approx(10 * p.context_idle_power_at(1410))
+
+
+@pytest.mark.parametrize("key", PROFILES)
+def test_context_idle_follows_the_clock(key: str) -> None:
+    """Idle with a context falls with the locked clock (floor + leakage·V + clock tree·f·V²), stays above
+    bare idle, and equals the profile's context idle at f_max; the clock share is a parameter."""
+    p = load_profile(key)
+    idle = [p.context_idle_power_at(f) for f in p.clocks_mhz]
+    assert all(b >= a for a, b in itertools.pairwise(idle))
+    assert idle[-1] == pytest.approx(p.context_idle_power_w)
+    assert p.idle_power_w < p.warm_parked_power_w == idle[0] < idle[-1]
+    flat = p.with_idle_clock_share(0.0)
+    steep = p.with_idle_clock_share(0.6)
+    assert flat.warm_parked_power_w > p.warm_parked_power_w > steep.warm_parked_power_w
+    assert flat.context_idle_power_at(p.max_mhz) == pytest.approx(steep.context_idle_power_at(p.max_mhz))
+    with pytest.raises(GPUError, match="idle clock share"):
+        p.with_idle_clock_share(0.95)
+    assert p.cold_rejoin_s(p.host_to_device_bytes_s) == pytest.approx(1.0 + p.context_create_s)
+
+
+def test_idle_energy_follows_a_clock_switch() -> None:
+    """An idle GPU draws the idle power of the clock in effect: the old one until the switch lands."""
+    clock = FakeClock()
+    gpu = EmulatedGPU("a800", clock=clock)
+    p = gpu.profile
+    gpu.set_sm_clock_mhz(p.min_mhz)
+    clock.now += 1.0
+    delay = p.clock_switch_delay_s
+    expected = delay * p.context_idle_power_at(p.max_mhz) + (1.0 - delay) * p.context_idle_power_at(p.min_mhz)
+    assert gpu.total_energy_j() == pytest.approx(expected, rel=1e-9)
+    assert gpu.power_w() == pytest.approx(p.warm_parked_power_w)
 
 
 def test_clock_snaps_clamps_and_switches_after_the_delay() -> None:

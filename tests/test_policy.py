@@ -70,7 +70,7 @@ def test_overlap_floor() -> None:
 def test_provisioning_follows_load(pred: Predictor) -> None:
     args = get_model("qwen3-32b")
     spec = ClusterSpec(16, 80e9, attention_weight_bytes(args), ffn_weight_bytes(args), kv_bytes_per_token(args),
-                       400e9, 0.34, 0.1, 90.0)
+                       400e9, 0.34, 0.1, pred.profile.idle_power_w)  # parked cold
     low = provision(pred, WindowLoad(0.5, 1000, 200), spec, ClockRule())
     high = provision(pred, WindowLoad(12.0, 1000, 200), spec, ClockRule())
     assert low.feasible and high.feasible
@@ -113,7 +113,7 @@ def test_one_long_prompt_is_bounded_by_its_group_and_tp_shortens_it(pred: Predic
 def test_provisioning_uses_attention_tp_for_long_prompts(pred: Predictor) -> None:
     args = get_model("qwen3-32b")
     spec = ClusterSpec(16, 80e9, attention_weight_bytes(args), ffn_weight_bytes(args), kv_bytes_per_token(args),
-                       400e9, 0.34, 0.1, 90.0)
+                       400e9, 0.34, 0.1, pred.profile.idle_power_w)  # parked cold
     short = provision(pred, WindowLoad(2.0, 1000, 100, 1500), spec, ClockRule())
     long = provision(pred, WindowLoad(2.0, 2000, 30, 5000), spec, ClockRule())
     assert short.prefill is not None and long.prefill is not None
@@ -171,6 +171,6 @@ def test_marginal_decode_scores_decode_only_and_provisioning_ignores_it(pred: Pr
     assert plan_iteration(pred, shape, pre, 0.2, md) == plan_iteration(pred, shape, pre, 0.2, ClockRule())
     args = get_model("qwen3-32b")
     spec = ClusterSpec(16, 80e9, attention_weight_bytes(args), ffn_weight_bytes(args), kv_bytes_per_token(args),
-                       400e9, 0.34, 0.1, 90.0)
+                       400e9, 0.34, 0.1, pred.profile.idle_power_w)  # parked cold
     load = WindowLoad(2.0, 1000, 200, 2500)
     assert provision(pred, load, spec, md) == provision(pred, load, spec, ClockRule())

@@ -109,8 +109,11 @@ def test_plan_pair_is_the_policy_and_misses_raise_clocks() -> None:
     after = tight.plan_pair(A800, "decode", big)
     assert before is not None and after is not None
     assert after.budget_s < before.budget_s
-    assert after.op.clock_attention >= before.op.clock_attention and after.op.clock_ffn >= before.op.clock_ffn
-    assert after.op.clock_attention + after.op.clock_ffn > before.op.clock_attention + before.op.clock_ffn
+    # a tighter budget may rebalance (attention down, FFN up): the clocks rise in sum and peak
+    b_op, a_op = before.op, after.op
+    assert a_op.clock_attention + a_op.clock_ffn > b_op.clock_attention + b_op.clock_ffn
+    assert max(a_op.clock_attention, a_op.clock_ffn) > max(b_op.clock_attention, b_op.clock_ffn)
+    assert a_op.time_s <= after.budget_s
 
 
 def test_observe_corrects_within_bounds() -> None:

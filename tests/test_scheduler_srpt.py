@@ -11,7 +11,7 @@ import asyncio
 
 import pytest
 
-from loadgen.sim.engine import policy_spec
+from loadgen.sim.policies import policy_spec
 from services.scheduler.aflex import BATCHING, CLOCK_OBJECTIVE, AflexPlanner, serving_order
 from services.scheduler.batcher import plan_iteration
 from services.scheduler.state import RequestState

@@ -1,4 +1,5 @@
-"""Simulator: conservation, energy = integral of power, determinism."""
+"""Simulator: conservation, energy = integral of power (parked GPUs included), both accountings, parking
+and rejoin costs, determinism, the baselines' placements."""
 
 from __future__ import annotations
 
@@ -6,8 +7,9 @@ import numpy as np
 import pytest
 
 from loadgen.sim.arrivals import load_trace, synthetic
-from loadgen.sim.engine import SimConfig, Simulation, policy_spec
+from loadgen.sim.engine import SimConfig, Simulation
 from loadgen.sim.models import get_model
+from loadgen.sim.policies import POLICIES, policy_spec
 from shared.gpu.emulated import load_profile
 from shared.perf import cached_predictor
 
@@ -15,23 +17,88 @@ PROFILE = load_profile("a800")
 MODEL = get_model("llama-3-8b")
 
 
-def _run(policy: str, seed: int = 1, record: bool = False) -> tuple[Simulation, dict]:
+def _run(policy: str, seed: int = 1, record: bool = False, **cfg: object) -> tuple[Simulation, dict]:
     arr = synthetic(3.0, 60.0, seed, burstiness=1.5, prompt_mean=800, output_mean=120)
-    sim = Simulation(PROFILE, MODEL, arr, policy_spec(policy), SimConfig(gpus=8, record_power=bool(record),
-                                                                          window_s=30, tick_s=10),
-                     cached_predictor(PROFILE, MODEL))
+    config = SimConfig(gpus=8, record_power=bool(record), window_s=30, tick_s=10, **cfg)  # type: ignore[arg-type]
+    sim = Simulation(PROFILE, MODEL, arr, policy_spec(policy), config, cached_predictor(PROFILE, MODEL))
     return sim, sim.run()
 
 
-@pytest.mark.parametrize("policy", ["aflex", "colocated-max", "af-max", "phase-dvfs"])
+@pytest.mark.parametrize("policy", [*POLICIES, "colocated-max"])
 def test_every_request_finishes_once_and_energy_is_the_integral(policy: str) -> None:
     sim, res = _run(policy, record=True)
     assert res["finished"] == res["requests"] > 0
     assert np.all(sim.finish >= sim.first) and np.all(sim.first >= sim.arr.time_s)
-    tl = np.array(sim.timeline)
-    assert float(np.sum((tl[:, 1] - tl[:, 0]) * tl[:, 2])) == pytest.approx(res["energy_j"], rel=1e-9)
-    # every GPU is accounted at least at idle power for the whole run
-    assert res["energy_j"] >= 8 * PROFILE.idle_power_w * res["makespan_s"] * 0.999
+    tl = np.array(sim.ledger.timeline)
+    cluster, active = res["accounting"]["cluster"], res["accounting"]["active"]
+    # energy is the integral of power, parked and rejoining GPUs included
+    assert float(np.sum((tl[:, 1] - tl[:, 0]) * tl[:, 2])) == pytest.approx(cluster["energy_j"], rel=1e-9)
+    # every GPU is accounted exactly once for the whole run, never below bare idle
+    assert cluster["gpu_s"] == pytest.approx(8 * res["makespan_s"], rel=1e-9)
+    assert cluster["energy_j"] >= 8 * PROFILE.idle_power_w * res["makespan_s"] * 0.999
+    # active: only GPUs in the plan, only from the first arrival on
+    assert active["energy_j"] <= cluster["energy_j"] * (1 + 1e-12)
+    span = res["makespan_s"] - float(sim.arr.time_s[0])
+    assert active["gpu_s"] <= 8 * span * (1 + 1e-9)
+    assert res["energy_j"] == cluster["energy_j"] and res["energy_per_output_token_j"] > res["energy_per_token_j"]
+
+
+def test_accountings_agree_when_every_gpu_is_busy_the_whole_time() -> None:
+    """A static policy with every GPU in its plan and the first arrival at time 0: the same books."""
+    from loadgen.sim.arrivals import Arrivals
+
+    arr = synthetic(3.0, 30.0, 2, burstiness=1.0, prompt_mean=400, output_mean=60)
+    arr = Arrivals(arr.time_s - arr.time_s[0], arr.prompt, arr.output)
+    for policy in ("sglang", "distserve", "af-max"):
+        sim = Simulation(PROFILE, MODEL, arr, policy_spec(policy), SimConfig(gpus=8), cached_predictor(PROFILE, MODEL))
+        res = sim.run()
+        c, a = res["accounting"]["cluster"], res["accounting"]["active"]
+        assert res["plans"][0]["parked"] == 0
+        assert a["energy_j"] == pytest.approx(c["energy_j"], rel=1e-12) and a["gpu_s"] == pytest.approx(c["gpu_s"])
+
+
+@pytest.mark.parametrize("parking", ["warm", "cold"])
+def test_every_parking_transition_pays_its_rejoin_cost(parking: str) -> None:
+    """A quiet minute, then a burst: a scaling policy parks GPUs, then brings them back. Each rejoin
+    waits one clock switch (warm) or a model load (cold), its GPUs draw context-idle power meanwhile,
+    and parked GPUs draw their state's power."""
+    from loadgen.sim.arrivals import Arrivals
+
+    quiet = synthetic(0.3, 60.0, 3, prompt_mean=300, output_mean=40)
+    burst = synthetic(12.0, 30.0, 4, prompt_mean=800, output_mean=120)
+    arr = Arrivals(np.concatenate([quiet.time_s, 60.0 + burst.time_s]), np.concatenate([quiet.prompt, burst.prompt]),
+                   np.concatenate([quiet.output, burst.output]))
+    sim = Simulation(PROFILE, MODEL, arr, policy_spec("aflex"),
+                     SimConfig(gpus=8, window_s=60, tick_s=10, parking=parking, record_power=True),
+                     cached_predictor(PROFILE, MODEL))
+    res = sim.run()
+    assert res["finished"] == res["requests"] and res["parking"] == parking
+    from_parking = [r for r in res["rejoins"] if r["from"] != "pool"]
+    assert from_parking, "the burst brings parked GPUs back"
+    for r in from_parking:
+        if r["from"] == "warm":
+            assert r["delay_s"] == pytest.approx(PROFILE.clock_switch_delay_s)
+        else:
+            assert r["delay_s"] > PROFILE.context_create_s
+    assert {r["from"] for r in from_parking} <= {parking}
+    rejoin_gpu_s_min = sum(r["gpus"] * r["delay_s"] for r in res["rejoins"])
+    assert res["rejoin_j"] >= PROFILE.context_idle_power_w * rejoin_gpu_s_min * (1 - 1e-9)
+    assert res["parked_j"] > 0
+    watts = PROFILE.warm_parked_power_w if parking == "warm" else PROFILE.idle_power_w
+    parked_gpu_s = res["parked_j"] / watts
+    assert 0 < parked_gpu_s < 8 * res["makespan_s"]
+    assert res["accounting"]["cluster"]["gpu_s"] == pytest.approx(8 * res["makespan_s"], rel=1e-9)
+
+
+def test_parked_gpus_draw_their_states_power() -> None:
+    """Warm-parked GPUs draw context idle at the lowest clock, cold ones bare idle; over a quiet hour
+    parking cold costs less in all (the plans may differ: the provisioner knows the parked power)."""
+    _, warm = _run("aflex", parking="warm")
+    _, cold = _run("aflex", parking="cold")
+    assert warm["parked_gpu_s"] > 0 and cold["parked_gpu_s"] > 0
+    assert warm["parked_j"] == pytest.approx(warm["parked_gpu_s"] * PROFILE.warm_parked_power_w, rel=1e-9)
+    assert cold["parked_j"] == pytest.approx(cold["parked_gpu_s"] * PROFILE.idle_power_w, rel=1e-9)
+    assert cold["accounting"]["cluster"]["energy_j"] < warm["accounting"]["cluster"]["energy_j"]
 
 
 def test_deterministic_for_a_seed() -> None:
@@ -47,20 +114,54 @@ def test_trace_loader_and_window() -> None:
     assert len(fast) == pytest.approx(len(arr), rel=0.15)
 
 
+def _cluster(args: object, gpus: int = 16) -> object:
+    from loadgen.sim.models import attention_weight_bytes, ffn_weight_bytes, kv_bytes_per_token
+    from shared.policy import ClusterSpec
+
+    return ClusterSpec(gpus=gpus, gpu_memory_bytes=80e9, attention_weight_bytes=attention_weight_bytes(args),
+                       ffn_weight_bytes=ffn_weight_bytes(args), kv_bytes_per_token=kv_bytes_per_token(args),
+                       link_bytes_s=400e9, ttft_budget_s=0.34, tpot_budget_s=0.102,
+                       parked_power_w=PROFILE.idle_power_w)
+
+
 def test_colocated_tp_follows_the_long_prompts() -> None:
-    from loadgen.sim.engine import colocated_tp
+    from shared.policy.placement import colocated_tp
 
     args = get_model("qwen3-32b")
     pred = cached_predictor(PROFILE, args)
-    assert colocated_tp(args, 80e9, 16) == 2  # smallest that holds the model
-    assert colocated_tp(args, 80e9, 16, pred, 500, 0.34) == 2
-    assert colocated_tp(args, 80e9, 16, pred, 5000, 0.34) >= 4
+    spec = _cluster(args)
+    assert colocated_tp(None, spec) == 2  # smallest that holds the model
+    assert colocated_tp(pred, spec, 500) == 2
+    assert colocated_tp(pred, spec, 5000) >= 4
+
+
+def test_distserve_placement_is_goodput_optimal_and_uses_every_gpu() -> None:
+    """DistServe's placement holds the largest multiple of the load among every all-GPU P/D placement."""
+    from shared.policy import ClockRule, WindowLoad
+    from shared.policy.placement import _feasible, distserve_placement
+
+    pred = cached_predictor(PROFILE, MODEL)
+    spec = _cluster(MODEL, 8)
+    load = WindowLoad(4.0, 1000.0, 200.0, 3000.0)
+    rule = ClockRule(max_clock=True)
+    g = distserve_placement(pred, load, spec, rule)
+    assert g.prefill.gpus + g.decode.gpus == 8 and not g.prefill.split and g.load_multiple > 1
+    ok, _ = _feasible(pred, g.prefill, g.decode, WindowLoad(4.0 * g.load_multiple, 1000.0, 200.0, 3000.0), spec,
+                      rule)
+    assert ok
+    # a lopsided placement holds less
+    from shared.policy import PoolShape
+
+    one_p = PoolShape(split=False, replicas=1, tp=1)
+    seven_d = PoolShape(split=False, replicas=7, tp=1)
+    ok_lop, _ = _feasible(pred, one_p, seven_d, WindowLoad(4.0 * g.load_multiple, 1000.0, 200.0, 3000.0), spec, rule)
+    assert not ok_lop or (g.prefill, g.decode) == (one_p, seven_d)
 
 
 def test_burst_aware_load_is_at_least_the_mean() -> None:
     arr = synthetic(3.0, 300.0, 5, burstiness=4.0)
     sim = Simulation(PROFILE, MODEL, arr, policy_spec("aflex"), SimConfig(gpus=8), cached_predictor(PROFILE, MODEL))
-    mean, burst = sim._load(0, 300), sim._load(0, 300, burst=True)
+    mean, burst = sim.planner.load(0, 300), sim.planner.load(0, 300, burst=True)
     assert burst.rate_rps >= mean.rate_rps and burst.p90_prompt >= burst.mean_prompt * 0.5
 
 

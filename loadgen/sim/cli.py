@@ -1,6 +1,8 @@
 """`aflex sim`: replay a trace against a modelled cluster for AFlex and the baselines.
 
-The lead registers it in services/cli.py with `add_sim_arguments(parser)` and `sim(args)`.
+Registered in services/cli.py with `add_sim_arguments(parser)` and `sim(args)`. `--load` runs a sweep
+(the trace's arrival rate scaled by each factor); every policy's figures come in both accountings.
+`static-oracle` runs its grid search first (loadgen.sim.oracle) and reports the best configuration.
 """
 
 from __future__ import annotations
@@ -13,9 +15,11 @@ from pathlib import Path
 from typing import Any
 
 from loadgen.sim.arrivals import Arrivals, load_trace, synthetic
-from loadgen.sim.engine import POLICIES, SimConfig, Simulation, policy_spec
+from loadgen.sim.engine import ACCOUNTINGS, SimConfig, Simulation
 from loadgen.sim.models import MODELS, get_model
-from shared.gpu.emulated import available_profiles, load_profile
+from loadgen.sim.policies import PAPER_POLICIES, policy_spec
+from shared.gpu.base import GPUError
+from shared.gpu.emulated import GPUProfile, available_profiles, load_profile
 from shared.perf import cached_predictor
 
 
@@ -27,9 +31,21 @@ def _window(text: str) -> tuple[float, float]:
         raise argparse.ArgumentTypeError(f"--window must be START:END seconds, got {text!r}") from None
 
 
+def _loads(text: str) -> tuple[float, ...]:
+    try:
+        loads = tuple(float(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--load must be comma-separated numbers, got {text!r}") from None
+    if not loads or any(x <= 0 for x in loads):
+        raise argparse.ArgumentTypeError(f"--load multipliers must be > 0, got {text!r}")
+    return loads
+
+
 def add_sim_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trace", default=None, help="conv, code, or a CSV path (default: synthetic --rate)")
     p.add_argument("--time-scale", type=float, default=1.0, help="multiply trace times (0.5 = twice the load)")
+    p.add_argument("--load", type=_loads, default=None,
+                   help="comma-separated arrival-rate multipliers for a sweep, e.g. 0.25,0.5,1,2")
     p.add_argument("--window", type=_window, default=None, help="START:END seconds of the trace to replay")
     p.add_argument("--max-input-len", type=int, default=None, help="clip trace prompt lengths (as aflex bench)")
     p.add_argument("--max-output-len", type=int, default=None, help="clip trace output lengths (as aflex bench)")
@@ -39,15 +55,21 @@ def add_sim_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gpu", default="a800", choices=available_profiles())
     p.add_argument("--model", default="qwen3-32b", choices=sorted(MODELS))
     p.add_argument("--gpus", type=int, default=16)
-    p.add_argument("--policies", default="aflex,colocated-max,af-max,phase-dvfs",
-                   help=f"comma-separated, from: {', '.join(POLICIES)}")
+    p.add_argument("--policies", default="aflex,sglang,distserve,dynamollm,biscale",
+                   help=f"comma-separated, from: {', '.join(PAPER_POLICIES)} (colocated-max = sglang)")
     p.add_argument("--ttft-slo-ms", type=float, default=400.0)
     p.add_argument("--tpot-slo-ms", type=float, default=120.0)
     p.add_argument("--link-gbs", type=float, default=400.0, help="A/F, TP and KV link bandwidth, GB/s")
     p.add_argument("--switch-delay-ms", type=float, default=None, help="clock-switch delay (default: profile's)")
     p.add_argument("--window-s", type=float, default=300.0, help="provisioning window")
-    p.add_argument("--parked-power", choices=["context", "idle"], default="context",
-                   help="power of GPUs left out of the plan: context-idle (warm) or idle (no context)")
+    p.add_argument("--parking", choices=["auto", "warm", "cold"], default="auto",
+                   help="where GPUs outside a scaling policy's plan wait: warm (context kept, lowest clock), "
+                        "cold (context released, bare idle; rejoin after a model load), auto (break-even)")
+    p.add_argument("--accounting", choices=list(ACCOUNTINGS), default="cluster",
+                   help="which accounting the summary lines print (the JSON has both)")
+    p.add_argument("--idle-clock-share", type=float, default=None,
+                   help="share of context-idle power that follows f*V^2 (default: the profile's; a modelling choice)")
+    p.add_argument("--oracle-workers", type=int, default=2, help="processes for static-oracle's grid replays")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, help="write results here")
     p.add_argument("--plots", default=None, help="directory for PNG plots")
@@ -61,35 +83,77 @@ def _arrivals(args: argparse.Namespace) -> Arrivals:
     return synthetic(args.rate, args.duration, args.seed, args.burstiness)
 
 
-def run_policies(args: argparse.Namespace, record: bool = False) -> dict[str, Any]:
+def sim_config(args: argparse.Namespace, record: bool = False) -> SimConfig:
+    return SimConfig(gpus=args.gpus, ttft_slo_s=args.ttft_slo_ms / 1e3, tpot_slo_s=args.tpot_slo_ms / 1e3,
+                     link_bytes_s=args.link_gbs * 1e9,
+                     switch_delay_s=None if args.switch_delay_ms is None else args.switch_delay_ms / 1e3,
+                     window_s=args.window_s, parking=args.parking, accounting=args.accounting, record_power=record,
+                     seed=args.seed)
+
+
+def sim_profile(args: argparse.Namespace) -> GPUProfile:
     profile = load_profile(args.gpu)
+    share = getattr(args, "idle_clock_share", None)
+    return profile if share is None else profile.with_idle_clock_share(share)
+
+
+def _summary(name: str, res: dict[str, Any], accounting: str) -> str:
+    acc = res["accounting"][accounting]
+    return (f"{name:24s} {accounting} E/token {acc['energy_per_token_j']:.3f} J  P90 TTFT {res['p90_ttft_ms']:.0f} ms  "
+            f"P90 TPOT {res['p90_tpot_ms']:.0f} ms  SLO {res['slo_attainment']:.3f}  ({res['wall_s']} s)")
+
+
+def run_policies(args: argparse.Namespace, record: bool = False) -> dict[str, Any]:
+    """Every policy of `args.policies` on one trace at one load; the JSON's `policies` section."""
+    profile = sim_profile(args)
     model = get_model(args.model)
     arrivals = _arrivals(args)
     pred = cached_predictor(profile, model)
     out: dict[str, Any] = {
         "settings": {k: v for k, v in vars(args).items() if k not in ("func",) and not callable(v)},
         "profile": profile.name, "requests": len(arrivals), "policies": {}, "timelines": {},
+        "energy_source": "modelled (emulated GPU profile); not measured",
     }
     for name in [s.strip() for s in args.policies.split(",") if s.strip()]:
-        cfg = SimConfig(gpus=args.gpus, ttft_slo_s=args.ttft_slo_ms / 1e3, tpot_slo_s=args.tpot_slo_ms / 1e3,
-                        link_bytes_s=args.link_gbs * 1e9,
-                        switch_delay_s=None if args.switch_delay_ms is None else args.switch_delay_ms / 1e3,
-                        window_s=args.window_s, parked_power=args.parked_power, record_power=record, seed=args.seed)
+        cfg = sim_config(args, record)
         t0 = time.perf_counter()
-        simulation = Simulation(profile, model, arrivals, policy_spec(name), cfg, pred)
-        res = simulation.run()
+        if name == "static-oracle":
+            from loadgen.sim.oracle import search_oracle
+
+            oracle = search_oracle(profile, model, arrivals, cfg, workers=args.oracle_workers)
+            res, simulation = oracle.result, oracle.rerun(profile, model, arrivals, cfg, pred)
+        else:
+            simulation = Simulation(profile, model, arrivals, policy_spec(name), cfg, pred)
+            res = simulation.run()
         res["wall_s"] = round(time.perf_counter() - t0, 2)
         out["policies"][name] = res
         if record:
-            out["timelines"][name] = {"clocks": simulation.clock_trace, "power": simulation.timeline}
-        print(f"{name:24s} E/token {res['energy_per_token_j']:.3f} J  P90 TTFT {res['p90_ttft_ms']:.0f} ms  "
-              f"P90 TPOT {res['p90_tpot_ms']:.0f} ms  SLO {res['slo_attainment']:.3f}  ({res['wall_s']} s)",
-              file=sys.stderr)
+            out["timelines"][name] = {"clocks": simulation.clock_trace, "power": simulation.ledger.timeline}
+        print(_summary(name, res, args.accounting), file=sys.stderr)
     return out
 
 
+def run_sweep(args: argparse.Namespace) -> dict[str, Any]:
+    """`sweep[load][policy]`: each load multiplier scales the arrival rate (time scale / load)."""
+    sweep: dict[str, Any] = {}
+    for load in args.load:
+        a = argparse.Namespace(**vars(args))
+        a.time_scale = args.time_scale / load
+        if not args.trace:
+            a.rate = args.rate * load
+        print(f"-- load x{load:g}", file=sys.stderr)
+        sweep[f"{load:g}"] = run_policies(a)["policies"]
+    return sweep
+
+
 def sim(args: argparse.Namespace) -> int:
-    out = run_policies(args, record=bool(args.plots))
+    try:
+        out = run_policies(args, record=bool(args.plots))
+        if args.load:
+            out["sweep"] = run_sweep(args)
+    except (ValueError, FileNotFoundError, GPUError) as exc:
+        print(f"aflex sim: {exc}", file=sys.stderr)
+        return 2
     timelines = out.pop("timelines")
     if args.plots:
         from loadgen.sim.plots import write_plots

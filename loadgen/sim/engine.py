@@ -1,9 +1,10 @@
 """Discrete-event simulator: the same policy objects against emulated GPUs, iteration by iteration.
 
 Virtual time only. Events are arrivals, the end of a pool's iteration, KV transfers landing in the
-decode pool, and policy ticks (margin every `tick_s`, provisioning every `window_s`). A pool is one
-aggregate of GPUs that iterate together (replicas of a colocated deployment, or the attention and
-FFN GPUs of a split pool) with its work spread evenly over them. Each iteration:
+decode pool, GPUs finishing a rejoin, and policy ticks (margin every `tick_s`, provisioning every
+`window_s`). A pool is one aggregate of GPUs that iterate together (instances of a colocated or P/D
+deployment, or the attention and FFN GPUs of a split pool) with its work spread evenly over them.
+Each iteration:
 
 1. the batching rule forms the batch (decode sequences + a prefill chunk);
 2. the policy picks depth and clocks from the *predictors* under the SLO budget;
@@ -11,8 +12,10 @@ FFN GPUs of a split pool) with its work spread evenly over them. Each iteration:
    clocks, combined by the same pipeline formulas (shared.policy.pipeline). A clock change takes
    `switch_delay_s`: that share of the iteration runs at the previous clocks.
 
-Energy: every provisioned GPU is always accounted: busy energy of iterations, context-idle power
-between them, `parked_power_w` for GPUs left out of the plan. A power timeline can be recorded.
+Energy (ledger.py): every GPU of the cluster is accounted for the whole run, in both accountings:
+iterations, context-idle power (at the clock each GPU is locked at) between them, GPUs outside the
+plan at their parking state's power, and GPUs rejoining the plan: after one clock switch from warm,
+after a modelled model load (their weights over the host link plus a new context) from cold.
 """
 
 from __future__ import annotations
@@ -26,12 +29,15 @@ from typing import Any
 import numpy as np
 
 from loadgen.sim.arrivals import Arrivals
+from loadgen.sim.ledger import EnergyLedger
 from loadgen.sim.models import attention_weight_bytes, ffn_weight_bytes, kv_bytes_per_token
+from loadgen.sim.planning import SimPlanner
+from loadgen.sim.policies import PolicySpec
+from loadgen.sim.results import sim_results
 from shared.gpu.emulated import GPUProfile, operator_cost
 from shared.model.config import ModelArgs
 from shared.perf import Predictor, causal_pairs, op_work
 from shared.policy import (
-    BatchingRule,
     BatchStats,
     ClockRule,
     ClusterSpec,
@@ -39,53 +45,22 @@ from shared.policy import (
     PoolShape,
     SloMargin,
     WindowLoad,
+    WorkItem,
     decode_admit,
+    form_iteration,
     plan_iteration,
     prefill_budget,
     prefill_order,
-    provision,
     seq_chunk_cap,
     ttft_budget,
 )
 from shared.policy.pipeline import iteration_cost
-from shared.policy.provision import long_prompt_time
+from shared.policy.placement import (
+    parking_state,
+)
 
 OPERATOR_KEYS = ("prefill-attention", "prefill-ffn", "decode-attention", "decode-ffn")
-
-
-@dataclass(frozen=True)
-class PolicySpec:
-    name: str
-    split: bool
-    clock: ClockRule
-    batching: BatchingRule
-    dynamic_provisioning: bool = False
-    adaptive_margin: bool = True
-
-
-def policy_spec(name: str) -> PolicySpec:
-    md = "marginal-decode"  # AFlex scores decode iterations by energy above the idle floor (ClockRule)
-    fixed, adaptive = BatchingRule(adaptive=False), BatchingRule(adaptive=True, order="srpt", prefill_iter_frac=0.3)
-    specs = {
-        "colocated-max": PolicySpec(name, False, ClockRule(max_clock=True), fixed, adaptive_margin=False),
-        "phase-dvfs": PolicySpec(name, False, ClockRule(per_operator=False), fixed),
-        # sensitivity only (not a published design): phase-dvfs scoring clocks by energy above the idle floor
-        "phase-dvfs-marginal": PolicySpec(name, False, ClockRule(per_operator=False, objective="marginal"), fixed),
-        "af-max": PolicySpec(name, True, ClockRule(max_clock=True, depths=()), fixed, adaptive_margin=False),
-        "aflex": PolicySpec(name, True, ClockRule(objective=md), adaptive, dynamic_provisioning=True),
-        "aflex-no-opfreq": PolicySpec(name, True, ClockRule(per_operator=False, objective=md), adaptive,
-                                      dynamic_provisioning=True),
-        "aflex-fixed-depth": PolicySpec(name, True, ClockRule(depths=(2,), objective=md), adaptive,
-                                        dynamic_provisioning=True),
-        "aflex-no-adaptive-batch": PolicySpec(name, True, ClockRule(objective=md), fixed, dynamic_provisioning=True),
-    }
-    if name not in specs:
-        raise ValueError(f"unknown policy {name!r}; known: {', '.join(specs)}")
-    return specs[name]
-
-
-POLICIES = ("aflex", "colocated-max", "af-max", "phase-dvfs", "aflex-no-opfreq", "aflex-fixed-depth",
-            "aflex-no-adaptive-batch")
+ACCOUNTINGS = ("cluster", "active")
 
 
 @dataclass
@@ -98,33 +73,13 @@ class SimConfig:
     window_s: float = 300.0
     tick_s: float = 30.0
     headroom: float = 1.3
-    parked_power: str = "context"  # "context" (warm, weights resident) or "idle" (no context)
+    parking: str = "auto"  # GPUs outside a scaling policy's plan: "warm", "cold", or "auto" (break-even)
+    accounting: str = "cluster"  # which accounting the top-level energy fields report (both are always in)
     colocated_tp: int | None = None  # None: the smallest TP that holds the model and fits the p90 prompt
     burst_subwindow_s: float = 30.0  # dynamic provisioning sizes for a quantile of these sub-window rates
     burst_quantile: float = 0.9  # 0.5 ~ the window's mean rate; 1.0 its busiest sub-window
     record_power: bool = False
     seed: int = 0
-
-
-def colocated_tp(args: ModelArgs, memory_bytes: float, gpus: int, pred: Predictor | None = None,
-                 p90_prompt: float = 0.0, ttft_budget_s: float = 0.0, link_bytes_s: float = 400e9) -> int:
-    """TP of a colocated replica: the smallest that holds the model (with KV room) and, given a
-    predictor and a p90 prompt, runs that prompt alone within the TTFT budget at the top clock (else
-    the fastest such TP): the operator's choice for the workload, the same rule AFlex's prefill pool
-    follows."""
-    weights = attention_weight_bytes(args) + ffn_weight_bytes(args)
-    fits = [tp for tp in (1, 2, 4, 8) if weights <= 0.75 * tp * memory_bytes and tp <= gpus]
-    if not fits:
-        raise ValueError(f"{gpus} GPUs cannot hold the model colocated")
-    if pred is None or p90_prompt <= 0:
-        return fits[0]
-    times = {}
-    for tp in fits:
-        shape = PoolShape(split=False, replicas=gpus // tp, tp=tp, link_bytes_s=link_bytes_s)
-        times[tp] = long_prompt_time(pred, shape, p90_prompt)
-        if times[tp] <= ttft_budget_s:
-            return tp
-    return min(times, key=lambda k: times[k])
 
 
 class Controller:
@@ -177,6 +132,10 @@ class Pool:
     op: OperatingPoint | None = None
     pending: tuple[list[tuple[int, int]], int] | None = None  # prefill chunk [(rid, q)], decode tokens
     waiting: deque[int] = field(default_factory=deque)  # decode admission wait list
+    next_shape: PoolShape | None = None  # the plan's shape, taken at the first idle moment from `next_at`
+    next_at: float = 0.0
+    joining: int = 0  # GPUs rejoining for `next_shape` (from parking, or freed by a pool that shrank)
+    deficit: int = 0  # GPUs `next_shape` still waits for another pool to free
 
 
 class Simulation:
@@ -186,125 +145,149 @@ class Simulation:
         self.pred = predictor
         self.ctrl = Controller(predictor, policy.clock)
         self.switch_delay = profile.clock_switch_delay_s if config.switch_delay_s is None else config.switch_delay_s
-        self.idle_w = profile.context_idle_power_w
-        self.parked_w = profile.context_idle_power_w if config.parked_power == "context" else profile.idle_power_w
+        if config.accounting not in ACCOUNTINGS:
+            raise ValueError(f"unknown accounting {config.accounting!r}; known: {', '.join(ACCOUNTINGS)}")
         self.margin_ttft, self.margin_tpot = SloMargin(), SloMargin()
         self.kv_tok = kv_bytes_per_token(args)
         self.mem = 80e9
         n = len(arrivals)
         self.first = np.full(n, np.nan)
         self.finish = np.full(n, np.nan)
-        self.energy_j = 0.0
         self.busy_gpu_s = 0.0
         self.clock_time = {k: 0.0 for k in OPERATOR_KEYS}  # GPU-seconds busy per operator
         self.clock_weighted = {k: 0.0 for k in OPERATOR_KEYS}
-        self.timeline: list[tuple[float, float, float]] = []
         self.clock_trace: list[tuple[float, str, float, float, int]] = []
         self.plans: list[tuple[float, dict[str, Any]]] = []
+        self.weights = {"attention": attention_weight_bytes(args), "ffn": ffn_weight_bytes(args)}
+        # parking: one rule for every policy; a GPU out of the plan is expected to stay out a window
+        cold_j = profile.context_idle_power_w * profile.cold_rejoin_s(sum(self.weights.values()) / 2)
+        self.parking = parking_state(config.parking, config.window_s, profile.warm_parked_power_w,
+                                     profile.idle_power_w, cold_j)
+        self.parked_w = profile.warm_parked_power_w if self.parking == "warm" else profile.idle_power_w
         self.spec = ClusterSpec(
-            gpus=config.gpus, gpu_memory_bytes=self.mem, attention_weight_bytes=attention_weight_bytes(args),
-            ffn_weight_bytes=ffn_weight_bytes(args), kv_bytes_per_token=self.kv_tok,
+            gpus=config.gpus, gpu_memory_bytes=self.mem, attention_weight_bytes=self.weights["attention"],
+            ffn_weight_bytes=self.weights["ffn"], kv_bytes_per_token=self.kv_tok,
             link_bytes_s=config.link_bytes_s, ttft_budget_s=config.ttft_slo_s * 0.85,
             tpot_budget_s=config.tpot_slo_s * 0.85, parked_power_w=self.parked_w)
+        self.planner = SimPlanner(policy, self.spec, predictor, arrivals, config.window_s, config.headroom,
+                                  config.burst_subwindow_s, config.burst_quantile, config.colocated_tp)
+        self.ledger = EnergyLedger(active_from_s=float(arrivals.time_s[0]) if n else 0.0, record=config.record_power)
         self.pools: dict[str, Pool] = {}
-        self.parked = 0
         self.planned_rate = 0.0
-        self._parked_since = 0.0
+        self.rejoins: list[tuple[float, int, str, float]] = []  # (time, GPUs, from state, delay s)
 
     # -- energy -------------------------------------------------------------------------------
-    def _add(self, t0: float, t1: float, watts: float) -> None:
-        if t1 <= t0:
-            return
-        self.energy_j += watts * (t1 - t0)
-        if self.cfg.record_power:
-            self.timeline.append((t0, t1, watts))
+    def _idle_w(self, pool: Pool) -> float:
+        """The pool's GPUs waiting at the clocks they are locked at (the default clock before any iteration)."""
+        sh, prof = pool.shape, self.p
+        fa = pool.op.clock_attention if pool.op else prof.default_mhz
+        ff = pool.op.clock_ffn if pool.op else prof.default_mhz
+        if sh.split:
+            return sh.attention * prof.context_idle_power_at(fa) + sh.ffn * prof.context_idle_power_at(ff)
+        return sh.gpus * prof.context_idle_power_at(fa)
 
-    def _add_energy(self, t0: float, t1: float, joules: float) -> None:
-        if t1 > t0:
-            self._add(t0, t1, joules / (t1 - t0))
-        else:
-            self.energy_j += joules
+    def _close_idle(self, pool: Pool, now: float) -> None:
+        if now > pool.idle_since:
+            self.ledger.charge(pool.idle_since, now, pool.shape.gpus, self._idle_w(pool) * (now - pool.idle_since))
+        pool.idle_since = max(pool.idle_since, now)
 
-    def _set_parked(self, now: float, parked: int) -> None:
-        self._add(self._parked_since, now, self.parked * self.parked_w)
-        self.parked, self._parked_since = parked, now
+    def _parked(self, now: float, warm: int, cold: int) -> None:
+        led = self.ledger
+        led.set_group("parked-warm", now, warm, self.p.warm_parked_power_w, in_plan=False)
+        led.set_group("parked-cold", now, cold, self.p.idle_power_w, in_plan=False)
 
     # -- provisioning -------------------------------------------------------------------------
-    def _load(self, t0: float, t1: float, burst: bool = False) -> WindowLoad:
-        """The load of [t0, t1): mean rate, or with `burst` the `burst_quantile` of its sub-window rates
-        (the global controller provisions for the bursts it saw, not their average)."""
-        a = self.arr
-        t0 = max(0.0, t0)
-        i0, i1 = np.searchsorted(a.time_s, [t0, t1])
-        k = i1 - i0
-        if k == 0:
-            mp = float(np.mean(a.prompt)) if len(a) else 1.0
-            return WindowLoad(0.05, mp, float(np.mean(a.output)) if len(a) else 1.0)
-        rate = k / max(t1 - t0, 1e-9)
-        sub = self.cfg.burst_subwindow_s
-        if burst and t1 - t0 > 1.5 * sub:
-            edges = np.arange(t0, t1 + 1e-9, sub)
-            counts = np.diff(np.searchsorted(a.time_s, edges))
-            rate = max(rate, float(np.quantile(counts / sub, self.cfg.burst_quantile)))
-        prompts = a.prompt[i0:i1]
-        return WindowLoad(rate, float(np.mean(prompts)), float(np.mean(a.output[i0:i1])),
-                          float(np.percentile(prompts, 90)))
+    def _share_bytes(self, shape: PoolShape) -> float:
+        """Weight bytes one rejoining GPU loads: its role's share (the larger role's, if split)."""
+        wa, wf = self.weights["attention"], self.weights["ffn"]
+        if not shape.split:
+            return (wa + wf) / max(1, shape.tp)
+        return max(wa / max(1, shape.attention_tp), wf / max(1, shape.ffn))
 
-    def _apply_plan(self, now: float, shapes: dict[str, PoolShape], parked: int) -> None:
-        for name, shape in shapes.items():
-            if name not in self.pools:
+    def _rejoin_group(self, now: float) -> None:
+        self.ledger.set_group("rejoin", now, sum(p.joining for p in self.pools.values()),
+                              self.p.context_idle_power_w, in_plan=True)
+
+    def _apply_plan(self, now: float, shapes: dict[str, PoolShape]) -> None:
+        """Give each pool its planned shape. A growing pool takes GPUs from parking (warm first: one clock
+        switch; then cold: a model load), and what parking lacks from pools that shrink, when they
+        free them (`deficit`); a pool takes its new shape at its first idle moment once they are ready."""
+        led = self.ledger
+        if not self.pools:  # time 0: the plan's GPUs start ready, the rest start parked
+            for name, shape in shapes.items():
                 self.pools[name] = Pool(mode=name, shape=shape, idle_since=now)
-            else:
+            out = self.cfg.gpus - sum(sh.gpus for sh in shapes.values())
+            self._parked(now, out if self.parking == "warm" else 0, out if self.parking == "cold" else 0)
+        else:
+            warm, cold = led.group_count("parked-warm"), led.group_count("parked-cold")
+            for name, shape in shapes.items():
                 pool = self.pools[name]
-                if pool.busy_until <= now:  # idle: close its idle stretch at the old size
-                    self._add(pool.idle_since, now, pool.shape.gpus * self.idle_w)
-                    pool.idle_since = now
-                pool.shape = shape
-        self._set_parked(now, parked)
+                pool.next_shape = shape
+                need = shape.gpus - (pool.shape.gpus + pool.joining + pool.deficit)
+                if need < 0:
+                    pool.deficit -= min(pool.deficit, -need)
+                elif need > 0:
+                    from_warm = min(need, warm)
+                    from_cold = min(need - from_warm, cold)
+                    warm, cold = warm - from_warm, cold - from_cold
+                    if from_warm or from_cold:
+                        delay = (self.p.cold_rejoin_s(self._share_bytes(shape)) if from_cold else self.switch_delay)
+                        pool.joining += from_warm + from_cold
+                        pool.next_at = max(pool.next_at, now + delay)
+                        self.rejoins.append((now, from_warm + from_cold, "cold" if from_cold else "warm", delay))
+                    pool.deficit += need - from_warm - from_cold
+            self._parked(now, warm, cold)
+            self._rejoin_group(now)
+        for pool in self.pools.values():
+            self._try_reshape(pool, now)
         self.plans.append((now, {k: [v.attention, v.ffn, v.attention_tp] if v.split else [v.replicas, v.tp]
-                                 for k, v in shapes.items()} | {"parked": parked}))
+                                 for k, v in shapes.items()} | {"parked": self.cfg.gpus - sum(
+                                     sh.gpus for sh in shapes.values())}))
+
+    def _try_reshape(self, pool: Pool, now: float) -> None:
+        """Take the planned shape when the pool is idle and every GPU it waits for is ready. The joiners
+        move from the rejoin group into the pool; GPUs it no longer needs fill other pools' deficits
+        (loading their new role's weights) or go to parking."""
+        target = pool.next_shape
+        if target is None or pool.pending is not None or now < pool.next_at or pool.deficit:
+            return
+        self._close_idle(pool, now)
+        freed = pool.shape.gpus + pool.joining - target.gpus
+        pool.shape, pool.next_shape, pool.joining = target, None, 0
+        for other in self.pools.values():
+            if freed <= 0:
+                break
+            if other.deficit and other.next_shape is not None:
+                moved = min(freed, other.deficit)
+                freed -= moved
+                other.deficit -= moved
+                other.joining += moved
+                delay = self._share_bytes(other.next_shape) / self.p.host_to_device_bytes_s
+                other.next_at = max(other.next_at, now + delay)
+                self.rejoins.append((now, moved, "pool", delay))
+        self._rejoin_group(now)
+        if freed > 0:
+            led = self.ledger
+            warm, cold = led.group_count("parked-warm"), led.group_count("parked-cold")
+            self._parked(now, warm + (freed if self.parking == "warm" else 0),
+                         cold + (freed if self.parking == "cold" else 0))
+
+    def _next_reshape_s(self, now: float) -> float:
+        ready = [p.next_at for p in self.pools.values()
+                 if p.next_shape is not None and p.pending is None and not p.deficit and p.next_at > now]
+        return min(ready) if ready else math.inf
 
     def _provision(self, now: float, load: WindowLoad, scale_up_only: bool = False) -> None:
-        n = self.cfg.gpus
-        if not self.pol.split:
-            tp = self.cfg.colocated_tp or colocated_tp(
-                self.args, self.mem, n, self.pred, float(np.percentile(self.arr.prompt, 90)) if len(self.arr) else 0,
-                self.spec.ttft_budget_s, self.cfg.link_bytes_s)
-            if not self.pools:
-                shape = PoolShape(split=False, replicas=n // tp, tp=tp, link_bytes_s=self.cfg.link_bytes_s)
-                self._apply_plan(now, {"mixed": shape}, n - shape.gpus)
-            return
-        if self.pools and not self.pol.dynamic_provisioning:
-            return
-        if self.pol.dynamic_provisioning:
-            plan = provision(self.pred, load, self.spec, self.pol.clock, headroom=self.cfg.headroom)
-        else:  # static at the trace's peak 5-minute load, every GPU used (MegaScale-Infer plan search)
-            plan = provision(self.pred, load, self.spec, self.pol.clock, headroom=self.cfg.headroom, use_all=True)
-        shapes = {k: v for k, v in (("prefill", plan.prefill), ("decode", plan.decode), ("mixed", plan.mixed))
-                  if v is not None}
-        if scale_up_only and all(shapes[k].gpus <= self.pools[k].shape.gpus for k in shapes if k in self.pools):
-            return
+        shapes = self.planner.window(load)
         if scale_up_only:
-            shapes = {k: (v if v.gpus >= self.pools[k].shape.gpus else self.pools[k].shape) for k, v in shapes.items()}
-            used = sum(v.gpus for v in shapes.values())
-            if used > n:
+            current = {k: (p.next_shape or p.shape) for k, p in self.pools.items()}
+            if all(shapes[k].gpus <= current[k].gpus for k in shapes if k in current):
                 return
-            self._apply_plan(now, shapes, n - used)
-        else:
-            self._apply_plan(now, shapes, plan.parked)
+            shapes = {k: (v if v.gpus >= current[k].gpus else current[k]) for k, v in shapes.items()}
+            if sum(v.gpus for v in shapes.values()) > self.cfg.gpus:
+                return
+        self._apply_plan(now, shapes)
         self.planned_rate = load.rate_rps
-
-    def _peak_load(self) -> WindowLoad:
-        a = self.arr
-        end = float(a.time_s[-1]) if len(a) else 1.0
-        best = self._load(0, min(end + 1e-6, self.cfg.window_s))
-        t = 0.0
-        while t < end:
-            w = self._load(t, t + self.cfg.window_s)
-            if w.rate_rps > best.rate_rps:
-                best = w
-            t += self.cfg.window_s
-        return best
 
     # -- iterations ---------------------------------------------------------------------------
     def _truth(self, shape: PoolShape, s: BatchStats, depth: int, fa: float, ff: float) -> tuple[float, float]:
@@ -323,18 +306,13 @@ class Simulation:
             c = operator_cost(p, op_work(a, "lm_head", s.phase, n, 0, 0, shard), fa)
             return np.array(c.time_s), np.array(c.energy_j)
 
-        t, e = iteration_cost(att, ffn, head, shape, s, depth, a.dim, a.n_layers, self.idle_w)
+        idle_a = p.context_idle_power_at(fa)
+        idle_f = p.context_idle_power_at(ff) if shape.split else idle_a
+        t, e = iteration_cost(att, ffn, head, shape, s, depth, a.dim, a.n_layers, idle_a, idle_f)
         return float(t), float(e)
 
-    def _kv_capacity(self, pool: Pool) -> float:
-        sh = pool.shape
-        if sh.split:
-            return self.spec.kv_capacity_tokens(sh.attention)
-        w = attention_weight_bytes(self.args) + ffn_weight_bytes(self.args)
-        return sh.replicas * (0.9 * sh.tp * self.mem - w) / self.kv_tok
-
     def _admit(self, pool: Pool, now: float) -> None:
-        cap = self._kv_capacity(pool)
+        cap = self.spec.pool_kv_capacity_tokens(pool.shape)
         while pool.waiting:
             rid = pool.waiting[0]
             ctx = float(self.arr.prompt[rid] + 1)
@@ -381,7 +359,6 @@ class Simulation:
             take = prefill_budget(rule, pool.queued_tokens, n_dec, time_at_max if n_dec or iter_s > 0 else None,
                                   tpot_b, units=shape.units, prefill_iter_s=iter_s)
             cap = seq_chunk_cap(self.pol.batching, take)
-            left = take
             deadlines: list[float] = []
             ahead: list[float] = []
             acc = 0.0
@@ -392,11 +369,10 @@ class Simulation:
                 deadlines.append(float(self.arr.time_s[rid]) + ttft_margin)
                 ahead.append(acc)
             budget = min(budget, ttft_budget(now, deadlines, ahead, max(take, 1)))
-            for entry in pool.queue:
-                if left <= 0:
-                    break
-                rid, rem = entry
-                q = min(rem, left, cap)
+            # the scheduler's and the engine's iteration former: q = min(rem, left, cap) in serving order
+            form = form_iteration((), [WorkItem(rid, rem) for rid, rem in pool.queue], token_budget=take, seq_cap=cap)
+            for feed in form.feeds:  # a prefix of pool.queue
+                rid, rem, q = feed.key, feed.item.remaining_tokens, feed.n_tokens
                 done = int(self.arr.prompt[rid]) - rem
                 c = done + q
                 n_pre += q
@@ -406,8 +382,7 @@ class Simulation:
                 if q > seq[0]:
                     seq = (q, c, pr)
                 chunk.append((rid, q))
-                left -= q
-                if q == rem:
+                if feed.completes:
                     n_done_pre += 1
         phase = "prefill" if n_pre > 0 else "decode"
         ctx_dec = pool.ctx_sum + n_dec
@@ -420,9 +395,9 @@ class Simulation:
             t_old, e_old = self._truth(pool.shape, stats, op.depth, prev.clock_attention, prev.clock_ffn)
             phi = min(1.0, self.switch_delay / max(t, 1e-9))
             t, e = phi * t_old + (1 - phi) * t, phi * e_old + (1 - phi) * e
-        # energy: the idle stretch before, then the iteration
-        self._add(pool.idle_since, now, pool.shape.gpus * self.idle_w)
-        self._add_energy(now, now + t, e)
+        # energy: the idle stretch before (at the clocks it waited at), then the iteration
+        self._close_idle(pool, now)
+        self.ledger.charge(now, now + t, pool.shape.gpus, e)
         pool.op = op
         pool.busy_until = now + t
         pool.pending = (chunk, n_dec)
@@ -476,11 +451,7 @@ class Simulation:
     def run(self) -> dict[str, Any]:
         a = self.arr
         n = len(a)
-        end_arrivals = float(a.time_s[-1]) if n else 0.0
-        if self.pol.split and not self.pol.dynamic_provisioning:
-            self._provision(0.0, self._peak_load())
-        else:
-            self._provision(0.0, self._load(0.0, min(60.0, end_arrivals + 1e-6), burst=True))
+        self._apply_plan(0.0, self.planner.initial())
         kv_heap: list[tuple[float, int]] = []
         i = 0
         next_tick = self.cfg.tick_s
@@ -497,18 +468,19 @@ class Simulation:
             t_next = min(t_pool, t_arr, t_kv)
             if t_next == math.inf:
                 break
+            t_next = min(t_next, self._next_reshape_s(now))
             if next_tick <= t_next:
                 now = next_tick
                 self._tick(now, last_tick)
                 last_tick = now
-                if now >= next_window:
-                    if self.pol.dynamic_provisioning:
-                        self._provision(now, self._load(now - self.cfg.window_s, now, burst=True))
-                    next_window += self.cfg.window_s
-                elif self.pol.dynamic_provisioning:
-                    recent = self._load(now - self.cfg.tick_s, now)
+                if self.pol.scaling and now >= next_window:
+                    self._provision(now, self.planner.load(now - self.cfg.window_s, now, burst=True))
+                elif self.pol.scaling:
+                    recent = self.planner.load(now - self.cfg.tick_s, now)
                     if recent.rate_rps > 1.2 * self.planned_rate:
                         self._provision(now, recent, scale_up_only=True)
+                if now >= next_window:
+                    next_window += self.cfg.window_s
                 next_tick += self.cfg.tick_s
                 continue
             now = t_next
@@ -531,12 +503,13 @@ class Simulation:
                 pool.queued_tokens += int(a.prompt[i])
                 i += 1
             for pool in self.pools.values():
+                self._try_reshape(pool, now)
                 if pool.pending is None:
                     self._start(pool, now)
         # close the books
         for pool in self.pools.values():
-            self._add(pool.idle_since, now, pool.shape.gpus * self.idle_w)
-        self._set_parked(now, self.parked)
+            self._close_idle(pool, now)
+        self.ledger.close(now)
         self.makespan = now
         return self.results()
 
@@ -556,31 +529,4 @@ class Simulation:
                                     float(np.mean(tpot > self.cfg.tpot_slo_s * 1e3)))
 
     def results(self) -> dict[str, Any]:
-        a = self.arr
-        ttft = (self.first - a.time_s) * 1e3
-        multi = a.output > 1
-        tpot = np.where(multi, (self.finish - self.first) / np.maximum(a.output - 1, 1) * 1e3, 0.0)
-        tokens = float(a.prompt.sum() + a.output.sum())
-        ok = (ttft <= self.cfg.ttft_slo_s * 1e3) & (tpot <= self.cfg.tpot_slo_s * 1e3)
-
-        def pct(x: np.ndarray, q: float) -> float | None:
-            return float(np.percentile(x, q)) if len(x) else None
-
-        return {
-            "requests": len(a),
-            "finished": int(np.sum(~np.isnan(self.finish))),
-            "tokens": tokens,
-            "energy_j": self.energy_j,
-            "energy_per_token_j": self.energy_j / tokens if tokens else None,
-            "mean_power_w": self.energy_j / self.makespan if self.makespan > 0 else None,
-            "makespan_s": self.makespan,
-            "p50_ttft_ms": pct(ttft, 50), "p90_ttft_ms": pct(ttft, 90), "p99_ttft_ms": pct(ttft, 99),
-            "p50_tpot_ms": pct(tpot[multi], 50), "p90_tpot_ms": pct(tpot[multi], 90),
-            "p99_tpot_ms": pct(tpot[multi], 99),
-            "slo_attainment": float(np.mean(ok)) if len(a) else None,
-            "mean_clock_mhz": {k: (self.clock_weighted[k] / self.clock_time[k] if self.clock_time[k] else None)
-                               for k in OPERATOR_KEYS},
-            "gpus": self.cfg.gpus,
-            "plans": [{"t_s": t, **p} for t, p in self.plans],
-            "final_margin": {"ttft": self.margin_ttft.margin, "tpot": self.margin_tpot.margin},
-        }
+        return sim_results(self)

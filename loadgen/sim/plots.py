@@ -9,7 +9,7 @@ from typing import Any
 
 
 def write_plots(directory: Path, out: dict[str, Any], timelines: dict[str, Any], args: argparse.Namespace,
-                load_scales: tuple[float, ...] = (2.0, 1.0, 0.5)) -> list[Path]:
+                load_scales: tuple[float, ...] = (2.0, 1.0, 0.5, 0.25)) -> list[Path]:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -35,23 +35,31 @@ def write_plots(directory: Path, out: dict[str, Any], timelines: dict[str, Any],
     fig.savefig(p, dpi=110)
     plt.close(fig)
     paths.append(p)
-    # energy per token against load: rerun at other time scales (smaller scale = higher load)
-    series: dict[str, list[tuple[float, float]]] = {}
-    for scale in load_scales:
-        a = copy.copy(args)
-        a.time_scale = args.time_scale * scale
-        if not args.trace:
-            a.rate = args.rate / scale
-        res = run_policies(a)
-        for name, r in res["policies"].items():
-            series.setdefault(name, []).append((res["requests"] / max(r["makespan_s"], 1e-9), r["energy_per_token_j"]))
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for name, pts in series.items():
-        pts.sort()
-        ax.plot([x for x, _ in pts], [y for _, y in pts], "o-", label=name)
-    ax.set_xlabel("load (requests/s)")
-    ax.set_ylabel("energy per token (J)")
-    ax.legend(fontsize=8)
+    # energy per token against load: the sweep's, or rerun at other time scales (smaller scale = higher load)
+    sweep = out.get("sweep")
+    if sweep is None:
+        sweep = {}
+        for scale in load_scales:
+            a = copy.copy(args)
+            a.time_scale = args.time_scale * scale
+            a.load = None
+            if not args.trace:
+                a.rate = args.rate / scale
+            sweep[f"{1 / scale:g}"] = run_policies(a)["policies"]
+    fig, axes2 = plt.subplots(1, 2, figsize=(11, 4), squeeze=False)
+    for ax, accounting in zip(axes2[0], ("cluster", "active"), strict=True):
+        series: dict[str, list[tuple[float, float]]] = {}
+        for load, policies in sweep.items():
+            for name, r in policies.items():
+                series.setdefault(name, []).append((float(load), r["accounting"][accounting]["energy_per_token_j"]))
+        for name, pts in series.items():
+            pts.sort()
+            ax.plot([x for x, _ in pts], [y for _, y in pts], "o-", label=name)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("load (x the trace's arrival rate)")
+        ax.set_ylabel("energy per token (J, modelled)")
+        ax.set_title(f"{accounting} accounting", fontsize=9)
+    axes2[0, 0].legend(fontsize=7)
     fig.tight_layout()
     p = directory / "energy_vs_load.png"
     fig.savefig(p, dpi=110)

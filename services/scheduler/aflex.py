@@ -51,6 +51,8 @@ from shared.messages import ClockPhase
 from shared.model.config import ModelArgs
 from shared.perf import Predictor, cached_predictor, causal_pairs
 from shared.policy import (
+    AFLEX_BATCHING,
+    AFLEX_CLOCK_OBJECTIVE,
     BatchingRule,
     BatchStats,
     ClockRule,
@@ -64,11 +66,11 @@ from shared.policy import (
 )
 from shared.policy.pipeline import seam_transfer_s
 
-# The simulator's `aflex` policy (`loadgen.sim.engine.policy_spec("aflex")`; the tests check they agree):
-# shortest-prompt-first prefill with aging, prefill iterations capped by the SLOs, decode clocks scored
-# by energy above the idle floor. The clock depths are the scheduler's (`microbatch_depth`).
-BATCHING = BatchingRule(adaptive=True, order="srpt", prefill_iter_frac=0.3)
-CLOCK_OBJECTIVE = "marginal-decode"
+# The simulator's `aflex` policy, one definition (`shared.policy.specs`): shortest-prompt-first prefill
+# with aging, prefill iterations capped by the SLOs, decode clocks scored by energy above the idle floor.
+# The clock depths are the scheduler's (`microbatch_depth`).
+BATCHING = AFLEX_BATCHING
+CLOCK_OBJECTIVE = AFLEX_CLOCK_OBJECTIVE
 _AT_MAX = ClockRule(max_clock=True, depths=(1,))
 
 

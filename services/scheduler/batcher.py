@@ -1,5 +1,9 @@
 """Forming one iteration of one attention worker, and cutting it into microbatches. Pure: no I/O.
 
+The rules are `shared.policy.iteration`'s (`form_iteration`, `split_microbatches`), which the
+simulator and the in-process engine use too; this module adapts them to the scheduler's request
+states and passes.
+
 The default rule is the in-process engine's (`shared.model.engine.Engine._schedule`): running
 sequences first (a decode step feeds the last sampled token; an unfinished prefill feeds its next
 chunk), then waiting ones are admitted first-come first-served while the token budget and
@@ -21,12 +25,14 @@ from dataclasses import dataclass
 
 from services.scheduler.state import RequestState
 from shared.messages import Phase, SeqWork
-from shared.policy import BatchingRule, prefill_order
+from shared.policy import BatchingRule, WorkItem, form_iteration, microbatch_depth
+from shared.policy import split_microbatches as split_by_tokens
+from shared.policy.iteration import PrefillCap as FormCap
+
+__all__ = ["Pass", "PrefillCap", "microbatch_depth", "phase_of", "plan_iteration", "split_microbatches"]
 
 # (prefill tokens queued, decode sequences, their context tokens, the first prompt's tokens) -> prefill tokens
 PrefillCap = Callable[[int, int, float, int], int]
-
-AUTO_DEPTH_MIN_SEQS = 4  # below this many sequences overlap cannot pay: depth 1 (as the paper found)
 
 
 @dataclass(frozen=True)
@@ -68,104 +74,38 @@ def plan_iteration(running: Iterable[RequestState], waiting: Iterable[RequestSta
     `prefill_cap` select the policy's ordering and prefill cap (module docstring).
     """
     running = list(running)
-    if rule is None and prefill_cap is None:
-        return _plan_fcfs(running, waiting, max_batch_tokens=max_batch_tokens, max_num_seqs=max_num_seqs,
-                          can_admit=can_admit)
-    live = [s for s in running if not (s.in_flight or s.finished) and s.pending_tokens > 0]
-    decodes = [s for s in live if s.num_computed >= len(s.prompt_ids)]
-    prefills = [s for s in live if s.num_computed < len(s.prompt_ids)]
-    queue: list[tuple[RequestState, bool]] = [(s, False) for s in prefills] + [(s, True) for s in waiting]
-    if rule is not None and len(queue) > 1:
-        order = prefill_order(rule, now, [s.received_mono for s, _ in queue],
-                              [float(s.pending_tokens) for s, _ in queue])
-        queue = [queue[k] for k in order]
-    passes: list[Pass] = []
-    budget = max_batch_tokens
-    for state in decodes:
-        if budget <= 0:
-            break
-        n_new = min(state.pending_tokens, budget)
-        passes.append(Pass.of(state, n_new))
-        budget -= n_new
-    if prefill_cap is not None and queue:
-        queued = sum(s.pending_tokens for s, _ in queue)
-        ctx = float(sum(s.num_computed for s in decodes))
-        budget = min(budget, max(0, prefill_cap(queued, len(decodes), ctx, queue[0][0].pending_tokens)))
-    admitted: list[RequestState] = []
-    admitting = True
-    for state, is_waiting in queue:
-        if budget <= 0:
-            break
-        if is_waiting:
-            if not admitting:
-                continue
-            if len(running) + len(admitted) >= max_num_seqs or (can_admit is not None and not can_admit(state)):
-                admitting = False  # no later waiting request overtakes it; running prefills go on
-                continue
-            admitted.append(state)
-        n_new = min(state.pending_tokens, budget)
-        passes.append(Pass.of(state, n_new))
-        budget -= n_new
-    return passes, admitted
-
-
-def _plan_fcfs(running: list[RequestState], waiting: Iterable[RequestState], *, max_batch_tokens: int,
-               max_num_seqs: int, can_admit: Callable[[RequestState], bool] | None,
-               ) -> tuple[list[Pass], list[RequestState]]:
-    """The engine's rule: running sequences in their order, then waiting ones first-come first-served."""
-    passes: list[Pass] = []
-    budget = max_batch_tokens
-    for state in running:
-        if budget <= 0:
-            break
-        if state.in_flight or state.finished:
+    policy = rule is not None or prefill_cap is not None
+    decodes: list[RequestState] = []
+    queue: list[WorkItem[RequestState]] = []
+    for s in running:
+        if s.in_flight or s.finished or s.pending_tokens <= 0:
             continue
-        n_new = min(state.pending_tokens, budget)
-        if n_new > 0:
-            passes.append(Pass.of(state, n_new))
-            budget -= n_new
-    admitted: list[RequestState] = []
-    for state in waiting:
-        if budget <= 0 or len(running) + len(admitted) >= max_num_seqs:
-            break
-        if can_admit is not None and not can_admit(state):
-            break
-        n_new = min(state.pending_tokens, budget)
-        passes.append(Pass.of(state, n_new))
-        admitted.append(state)
-        budget -= n_new
-    return passes, admitted
+        if policy and s.num_computed >= len(s.prompt_ids):  # decode steps first (the engine: running order)
+            decodes.append(s)
+        else:
+            queue.append(_item(s, False))
+    queue += [_item(s, True) for s in waiting]
+    form = form_iteration([_item(s, False) for s in decodes], queue, token_budget=max_batch_tokens,
+                          max_num_seqs=max_num_seqs, running_count=len(running), rule=rule, now_s=now,
+                          prefill_cap=_form_cap(prefill_cap, decodes), can_admit=can_admit)
+    return [Pass.of(f.key, f.n_tokens) for f in form.feeds], list(form.admitted)
 
 
-def microbatch_depth(setting: str, n_seqs: int) -> int:
-    """`"1"`..`"4"` fixed; `"auto"`: 1 below AUTO_DEPTH_MIN_SEQS sequences, else 2. Never more than n_seqs."""
-    depth = (1 if n_seqs < AUTO_DEPTH_MIN_SEQS else 2) if setting == "auto" else int(setting)
-    return max(1, min(depth, n_seqs))
+def _form_cap(prefill_cap: PrefillCap | None, decodes: list[RequestState]) -> FormCap | None:
+    """`prefill_cap` told what only the scheduler knows: the decode steps beside the prefill."""
+    if prefill_cap is None:
+        return None
+    n_decode, ctx = len(decodes), float(sum(s.num_computed for s in decodes))
+    return lambda queued, head: prefill_cap(queued, n_decode, ctx, head)
+
+
+def _item(state: RequestState, waiting: bool) -> WorkItem[RequestState]:
+    return WorkItem(state, state.pending_tokens, state.received_mono, waiting)
 
 
 def split_microbatches(passes: list[Pass], depth: int) -> list[list[Pass]]:
-    """Cut passes into at most `depth` contiguous, non-empty groups of about equal tokens.
-
-    Contiguous by token count like `engine.split_microbatches`, but every group gets at least one
-    sequence when there are enough, so depth 2 of a long prefill plus a decode still pipelines.
-    """
-    if not passes:
-        return []
-    depth = max(1, min(depth, len(passes)))
-    total = sum(p.n_new for p in passes)
-    groups: list[list[Pass]] = []
-    current: list[Pass] = []
-    done = 0
-    for index, p in enumerate(passes):
-        left = len(passes) - index  # passes still to place, p included
-        later = depth - len(groups) - 1  # groups that come after the current one
-        if current and later > 0 and (done * depth >= (len(groups) + 1) * total or left <= later):
-            groups.append(current)
-            current = []
-        current.append(p)
-        done += p.n_new
-    groups.append(current)
-    return groups
+    """`passes` cut into microbatches by `shared.policy.split_microbatches`."""
+    return [passes[r.start:r.stop] for r in split_by_tokens([p.n_new for p in passes], depth)]
 
 
 def phase_of(passes: list[Pass]) -> Phase:

@@ -8,12 +8,18 @@ Time of one operator at SM clock f is a roofline per part (reference/gpu-control
 Below `f_bw_sat` the SMs cannot issue loads fast enough to saturate HBM (a modelling choice), which is
 what makes energy per token U-shaped for memory-bound decode. Power while a part runs is
 
-    P(f) = P_ctx_idle + P_mem·u_mem + u_sm·P_dyn·(f/f_max)·(V(f)/V_max)²,  P_dyn = TDP − P_ctx_idle − P_mem
+    P(f) = P_idle(f) + P_mem·u_mem + u_sm·P_dyn·(f/f_max)·(V(f)/V_max)²,  P_dyn = TDP − P_idle(f_max) − P_mem
     V(f) = V_min below the knee, linear up to V_max at f_max
 
 with u_mem the HBM utilisation (bytes per second moved over the achievable peak) and u_sm the SM
-activity ((t_compute + a·t_mem)/t, a = SM activity while streaming memory). Energy integrates
-busy time at P and the wall-clock gaps between calls (from the injected clock) at idle power.
+activity ((t_compute + a·t_mem)/t, a = SM activity while streaming memory). Idle power depends on
+state (reference/energy-accounting.md): with a CUDA context resident it follows the DVFS state,
+
+    P_idle(f) = P_ctx·(floor + s_leak·V(f)/V_max + s_clk·(f/f_max)·(V(f)/V_max)²),  floor = 1 − s_leak − s_clk
+
+(P_ctx the context-resident idle at f_max; the shares are modelling choices), and a GPU that released
+its context draws the bare idle `idle_power_w`. Energy integrates busy time at P and the wall-clock
+gaps between calls (from the injected clock) at idle power for the clock in effect.
 A clock request takes effect `clock_switch_delay_ms` after it is made; an operator runs at the
 clock in effect when it starts.
 """
@@ -23,11 +29,13 @@ from __future__ import annotations
 import json
 import math
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, replace
 from functools import cache
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from shared.gpu.base import GPU, ClockResult, GPUError, OperatorWork
 
@@ -42,8 +50,8 @@ class GPUProfile:
     max_mhz: int
     step_mhz: int
     default_mhz: int
-    idle_power_w: float  # no context
-    context_idle_power_w: float  # context resident, P0
+    idle_power_w: float  # bare idle: no CUDA context (a cold-parked GPU)
+    context_idle_power_w: float  # context resident, idle, at f_max
     max_power_w: float  # TDP
     memory_power_w: float
     v_min: float
@@ -59,6 +67,10 @@ class GPUProfile:
     clock_switch_delay_s: float
     sources: tuple[str, ...]
     modelling_choices: tuple[str, ...]
+    idle_leakage_share: float = 0.2  # of context idle at f_max, following V(f)
+    idle_clock_share: float = 0.3  # of context idle at f_max, following f·V(f)² (the clock tree)
+    host_to_device_bytes_s: float = 25e9  # weights loaded when a cold-parked GPU rejoins
+    context_create_s: float = 2.0
 
     @property
     def clocks_mhz(self) -> list[int]:
@@ -72,6 +84,32 @@ class GPUProfile:
         if clock_mhz <= self.knee_mhz:
             return self.v_min
         return self.v_min + (self.v_max - self.v_min) * (clock_mhz - self.knee_mhz) / (self.max_mhz - self.knee_mhz)
+
+    def context_idle_power_at(self, clock_mhz: float) -> float:
+        """Idle power (W) with a context resident and the SM clock at `clock_mhz`."""
+        v = self.voltage(clock_mhz) / self.v_max
+        floor = 1.0 - self.idle_leakage_share - self.idle_clock_share
+        return self.context_idle_power_w * (floor + self.idle_leakage_share * v
+                                            + self.idle_clock_share * (clock_mhz / self.max_mhz) * v * v)
+
+    def context_idle_table(self, clocks_mhz: Iterable[float]) -> np.ndarray:
+        """`context_idle_power_at` over a clock table, as an array (what the clock policy scans)."""
+        return np.array([self.context_idle_power_at(float(f)) for f in clocks_mhz])
+
+    @property
+    def warm_parked_power_w(self) -> float:
+        """A GPU outside the plan that keeps its context, its clock locked at the minimum."""
+        return self.context_idle_power_at(self.min_mhz)
+
+    def cold_rejoin_s(self, weight_bytes: float) -> float:
+        """Time for a cold-parked GPU to serve again: its weights over the host link, plus a new context."""
+        return weight_bytes / self.host_to_device_bytes_s + self.context_create_s
+
+    def with_idle_clock_share(self, share: float) -> GPUProfile:
+        """This profile with another clock-dependent idle share (the sensitivity study)."""
+        if not 0.0 <= share <= 1.0 - self.idle_leakage_share:
+            raise GPUError(f"idle clock share must be in [0, {1.0 - self.idle_leakage_share:.2f}], got {share}")
+        return replace(self, idle_clock_share=share)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any], source: str) -> GPUProfile:
@@ -93,6 +131,10 @@ class GPUProfile:
                 clock_switch_delay_s=float(d["clock_switch_delay_ms"]) / 1000.0,
                 sources=tuple(str(s) for s in d["sources"]),
                 modelling_choices=tuple(str(s) for s in d.get("modelling_choices", ())),
+                idle_leakage_share=float(d["context_idle_shares"]["leakage"]),
+                idle_clock_share=float(d["context_idle_shares"]["clock"]),
+                host_to_device_bytes_s=float(d["rejoin"]["host_to_device_bytes_s"]),
+                context_create_s=float(d["rejoin"]["context_create_s"]),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise GPUError(f"GPU profile {source} is malformed: {exc!r}") from None
@@ -100,6 +142,12 @@ class GPUProfile:
             raise GPUError(f"GPU profile {source}: bad clock range {clk}")
         if profile.dynamic_power_w <= 0 or not profile.sources:
             raise GPUError(f"GPU profile {source}: needs max_power_w > idle + memory power, and sources")
+        shares = (profile.idle_leakage_share, profile.idle_clock_share)
+        if min(shares) < 0 or sum(shares) > 1:
+            raise GPUError(f"GPU profile {source}: context_idle_shares must be >= 0 and sum to <= 1, got {shares}")
+        if not 0 < profile.idle_power_w <= profile.warm_parked_power_w:
+            raise GPUError(f"GPU profile {source}: bare idle {profile.idle_power_w} W must be > 0 and at most the "
+                           f"context idle at the lowest clock ({profile.warm_parked_power_w:.1f} W)")
         return profile
 
 
@@ -151,6 +199,7 @@ def operator_cost(profile: GPUProfile, work: OperatorWork, clock_mhz: float) -> 
     bw_full = p.bandwidth_bytes_s * p.bandwidth_efficiency
     bw = bw_full * min(1.0, clock_mhz / p.bandwidth_saturation_mhz)
     dyn = p.dynamic_power_w * ratio * (p.voltage(clock_mhz) / p.v_max) ** 2
+    idle_w = p.context_idle_power_at(clock_mhz)
     total_t = energy = 0.0
     for part in _parts(work):
         t_c, t_m = part.flops / flops_s, part.bytes_moved / bw
@@ -159,10 +208,10 @@ def operator_cost(profile: GPUProfile, work: OperatorWork, clock_mhz: float) -> 
         if busy > 0:
             u_mem = part.bytes_moved / bw_full / busy  # HBM power follows the bytes per second moved
             u_sm = min(1.0, (t_c + p.sm_activity_memory_bound * t_m) / busy)
-            energy += busy * (p.context_idle_power_w + p.memory_power_w * u_mem + u_sm * dyn)
-        energy += p.launch_overhead_s * p.context_idle_power_w
+            energy += busy * (idle_w + p.memory_power_w * u_mem + u_sm * dyn)
+        energy += p.launch_overhead_s * idle_w
         total_t += t
-    return Cost(total_t, energy / total_t if total_t > 0 else p.context_idle_power_w)
+    return Cost(total_t, energy / total_t if total_t > 0 else idle_w)
 
 
 def latency_sensitivity(profile: GPUProfile, work: OperatorWork, lo_mhz: float, hi_mhz: float) -> float:
@@ -194,6 +243,7 @@ class EmulatedGPU(GPU):
         self._clocks = self.profile.clocks_mhz
         self._current_mhz = self.profile.default_mhz
         self._pending: tuple[float, int] | None = None  # (time it takes effect, clock)
+        self._before_switch: tuple[float, int] | None = None  # (time of the last switch, clock before it)
         now = clock()
         self._energy_j = 0.0
         self._busy_until = now  # end of the last modelled operator (may run ahead of the wall clock)
@@ -203,13 +253,18 @@ class EmulatedGPU(GPU):
     # -- clocks -------------------------------------------------------------------------------
     @property
     def idle_power_w(self) -> float:
-        return self.profile.context_idle_power_w if self.context_resident else self.profile.idle_power_w
+        """Idle power now: context-resident at the clock in effect, or bare idle without a context."""
+        return self._idle_at(self.sm_clock_mhz())
+
+    def _idle_at(self, clock_mhz: int) -> float:
+        return self.profile.context_idle_power_at(clock_mhz) if self.context_resident else self.profile.idle_power_w
 
     def supported_sm_clocks_mhz(self) -> list[int]:
         return list(self._clocks)
 
     def _settle(self, now: float) -> None:
         if self._pending is not None and now >= self._pending[0]:
+            self._before_switch = (self._pending[0], self._current_mhz)
             self._current_mhz = self._pending[1]
             self._pending = None
 
@@ -237,9 +292,17 @@ class EmulatedGPU(GPU):
 
     # -- accounting ---------------------------------------------------------------------------
     def _account_idle(self, until: float) -> None:
-        if until > self._accounted_until:
-            self._energy_j += (until - self._accounted_until) * self.idle_power_w
-            self._accounted_until = until
+        """Idle energy up to `until` at the clock in effect: the last switch inside the stretch splits it."""
+        start = self._accounted_until
+        if until <= start:
+            return
+        self._settle(until)
+        if self._before_switch is not None and start < self._before_switch[0] < until:
+            switch_at, old_mhz = self._before_switch
+            self._energy_j += (switch_at - start) * self._idle_at(old_mhz)
+            start = switch_at
+        self._energy_j += (until - start) * self._idle_at(self._current_mhz)
+        self._accounted_until = until
 
     def run(self, work: OperatorWork, measured_s: float) -> float:
         """Account `work` that just took `measured_s` on the host; returns its modelled duration.

@@ -28,6 +28,7 @@ from shared.model.ffn import FFNHalf
 from shared.model.kv_cache import BlockAllocator, BlockTables
 from shared.model.sampling import SamplingParams, SequenceSampler, StopStringMatcher, sample_next_tokens
 from shared.model.weights import load_attention_half, load_ffn_half
+from shared.policy.iteration import WorkItem, form_iteration, split_microbatches
 
 if TYPE_CHECKING:
     from shared.model.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -74,19 +75,6 @@ class Completion:
     token_ids: list[int]
     text: str
     finish_reason: str
-
-
-def split_microbatches(passes: list[SequencePass], count: int) -> list[list[int]]:
-    """Cut scheduled sequences into at most `count` contiguous groups of about equal tokens."""
-    count = max(1, min(count, len(passes)))
-    total = sum(p.n_new for p in passes)
-    groups: list[list[int]] = [[] for _ in range(count)]
-    done = 0
-    for index, p in enumerate(passes):
-        group = min(count - 1, done * count // max(total, 1))
-        groups[group].append(index)
-        done += p.n_new
-    return [g for g in groups if g]
 
 
 class Engine:
@@ -165,42 +153,40 @@ class Engine:
         self.waiting.appendleft(victim)
 
     def _schedule(self) -> list[tuple[Sequence, int]]:
-        """Pick (sequence, tokens to feed) for this step; reserves their KV slots."""
-        scheduled: list[tuple[Sequence, int]] = []
-        budget = self.max_batch_tokens
-        index = 0
-        while index < len(self.running):  # running sequences first, oldest first
-            seq = self.running[index]
-            n_new = min(seq.num_tokens - seq.num_computed, budget)
-            if n_new <= 0:
-                index += 1
-                continue
-            try:
-                self.block_tables.reserve(seq.seq_id, seq.num_computed + n_new)
-            except KVCacheExhaustedError:
-                if len(self.running) == 1 and not scheduled:
-                    raise
-                self._preempt()
-                continue
-            scheduled.append((seq, n_new))
-            budget -= n_new
-            index += 1
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[0]
-            n_new = min(seq.num_tokens - seq.num_computed, budget)
-            if not self.block_tables.has_sequence(seq.seq_id):
-                self.block_tables.add_sequence(seq.seq_id)
-            try:
-                self.block_tables.reserve(seq.seq_id, seq.num_computed + n_new)
-            except KVCacheExhaustedError:
-                if not self.running and not scheduled:
-                    raise
-                break
-            self.waiting.popleft()
-            self.running.append(seq)
-            scheduled.append((seq, n_new))
-            budget -= n_new
-        return scheduled
+        """Pick (sequence, tokens to feed) for this step and reserve their KV slots.
+
+        The step is `form_iteration`'s first-come first-served form (running sequences in order,
+        then waiting ones), applied in order: a running sequence whose KV cannot grow preempts the
+        newest running one and the step is formed again (what comes before it is unchanged, and
+        its reservations stand); a waiting one that does not fit ends admission there.
+        """
+        while True:
+            queue = [*(_item(s, False) for s in self.running), *(_item(s, True) for s in self.waiting)]
+            form = form_iteration((), queue, token_budget=self.max_batch_tokens, max_num_seqs=self.max_num_seqs,
+                                  running_count=len(self.running))
+            scheduled: list[tuple[Sequence, int]] = []
+            for feed in form.feeds:
+                seq, n_new = feed.key, feed.n_tokens
+                if feed.item.is_waiting and not self.block_tables.has_sequence(seq.seq_id):
+                    self.block_tables.add_sequence(seq.seq_id)
+                try:
+                    self.block_tables.reserve(seq.seq_id, seq.num_computed + n_new)
+                except KVCacheExhaustedError:
+                    if feed.item.is_waiting:
+                        if not self.running and not scheduled:
+                            raise
+                        return scheduled
+                    if len(self.running) == 1 and not scheduled:
+                        raise
+                    self._preempt()
+                    break
+                if feed.item.is_waiting:
+                    assert self.waiting[0] is seq  # FCFS admits a prefix of the waiting queue
+                    self.waiting.popleft()
+                    self.running.append(seq)
+                scheduled.append((seq, n_new))
+            else:
+                return scheduled
 
     # -- the forward pass -----------------------------------------------------------------------
 
@@ -215,7 +201,7 @@ class Engine:
             passes.append(SequencePass(start, n_new, self.block_tables.slots(seq.seq_id, 0, start + n_new),
                                        wants_logits=start + n_new == len(ids)))
         logits: list[Tensor] = []
-        groups = split_microbatches(passes, self.microbatches)
+        groups = split_microbatches([p.n_new for p in passes], self.microbatches)
         states = []
         for group in groups:
             meta = AttentionMeta.build([passes[i] for i in group], self.device)
@@ -281,6 +267,10 @@ class Engine:
             self.step()
         return [Completion(s.seq_id, s.prompt_ids, s.output_ids, s.text, s.finish_reason or "stop")
                 for s in (sequences[i] for i in ids)]
+
+
+def _item(seq: Sequence, waiting: bool) -> WorkItem[Sequence]:
+    return WorkItem(seq, seq.num_tokens - seq.num_computed, is_waiting=waiting)
 
 
 @torch.inference_mode()

@@ -1,6 +1,8 @@
-"""Pure policy: batching, microbatch depth, provisioning and clock selection (no I/O, no wall clock).
+"""Pure policy: batching, iteration forming, microbatch depth, provisioning and clock selection (no I/O,
+no wall clock).
 
-The live scheduler and the simulator (`loadgen.sim`) call the same objects."""
+The live scheduler and the simulator (`loadgen.sim`) call the same objects; the in-process engine forms
+its steps with `form_iteration` too."""
 
 from shared.policy.batching import (
     BatchingRule,
@@ -11,11 +13,22 @@ from shared.policy.batching import (
     ttft_budget,
 )
 from shared.policy.clocks import BatchStats, ClockRule, OperatingPoint, PoolShape, SloMargin, plan_iteration
+from shared.policy.iteration import (
+    Feed,
+    IterationForm,
+    WorkItem,
+    form_iteration,
+    microbatch_depth,
+    split_microbatches,
+)
 from shared.policy.pipeline import af_iteration, colocated_iteration, iteration_cost, megascale_depth, overlap_floor
 from shared.policy.provision import ClusterSpec, Plan, WindowLoad, provision
+from shared.policy.specs import AFLEX_BATCHING, AFLEX_CLOCK_OBJECTIVE
 
 __all__ = [
-    "BatchStats", "BatchingRule", "ClockRule", "ClusterSpec", "OperatingPoint", "Plan", "PoolShape", "SloMargin",
-    "WindowLoad", "af_iteration", "colocated_iteration", "decode_admit", "iteration_cost", "megascale_depth",
-    "overlap_floor", "plan_iteration", "prefill_budget", "prefill_order", "provision", "seq_chunk_cap", "ttft_budget",
+    "AFLEX_BATCHING", "AFLEX_CLOCK_OBJECTIVE", "BatchStats", "BatchingRule", "ClockRule", "ClusterSpec", "Feed",
+    "IterationForm", "OperatingPoint", "Plan", "PoolShape", "SloMargin", "WindowLoad", "WorkItem", "af_iteration",
+    "colocated_iteration", "decode_admit", "form_iteration", "iteration_cost", "megascale_depth", "microbatch_depth",
+    "overlap_floor", "plan_iteration", "prefill_budget", "prefill_order", "provision", "seq_chunk_cap",
+    "split_microbatches", "ttft_budget",
 ]

@@ -5,10 +5,11 @@ predictor's clock table, keeps those whose predicted iteration time meets the bu
 the one with the least predicted energy (the lowest clock is not always the cheapest: static power
 makes energy per token U-shaped). In a split pool this is where pipeline slack goes: the side that
 is not the bottleneck slows until it nearly becomes it. If nothing meets the budget, the fastest
-point wins. `objective="marginal"` scores energy above the pool's context-idle floor instead of the
-iteration's total (see ClockRule). With `per_operator=False` both sides share one clock (phase-level DVFS); with
-`max_clock=True` the clocks stay at the top (no DVFS). Hysteresis: the current point is kept while
-it still meets the budget and costs at most `hysteresis` more than the best.
+point wins. `objective="marginal"` scores energy above the pool's context-idle floor (its GPUs' idle
+power at the candidate clocks, `idle_floor_w`) instead of the iteration's total (see ClockRule).
+With `per_operator=False` both sides share one clock (phase-level DVFS); with `max_clock=True` the
+clocks stay at the top (no DVFS); `fixed_mhz` pins all four (the static oracle). Hysteresis: the
+current point is kept while it still meets the budget and costs at most `hysteresis` more than the best.
 
 `SloMargin` is the adaptive safety margin: budgets are SLO·(1 − margin); a window with misses
 widens it, a clean window with p90 well under the SLO narrows it.
@@ -83,6 +84,9 @@ class ClockRule:
     # continuously busy decode pool turns a slower iteration into a larger batch (Little's law), which
     # reads the weights once for more tokens; a prefill pool's slack is the next prompts' queueing time.
     objective: str = "total"
+    # a fixed configuration (the static oracle): ((prefill attention, prefill FFN), (decode attention,
+    # decode FFN)) MHz, snapped to the predictor's table; only the depth is still chosen
+    fixed_mhz: tuple[tuple[float, float], tuple[float, float]] | None = None
 
 
 @dataclass(frozen=True)
@@ -97,8 +101,9 @@ class OperatingPoint:
 
 
 def _tables(pred: Predictor, shape: PoolShape, s: BatchStats, depth: int,
-            dim: int, layers: int, idle_w: float) -> tuple[np.ndarray, np.ndarray]:
+            dim: int, layers: int) -> tuple[np.ndarray, np.ndarray]:
     """Predicted (time, energy) over (clock_a, clock_f) for one depth."""
+    idle = pred.idle_table
     if shape.split:
         def att(n: float, ctx: float, pairs: float, shard: int) -> tuple[np.ndarray, np.ndarray]:
             t, e = pred.predict("attention", s.phase, n, ctx, pairs, shard=shard)
@@ -112,7 +117,7 @@ def _tables(pred: Predictor, shape: PoolShape, s: BatchStats, depth: int,
             t, e = pred.predict("lm_head", "decode", max(1.0, n), shard=shard)
             return t[:, None], e[:, None]
 
-        return iteration_cost(att, ffn, head, shape, s, depth, dim, layers, idle_w)
+        return iteration_cost(att, ffn, head, shape, s, depth, dim, layers, idle[:, None], idle[None, :])
 
     def att1(n: float, ctx: float, pairs: float, shard: int) -> tuple[np.ndarray, np.ndarray]:
         return pred.predict("attention", s.phase, n, ctx, pairs, shard=shard)
@@ -123,15 +128,22 @@ def _tables(pred: Predictor, shape: PoolShape, s: BatchStats, depth: int,
     def head1(n: float, shard: int) -> tuple[np.ndarray, np.ndarray]:
         return pred.predict("lm_head", "decode", max(1.0, n), shard=shard)
 
-    t, e = iteration_cost(att1, ffn1, head1, shape, s, depth, dim, layers, idle_w)
+    t, e = iteration_cost(att1, ffn1, head1, shape, s, depth, dim, layers, idle, idle)
     return np.diag(t), np.diag(e)  # one clock for both halves: only the diagonal exists
+
+
+def idle_floor_w(pred: Predictor, shape: PoolShape) -> np.ndarray:
+    """The pool's context-idle power (W) over (clock_a, clock_f): what its GPUs draw waiting at those clocks."""
+    idle = pred.idle_table
+    if shape.split:
+        return shape.attention * idle[:, None] + shape.ffn * idle[None, :]
+    return shape.gpus * idle[:, None] + 0.0 * idle[None, :]
 
 
 def plan_iteration(pred: Predictor, shape: PoolShape, stats: BatchStats, budget_s: float, rule: ClockRule,
                    current: OperatingPoint | None = None) -> OperatingPoint:
     """The least-energy (depth, clock_a, clock_f) whose predicted time meets `budget_s`."""
     args = pred.args
-    idle_w = pred.profile.context_idle_power_w
     clocks = pred.clocks
     top = len(clocks) - 1
     if shape.split:
@@ -150,15 +162,19 @@ def plan_iteration(pred: Predictor, shape: PoolShape, stats: BatchStats, budget_
     fastest: OperatingPoint | None = None
     keep: OperatingPoint | None = None
     marginal = rule.objective == "marginal" or (rule.objective == "marginal-decode" and stats.phase == "decode")
-    floor_w = shape.gpus * idle_w if marginal else 0.0
+    floor_w = idle_floor_w(pred, shape) if marginal else 0.0
     if rule.objective not in ("total", "marginal", "marginal-decode"):
         raise ValueError(f"unknown clock objective {rule.objective!r}")
     best_v = keep_v = np.inf
     depths = tuple(dict.fromkeys(min(d, max(1, int(stats.n_tokens))) for d in depths))
     for d in depths:
-        t, e = _tables(pred, shape, stats, d, args.dim, args.n_layers, idle_w)
+        t, e = _tables(pred, shape, stats, d, args.dim, args.n_layers)
         mask = np.zeros_like(t, dtype=bool)
-        if rule.max_clock:
+        if rule.fixed_mhz is not None:
+            fa, ff = rule.fixed_mhz[0 if stats.phase == "prefill" else 1]
+            ia = int(np.argmin(np.abs(clocks - fa)))
+            mask[ia, int(np.argmin(np.abs(clocks - ff))) if shape.split else ia] = True
+        elif rule.max_clock:
             mask[top, top] = True
         elif not rule.per_operator or not shape.split:
             np.fill_diagonal(mask, True)

@@ -12,7 +12,9 @@ ta (one attention GPU's share), FFN time tf (one FFN GPU's share), one-way trans
 
 m = 1 is the plain sequential path L·(ta + tf + 2tc); with m ≥ 2 the sides overlap (ping-pong) and
 the round trip is hidden once m·max(ta, tf) ≥ ta + tf + 2tc, MegaScale-Infer's m ≥ 2(1 + tc/tf)
-when ta = tf. Every GPU not computing within T idles at its context-idle power (bubbles cost).
+when ta = tf. Every GPU not computing within T idles at its context-idle power for the clock it is
+locked at (bubbles cost; `idle_a` for the attention GPUs, `idle_f` for the FFN GPUs, arrays over
+the clock tables like the costs, or floats at the chosen clocks).
 """
 
 from __future__ import annotations
@@ -39,24 +41,27 @@ def megascale_depth(t_comm_s: float, t_compute_s: float, max_depth: int = 4) -> 
     return int(min(max_depth, max(2, math.ceil(floor - 1e-9))))
 
 
+Idle = Array | float  # context-idle power (W) of one GPU, over a clock table or at one clock
+
+
 def af_iteration(ta: Array, ea: Array, tf: Array, ef: Array, th: Array, eh: Array, tc: float, depth: int,
-                 layers: int, n_attention: int, n_ffn: int, idle_power_w: float) -> tuple[Array, Array]:
+                 layers: int, n_attention: int, n_ffn: int, idle_a: Idle, idle_f: Idle) -> tuple[Array, Array]:
     """(time_s, energy_j) of one split iteration; all GPUs of both sides included."""
     m = depth
     cycle = np.maximum(np.maximum(m * ta, m * tf), ta + tf + 2.0 * tc)
     t = layers * cycle + th
     busy_a = layers * m * ta + th
     busy_f = layers * m * tf
-    e = n_attention * (layers * m * ea + eh + idle_power_w * (t - busy_a))
-    e = e + n_ffn * (layers * m * ef + idle_power_w * (t - busy_f))
+    e = n_attention * (layers * m * ea + eh + idle_a * (t - busy_a))
+    e = e + n_ffn * (layers * m * ef + idle_f * (t - busy_f))
     return t, e
 
 
 def colocated_iteration(ta: Array, ea: Array, tf: Array, ef: Array, th: Array, eh: Array, t_allreduce: float,
-                        layers: int, gpus: int, idle_power_w: float) -> tuple[Array, Array]:
+                        layers: int, gpus: int, idle_w: Idle) -> tuple[Array, Array]:
     """(time_s, energy_j) of one iteration on `gpus` GPUs (replicas × TP) running both halves at one clock."""
     t = layers * (ta + tf + 2.0 * t_allreduce) + th
-    e = gpus * (layers * (ea + ef + 2.0 * t_allreduce * idle_power_w) + eh)
+    e = gpus * (layers * (ea + ef + 2.0 * t_allreduce * idle_w) + eh)
     return t, e
 
 
@@ -74,10 +79,10 @@ def allreduce_s(tokens: float, dim: int, tp: int, link_bytes_s: float, dtype_byt
     return latency_s + 2.0 * (tp - 1) / tp * tokens * dim * dtype_bytes / link_bytes_s
 
 
-def pad_to(t: Array, e: Array, t_floor: Array, idle_power_w: float) -> tuple[Array, Array]:
+def pad_to(t: Array, e: Array, t_floor: Array, idle_w: Idle) -> tuple[Array, Array]:
     """A GPU's share (t, e) stretched to at least `t_floor`, the extra time idle (a straggler elsewhere)."""
     t2 = np.maximum(t, t_floor)
-    return t2, e + idle_power_w * (t2 - t)
+    return t2, e + idle_w * (t2 - t)
 
 
 AttnCost = Callable[[float, float, float, int], tuple[Array, Array]]  # (n, ctx, pairs, shard) -> (t, e)
@@ -85,14 +90,15 @@ TokCost = Callable[[float, int], tuple[Array, Array]]  # (n, shard) -> (t, e)
 
 
 def iteration_cost(att: AttnCost, ffn: TokCost, head: TokCost, shape: Any, s: Any, depth: int, dim: int, layers: int,
-                   idle_power_w: float) -> tuple[Array, Array]:
+                   idle_a: Idle, idle_f: Idle) -> tuple[Array, Array]:
     """(time_s, energy_j) of one iteration of `s` (a BatchStats) on `shape` (a PoolShape).
 
     The cost callables give one layer's per-GPU (time, energy) of a share of the work; the policy
     passes the predictors (arrays over clocks), the simulator the emulated GPU at the chosen clocks.
     The work is spread evenly over the pool's groups (replicas, or attention TP groups), except that
     the largest single sequence chunk (`s.seq_*`) runs on one group: every GPU's share is stretched
-    to at least that chunk's time there, the difference idle."""
+    to at least that chunk's time there, the difference idle. A colocated pool runs both halves at
+    the attention clock, so only `idle_a` applies there."""
     link = shape.link_bytes_s
     if shape.split:
         tp = max(1, shape.attention_tp)
@@ -101,16 +107,16 @@ def iteration_cost(att: AttnCost, ffn: TokCost, head: TokCost, shape: Any, s: An
         ta, ea = att(s.n_tokens / per, s.ctx_tokens / per, s.pairs / per, tp)
         if tp > 1:  # the attention output projection's partial sums, reduced inside the group
             ar = allreduce_s(s.n_tokens / per, dim, tp, link)
-            ta, ea = ta + ar, ea + ar * idle_power_w
+            ta, ea = ta + ar, ea + ar * idle_a
         if s.seq_tokens > s.n_tokens / per:
             ts, _ = att(s.seq_tokens, s.seq_ctx, s.seq_pairs, tp)
             if tp > 1:
                 ts = ts + allreduce_s(s.seq_tokens, dim, tp, link)
-            ta, ea = pad_to(ta, ea, ts / depth, idle_power_w)
+            ta, ea = pad_to(ta, ea, ts / depth, idle_a)
         tf, ef = ffn(s.n_tokens / depth, shape.ffn)
         th, eh = head(max(1.0, s.n_sample / groups), tp)
         tc = seam_transfer_s(s.n_tokens / depth, dim, link)
-        return af_iteration(ta, ea, tf, ef, th, eh, tc, depth, layers, shape.attention, shape.ffn, idle_power_w)
+        return af_iteration(ta, ea, tf, ef, th, eh, tc, depth, layers, shape.attention, shape.ffn, idle_a, idle_f)
     r = shape.replicas
     ta, ea = att(s.n_tokens / r, s.ctx_tokens / r, s.pairs / r, shape.tp)
     tf, ef = ffn(s.n_tokens / r, shape.tp)
@@ -121,6 +127,6 @@ def iteration_cost(att: AttnCost, ffn: TokCost, head: TokCost, shape: Any, s: An
         t_share = ta + tf + 2.0 * ar
         t_seq = ts + ts_f + 2.0 * allreduce_s(s.seq_tokens, dim, shape.tp, link)
         stretch = np.maximum(t_seq - t_share, 0.0)  # put the straggler's extra time on the FFN share
-        tf, ef = tf + stretch, ef + stretch * idle_power_w
+        tf, ef = tf + stretch, ef + stretch * idle_a
     th, eh = head(max(1.0, s.n_sample / r), shape.tp)
-    return colocated_iteration(ta, ea, tf, ef, th, eh, ar, layers, shape.gpus, idle_power_w)
+    return colocated_iteration(ta, ea, tf, ef, th, eh, ar, layers, shape.gpus, idle_a)

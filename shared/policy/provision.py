@@ -54,6 +54,15 @@ class ClusterSpec:
         free = self.memory_fraction * self.gpu_memory_bytes - self.attention_weight_bytes
         return max(0.0, attention_gpus * free / self.kv_bytes_per_token)
 
+    def pool_kv_capacity_tokens(self, shape: PoolShape) -> float:
+        """KV tokens a pool holds: its attention GPUs' free memory (split), or each replica's memory less
+        the whole model's weights (colocated)."""
+        if shape.split:
+            return self.kv_capacity_tokens(shape.attention)
+        weights = self.attention_weight_bytes + self.ffn_weight_bytes
+        free = self.memory_fraction * shape.tp * self.gpu_memory_bytes - weights
+        return max(0.0, shape.replicas * free / self.kv_bytes_per_token)
+
 
 @dataclass(frozen=True)
 class Plan:
@@ -86,7 +95,7 @@ def decode_power(pred: Predictor, shape: PoolShape, load: WindowLoad, spec: Clus
     assert op is not None
     b = max(1.0, rate * t)
     kv_need = b * (load.mean_prompt + load.mean_output)
-    over = max(t / spec.tpot_budget_s, kv_need / max(spec.kv_capacity_tokens(shape.attention), 1.0))
+    over = max(t / spec.tpot_budget_s, kv_need / max(spec.pool_kv_capacity_tokens(shape), 1.0))
     if not op.feasible or over > 1.0:
         return INFEASIBLE * over
     return op.energy_j / op.time_s
@@ -123,9 +132,18 @@ def prefill_power(pred: Predictor, shape: PoolShape, load: WindowLoad, spec: Clu
         if not op.feasible:
             best = min(best, INFEASIBLE * max(1.0, op.time_s / budget))
             continue
-        idle = shape.gpus * pred.profile.context_idle_power_w
+        idle = idle_power_w(pred, shape, op.clock_attention, op.clock_ffn)
         best = min(best, util * op.energy_j / op.time_s + (1 - util) * idle)
     return best
+
+
+def idle_power_w(pred: Predictor, shape: PoolShape, clock_attention: float, clock_ffn: float) -> float:
+    """The pool's context-idle power (W) with its GPUs waiting at these clocks."""
+    prof = pred.profile
+    if not shape.split:
+        return shape.gpus * prof.context_idle_power_at(clock_attention)
+    return shape.attention * prof.context_idle_power_at(clock_attention) + shape.ffn * prof.context_idle_power_at(
+        clock_ffn)
 
 
 def _pool(a: int, f: int, spec: ClusterSpec, attention_tp: int = 1) -> PoolShape:

@@ -1,0 +1,109 @@
+"""What each policy's global controller plans: pool shapes for the coming window, from the load it saw.
+
+The simulator asks `SimPlanner.plan` at the start (the trace's first minute, or its peak window for
+a static policy) and every `window_s` (and at a 30-second tick when the recent rate outgrows the
+plan by 20%) for a scaling policy. The decisions are shared/policy's (`provision`, `placement`);
+this module only turns the trace into `WindowLoad`s and a policy's placement into the call it makes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from loadgen.sim.arrivals import Arrivals
+from loadgen.sim.policies import PolicySpec
+from shared.perf import Predictor
+from shared.policy import ClusterSpec, PoolShape, WindowLoad, provision
+from shared.policy.placement import colocated_tp, distserve_placement, provision_colocated, provision_pd
+
+Shapes = dict[str, PoolShape]
+
+
+@dataclass
+class SimPlanner:
+    policy: PolicySpec
+    spec: ClusterSpec
+    pred: Predictor
+    arrivals: Arrivals
+    window_s: float
+    headroom: float
+    burst_subwindow_s: float
+    burst_quantile: float
+    colocated_tp: int | None = None
+    placement_note: str = ""  # how a static placement was chosen (reported)
+
+    def load(self, t0: float, t1: float, burst: bool = False) -> WindowLoad:
+        """The load of [t0, t1): mean rate, or with `burst` the `burst_quantile` of its sub-window rates
+        (the global controller provisions for the bursts it saw, not their average)."""
+        a = self.arrivals
+        t0 = max(0.0, t0)
+        i0, i1 = np.searchsorted(a.time_s, [t0, t1])
+        k = i1 - i0
+        if k == 0:
+            mp = float(np.mean(a.prompt)) if len(a) else 1.0
+            return WindowLoad(0.05, mp, float(np.mean(a.output)) if len(a) else 1.0)
+        rate = k / max(t1 - t0, 1e-9)
+        sub = self.burst_subwindow_s
+        if burst and t1 - t0 > 1.5 * sub:
+            edges = np.arange(t0, t1 + 1e-9, sub)
+            counts = np.diff(np.searchsorted(a.time_s, edges))
+            rate = max(rate, float(np.quantile(counts / sub, self.burst_quantile)))
+        prompts = a.prompt[i0:i1]
+        return WindowLoad(rate, float(np.mean(prompts)), float(np.mean(a.output[i0:i1])),
+                          float(np.percentile(prompts, 90)))
+
+    def peak_load(self) -> WindowLoad:
+        """The busiest `window_s` window of the trace (what a static deployment is sized for)."""
+        a = self.arrivals
+        end = float(a.time_s[-1]) if len(a) else 1.0
+        best = self.load(0, min(end + 1e-6, self.window_s))
+        t = 0.0
+        while t < end:
+            w = self.load(t, t + self.window_s)
+            if w.rate_rps > best.rate_rps:
+                best = w
+            t += self.window_s
+        return best
+
+    def initial(self) -> Shapes:
+        """The plan at time 0: a static policy's for the whole trace, a scaling one's for its first minute."""
+        if self.policy.fixed is not None:
+            return dict(self.policy.fixed.pools)
+        if not self.policy.scaling:
+            return self.static()
+        end = float(self.arrivals.time_s[-1]) if len(self.arrivals) else 0.0
+        return self.window(self.load(0.0, min(60.0, end + 1e-6), burst=True))
+
+    def static(self) -> Shapes:
+        n, pol = self.spec.gpus, self.policy
+        if pol.placement == "colocated":
+            p90 = float(np.percentile(self.arrivals.prompt, 90)) if len(self.arrivals) else 0.0
+            tp = self.colocated_tp or colocated_tp(self.pred, self.spec, p90)
+            self.placement_note = f"{n // tp} x TP{tp}, smallest TP that fits the p90 prompt ({p90:.0f} tokens)"
+            return {"mixed": PoolShape(split=False, replicas=n // tp, tp=tp, link_bytes_s=self.spec.link_bytes_s)}
+        peak = self.peak_load()
+        if pol.placement == "pd" and pol.static_plan == "goodput":
+            g = distserve_placement(self.pred, peak, self.spec, pol.clock)
+            self.placement_note = (f"goodput-optimal over every all-GPU P/D placement: holds {g.load_multiple:.2f}x "
+                                   f"the peak 5-minute load ({peak.rate_rps:.2f} req/s)")
+            return {"prefill": g.prefill, "decode": g.decode}
+        if pol.placement == "pd":
+            plan = provision_pd(self.pred, peak, self.spec, pol.clock, self.headroom, use_all=True)
+        else:  # MegaScale-Infer-style plan search at the trace's peak 5-minute load, every GPU used
+            plan = provision(self.pred, peak, self.spec, pol.clock, headroom=self.headroom, use_all=True)
+        return _shapes(plan)
+
+    def window(self, load: WindowLoad) -> Shapes:
+        """A scaling policy's plan for `load`."""
+        pol = self.policy
+        if pol.placement == "colocated":
+            return _shapes(provision_colocated(self.pred, load, self.spec, pol.clock, self.headroom))
+        if pol.placement == "pd":
+            return _shapes(provision_pd(self.pred, load, self.spec, pol.clock, self.headroom))
+        return _shapes(provision(self.pred, load, self.spec, pol.clock, headroom=self.headroom))
+
+
+def _shapes(plan: object) -> Shapes:
+    return {k: v for k in ("prefill", "decode", "mixed") if (v := getattr(plan, k)) is not None}

@@ -1,0 +1,93 @@
+"""The policies the simulator compares: the paper's baselines, our own reference points, AFlex and its ablations.
+
+Each changes only what its own design changes; all share one GPU profile, one model and one predictor.
+
+| policy | placement | scaling | clocks |
+|---|---|---|---|
+| `sglang` (alias `colocated-max`) | colocated instances | static | max |
+| `phase-dvfs` | colocated instances | static | per phase, lowest feasible per iteration |
+| `dynamollm` | colocated instances | count and TP per window, scaled-in GPUs parked | per phase, per iteration |
+| `distserve` | P/D instance pools, goodput-optimal placement fixed once | static | max |
+| `biscale` | P/D instance pools | GPUs per phase per window | per phase (phase-level DVFS) |
+| `af-max` | A/F split, P/D pools (MegaScale-Infer-style plan at peak) | static | max |
+| `aflex` | A/F split, P/D pools | per window | per operator and phase, per iteration |
+
+`static-oracle` is AFlex's pipeline with one fixed configuration (pool shapes and four clocks) chosen
+in hindsight by `loadgen.sim.oracle`; its spec is made there, with the configuration in it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from shared.policy import AFLEX_BATCHING, AFLEX_CLOCK_OBJECTIVE, BatchingRule, ClockRule, PoolShape
+
+PLACEMENTS = ("colocated", "pd", "af")
+
+
+@dataclass(frozen=True)
+class FixedPlan:
+    """A static configuration: pool shapes by name ("prefill", "decode" or "mixed")."""
+
+    pools: tuple[tuple[str, PoolShape], ...]
+
+
+@dataclass(frozen=True)
+class PolicySpec:
+    name: str
+    placement: str  # "colocated" (whole-model instances), "pd" (P/D instance pools), "af" (A/F split)
+    clock: ClockRule
+    batching: BatchingRule
+    scaling: bool = False  # re-provisions every window and parks GPUs outside the plan
+    adaptive_margin: bool = True
+    static_plan: str = "peak"  # non-scaling pd/af: "peak" (provision at the peak window, every GPU) or "goodput"
+    fixed: FixedPlan | None = None  # the static oracle's configuration
+
+    @property
+    def split(self) -> bool:
+        return self.placement == "af"
+
+
+FIXED = BatchingRule(adaptive=False)  # vLLM/SGLang defaults: 2048-token chunked prefill, FCFS
+AFLEX_CLOCK = ClockRule(objective=AFLEX_CLOCK_OBJECTIVE)
+PHASE_DVFS = ClockRule(per_operator=False)  # one clock for the whole model, chosen per phase and iteration
+MAX = ClockRule(max_clock=True)
+
+ALIASES = {"colocated-max": "sglang"}
+
+
+def _specs() -> dict[str, PolicySpec]:
+    s = PolicySpec
+    return {
+        "sglang": s("sglang", "colocated", MAX, FIXED, adaptive_margin=False),
+        "phase-dvfs": s("phase-dvfs", "colocated", PHASE_DVFS, FIXED),
+        # sensitivity only (not a published design): phase-dvfs scoring clocks by energy above the idle floor
+        "phase-dvfs-marginal": s("phase-dvfs-marginal", "colocated", ClockRule(per_operator=False,
+                                                                                objective="marginal"), FIXED),
+        "dynamollm": s("dynamollm", "colocated", PHASE_DVFS, FIXED, scaling=True),
+        "distserve": s("distserve", "pd", MAX, FIXED, adaptive_margin=False, static_plan="goodput"),
+        "biscale": s("biscale", "pd", PHASE_DVFS, FIXED, scaling=True),
+        "af-max": s("af-max", "af", ClockRule(max_clock=True, depths=()), FIXED, adaptive_margin=False),
+        "aflex": s("aflex", "af", AFLEX_CLOCK, AFLEX_BATCHING, scaling=True),
+        "aflex-no-opfreq": s("aflex-no-opfreq", "af", ClockRule(per_operator=False, objective=AFLEX_CLOCK_OBJECTIVE),
+                             AFLEX_BATCHING, scaling=True),
+        "aflex-fixed-depth": s("aflex-fixed-depth", "af", ClockRule(depths=(2,), objective=AFLEX_CLOCK_OBJECTIVE),
+                               AFLEX_BATCHING, scaling=True),
+        "aflex-no-adaptive-batch": s("aflex-no-adaptive-batch", "af", AFLEX_CLOCK, FIXED, scaling=True),
+    }
+
+
+SPECS = _specs()
+POLICIES = ("aflex", "sglang", "distserve", "dynamollm", "biscale", "af-max", "phase-dvfs", "aflex-no-opfreq",
+            "aflex-fixed-depth", "aflex-no-adaptive-batch")
+PAPER_POLICIES = (*POLICIES, "static-oracle")
+
+
+def policy_spec(name: str) -> PolicySpec:
+    """The spec of `name` (an alias gives the spec under its own name, so reports keep what was asked)."""
+    key = ALIASES.get(name, name)
+    if key not in SPECS:
+        known = ", ".join([*SPECS, *ALIASES, "static-oracle"])
+        raise ValueError(f"unknown policy {name!r}; known: {known}")
+    spec = SPECS[key]
+    return spec if key == name else PolicySpec(**{**spec.__dict__, "name": name})

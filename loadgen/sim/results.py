@@ -1,0 +1,79 @@
+"""A finished simulation's figures: latency percentiles, SLO attainment, clocks and energy in both accountings.
+
+Energy per token is GPU energy / (prompt + output tokens) (AFlex's metric); energy per output token is
+ML.ENERGY's. Both are given under `cluster` and `active` accounting (ledger.py); the top-level
+`energy_j` / `energy_per_token_j` are the accounting the run was asked for (`SimConfig.accounting`).
+Every figure here is modelled (the emulated GPU profile), never measured.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from loadgen.sim.engine import Simulation
+
+
+def energy_figures(energy_j: float, gpu_s: float, span_s: float, prompt_tokens: float,
+                   output_tokens: float) -> dict[str, float | None]:
+    tokens = prompt_tokens + output_tokens
+    return {
+        "energy_j": energy_j,
+        "energy_per_token_j": energy_j / tokens if tokens else None,
+        "energy_per_output_token_j": energy_j / output_tokens if output_tokens else None,
+        "mean_power_w": energy_j / span_s if span_s > 0 else None,
+        "gpu_s": gpu_s,
+    }
+
+
+def sim_results(sim: Simulation) -> dict[str, Any]:
+    a, cfg, led = sim.arr, sim.cfg, sim.ledger
+    ttft = (sim.first - a.time_s) * 1e3
+    multi = a.output > 1
+    tpot = np.where(multi, (sim.finish - sim.first) / np.maximum(a.output - 1, 1) * 1e3, 0.0)
+    prompt_tokens, output_tokens = float(a.prompt.sum()), float(a.output.sum())
+    ok = (ttft <= cfg.ttft_slo_s * 1e3) & (tpot <= cfg.tpot_slo_s * 1e3)
+
+    def pct(x: np.ndarray, q: float) -> float | None:
+        return float(np.percentile(x, q)) if len(x) else None
+
+    accounting = {
+        "cluster": energy_figures(led.cluster_j, led.cluster_gpu_s, sim.makespan, prompt_tokens, output_tokens),
+        "active": energy_figures(led.active_j, led.active_gpu_s, sim.makespan - led.active_from_s, prompt_tokens,
+                                 output_tokens),
+    }
+    chosen = accounting[cfg.accounting]
+    return {
+        "requests": len(a),
+        "finished": int(np.sum(~np.isnan(sim.finish))),
+        "tokens": prompt_tokens + output_tokens,
+        "prompt_tokens": prompt_tokens,
+        "output_tokens": output_tokens,
+        "accounting_reported": cfg.accounting,
+        "energy_j": chosen["energy_j"],
+        "energy_per_token_j": chosen["energy_per_token_j"],
+        "energy_per_output_token_j": chosen["energy_per_output_token_j"],
+        "mean_power_w": chosen["mean_power_w"],
+        "accounting": accounting,
+        "energy_source": "modelled (emulated GPU profile)",
+        "makespan_s": sim.makespan,
+        "p50_ttft_ms": pct(ttft, 50), "p90_ttft_ms": pct(ttft, 90), "p99_ttft_ms": pct(ttft, 99),
+        "p50_tpot_ms": pct(tpot[multi], 50), "p90_tpot_ms": pct(tpot[multi], 90),
+        "p99_tpot_ms": pct(tpot[multi], 99),
+        "slo_attainment": float(np.mean(ok)) if len(a) else None,
+        "slo_met": bool(len(a) and (pct(ttft, 90) or 0) <= cfg.ttft_slo_s * 1e3
+                        and (pct(tpot[multi], 90) or 0) <= cfg.tpot_slo_s * 1e3),
+        "mean_clock_mhz": {k: (sim.clock_weighted[k] / sim.clock_time[k] if sim.clock_time[k] else None)
+                           for k in sim.clock_time},
+        "gpus": cfg.gpus,
+        "parking": sim.parking,
+        "parked_j": led.parked_j,
+        "parked_gpu_s": led.parked_gpu_s,
+        "rejoin_j": led.rejoin_j,
+        "rejoins": [{"t_s": t, "gpus": k, "from": kind, "delay_s": d} for t, k, kind, d in sim.rejoins],
+        "placement": sim.planner.placement_note,
+        "plans": [{"t_s": t, **p} for t, p in sim.plans],
+        "final_margin": {"ttft": sim.margin_ttft.margin, "tpot": sim.margin_tpot.margin},
+    }
