@@ -97,7 +97,8 @@ class Controller:
     def _dq(k: int, per_octave: int) -> float:
         return float(2.0 ** (k / per_octave) - 1.0)
 
-    def plan(self, shape: PoolShape, s: BatchStats, budget_s: float, current: OperatingPoint | None) -> OperatingPoint:
+    def plan(self, shape: PoolShape, s: BatchStats, budget_s: float, current: OperatingPoint | None,
+             rule: ClockRule | None = None) -> OperatingPoint:
         qn, qc = self._q(s.n_tokens, 16), self._q(s.ctx_tokens, 12)
         qp, qs = self._q(s.pairs, 8), self._q(s.n_sample, 16)
         # the single-sequence bound only matters when that sequence is more than one group's share
@@ -105,12 +106,13 @@ class Controller:
         sq = (self._q(s.seq_tokens, 16), self._q(s.seq_ctx, 12), self._q(s.seq_pairs, 8)) if big else (0, 0, 0)
         qb = int(budget_s * 400)  # 2.5 ms
         cur = (current.depth, current.index) if current is not None else None
-        key = (shape, s.phase, qn, qc, qp, qs, sq, qb, cur)
+        rule = self.rule if rule is None else rule
+        key = (shape, s.phase, qn, qc, qp, qs, sq, qb, cur, rule)
         op = self.cache.get(key)
         if op is None:
             seq = (self._dq(sq[0], 16), self._dq(sq[1], 12), self._dq(sq[2], 8)) if big else (0.0, 0.0, 0.0)
             rep = BatchStats(s.phase, self._dq(qn, 16), self._dq(qc, 12), self._dq(qp, 8), self._dq(qs, 16), *seq)
-            op = plan_iteration(self.pred, shape, rep, qb / 400.0, self.rule, current)
+            op = plan_iteration(self.pred, shape, rep, qb / 400.0, rule, current)
             if len(self.cache) > 200_000:
                 self.cache.clear()
             self.cache[key] = op
@@ -136,6 +138,7 @@ class Pool:
     next_at: float = 0.0
     joining: int = 0  # GPUs rejoining for `next_shape` (from parking, or freed by a pool that shrank)
     deficit: int = 0  # GPUs `next_shape` still waits for another pool to free
+    rule: ClockRule | None = None  # the window's fixed clocks (global scheduler only), else the policy's
 
 
 class Simulation:
@@ -238,6 +241,9 @@ class Simulation:
                     pool.deficit += need - from_warm - from_cold
             self._parked(now, warm, cold)
             self._rejoin_group(now)
+        if self.pol.window_clocks:
+            for name, shape in shapes.items():
+                self.pools[name].rule = self.planner.window_rule(name, shape)
         for pool in self.pools.values():
             self._try_reshape(pool, now)
         self.plans.append((now, {k: [v.attention, v.ffn, v.attention_tp] if v.split else [v.replicas, v.tp]
@@ -387,7 +393,7 @@ class Simulation:
         phase = "prefill" if n_pre > 0 else "decode"
         ctx_dec = pool.ctx_sum + n_dec
         stats = BatchStats(phase, n_dec + n_pre, ctx_dec + ctx_pre, ctx_dec + pairs_pre, n_dec + n_done_pre, *seq)
-        op = self.ctrl.plan(pool.shape, stats, budget, pool.op)
+        op = self.ctrl.plan(pool.shape, stats, budget, pool.op, pool.rule)
         t, e = self._truth(pool.shape, stats, op.depth, op.clock_attention, op.clock_ffn)
         prev = pool.op
         if prev is not None and (prev.clock_attention, prev.clock_ffn) != (op.clock_attention, op.clock_ffn) \

@@ -15,6 +15,15 @@ MODELS: dict[str, ModelArgs] = {
     # meta-llama/Meta-Llama-3-8B config.json: hidden 4096, 32 layers, 32/8 heads, MLP 14336
     "llama-3-8b": ModelArgs(arch="llama", vocab_size=128256, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8,
                             head_dim=128, intermediate_size=14336, max_seq_len=8192),
+    # meta-llama/Llama-3.1-8B config.json: the shapes of Llama-3-8B, 128k context
+    "llama-3.1-8b": ModelArgs(arch="llama", vocab_size=128256, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8,
+                              head_dim=128, intermediate_size=14336, max_seq_len=131072),
+    # meta-llama/Llama-3.3-70B-Instruct config.json: hidden 8192, 80 layers, 64/8 heads, head_dim 128, MLP 28672
+    "llama-3.3-70b": ModelArgs(arch="llama", vocab_size=128256, dim=8192, n_layers=80, n_heads=64, n_kv_heads=8,
+                               head_dim=128, intermediate_size=28672, max_seq_len=131072),
+    # ministral/Ministral-3b-instruct config.json: hidden 4096, 14 layers, 32/8 heads, head_dim 128, MLP 14336
+    "ministral-3b": ModelArgs(arch="llama", vocab_size=32000, dim=4096, n_layers=14, n_heads=32, n_kv_heads=8,
+                              head_dim=128, intermediate_size=14336, max_seq_len=32768),
     # HuggingFaceTB/SmolLM2-135M(-Instruct) config.json (the mesh's `--model default`): hidden 576, 30 layers,
     # 9 q heads, 3 kv heads, head_dim 64, MLP 1536, tied embeddings
     "smollm2-135m": ModelArgs(arch="llama", vocab_size=49152, dim=576, n_layers=30, n_heads=9, n_kv_heads=3,

@@ -8,15 +8,16 @@ this module only turns the trace into `WindowLoad`s and a policy's placement int
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
 from loadgen.sim.arrivals import Arrivals
 from loadgen.sim.policies import PolicySpec
 from shared.perf import Predictor
-from shared.policy import ClusterSpec, PoolShape, WindowLoad, provision
+from shared.policy import ClockRule, ClusterSpec, PoolShape, WindowLoad, provision
 from shared.policy.placement import colocated_tp, distserve_placement, provision_colocated, provision_pd
+from shared.policy.provision import decode_point, prefill_point
 
 Shapes = dict[str, PoolShape]
 
@@ -33,6 +34,7 @@ class SimPlanner:
     burst_quantile: float
     colocated_tp: int | None = None
     placement_note: str = ""  # how a static placement was chosen (reported)
+    last_load: WindowLoad | None = None  # the load the latest plan was made for
 
     def load(self, t0: float, t1: float, burst: bool = False) -> WindowLoad:
         """The load of [t0, t1): mean rate, or with `burst` the `burst_quantile` of its sub-window rates
@@ -98,11 +100,29 @@ class SimPlanner:
     def window(self, load: WindowLoad) -> Shapes:
         """A scaling policy's plan for `load`."""
         pol = self.policy
+        self.last_load = load
         if pol.placement == "colocated":
             return _shapes(provision_colocated(self.pred, load, self.spec, pol.clock, self.headroom))
         if pol.placement == "pd":
             return _shapes(provision_pd(self.pred, load, self.spec, pol.clock, self.headroom))
         return _shapes(provision(self.pred, load, self.spec, pol.clock, headroom=self.headroom))
+
+
+    def window_rule(self, mode: str, shape: PoolShape) -> ClockRule:
+        """The global scheduler alone: the pool's clocks fixed for the window at the operating points its
+        plan was sized with (the load × headroom), so no iteration picks its own."""
+        load = self.last_load or self.peak_load()
+        hl = WindowLoad(load.rate_rps * self.headroom, load.mean_prompt, load.mean_output, load.p90_prompt)
+        rule = replace(self.policy.clock, objective="total")
+        top = float(self.pred.profile.max_mhz)
+        pre = dec = (top, top)
+        if mode in ("prefill", "mixed"):
+            op, _ = prefill_point(self.pred, shape, hl, self.spec, rule)
+            pre = (op.clock_attention, op.clock_ffn) if op is not None else pre
+        if mode in ("decode", "mixed"):
+            op_d, _ = decode_point(self.pred, shape, hl, self.spec, rule)
+            dec = (op_d.clock_attention, op_d.clock_ffn) if op_d.feasible else dec
+        return replace(self.policy.clock, fixed_mhz=(pre, dec))
 
 
 def _shapes(plan: object) -> Shapes:

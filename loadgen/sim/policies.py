@@ -12,6 +12,11 @@ Each changes only what its own design changes; all share one GPU profile, one mo
 | `af-max` | A/F split, P/D pools (MegaScale-Infer-style plan at peak) | static | max |
 | `aflex` | A/F split, P/D pools | per window | per operator and phase, per iteration |
 
+Ablations: `aflex-no-opfreq` (one clock for both halves), `aflex-fixed-depth` (depth 2 always),
+`aflex-no-adaptive-batch` (FCFS, fixed chunks), `aflex-global-only` (the global scheduler alone: pools
+and base clocks per window, no per-iteration DVFS); `dynamollm-no-dvfs` (instance scaling at the top
+clock: throttLL'eM's "autoscaling alone"; `phase-dvfs` is its "throttling alone").
+
 `static-oracle` is AFlex's pipeline with one fixed configuration (pool shapes and four clocks) chosen
 in hindsight by `loadgen.sim.oracle`; its spec is made there, with the configuration in it.
 """
@@ -42,6 +47,7 @@ class PolicySpec:
     adaptive_margin: bool = True
     static_plan: str = "peak"  # non-scaling pd/af: "peak" (provision at the peak window, every GPU) or "goodput"
     fixed: FixedPlan | None = None  # the static oracle's configuration
+    window_clocks: bool = False  # clocks fixed per window at the plan's operating point (no local DVFS)
 
     @property
     def split(self) -> bool:
@@ -74,12 +80,17 @@ def _specs() -> dict[str, PolicySpec]:
         "aflex-fixed-depth": s("aflex-fixed-depth", "af", ClockRule(depths=(2,), objective=AFLEX_CLOCK_OBJECTIVE),
                                AFLEX_BATCHING, scaling=True),
         "aflex-no-adaptive-batch": s("aflex-no-adaptive-batch", "af", AFLEX_CLOCK, FIXED, scaling=True),
+        # AFlex's global scheduler alone: its pools and base clocks per window, no per-iteration DVFS
+        "aflex-global-only": s("aflex-global-only", "af", AFLEX_CLOCK, AFLEX_BATCHING, scaling=True,
+                               window_clocks=True),
+        # throttLL'eM's "autoscaling alone": DynamoLLM's instance scaling at the top clock
+        "dynamollm-no-dvfs": s("dynamollm-no-dvfs", "colocated", MAX, FIXED, scaling=True),
     }
 
 
 SPECS = _specs()
 POLICIES = ("aflex", "sglang", "distserve", "dynamollm", "biscale", "af-max", "phase-dvfs", "aflex-no-opfreq",
-            "aflex-fixed-depth", "aflex-no-adaptive-batch")
+            "aflex-fixed-depth", "aflex-no-adaptive-batch", "aflex-global-only")
 PAPER_POLICIES = (*POLICIES, "static-oracle")
 
 

@@ -22,7 +22,7 @@ import math
 from dataclasses import dataclass, replace
 
 from shared.perf import Predictor
-from shared.policy.clocks import BatchStats, ClockRule, PoolShape, plan_iteration
+from shared.policy.clocks import BatchStats, ClockRule, OperatingPoint, PoolShape, plan_iteration
 
 
 @dataclass(frozen=True)
@@ -81,8 +81,10 @@ class Plan:
 INFEASIBLE = 1e9
 
 
-def decode_power(pred: Predictor, shape: PoolShape, load: WindowLoad, spec: ClusterSpec, rule: ClockRule) -> float:
-    """Predicted power (W) of a decode pool at this load; INFEASIBLE + overload when it cannot hold it."""
+def decode_point(pred: Predictor, shape: PoolShape, load: WindowLoad, spec: ClusterSpec,
+                 rule: ClockRule) -> tuple[OperatingPoint, float]:
+    """The decode pool's planned operating point at this load, and its overload (> 1: it cannot hold it):
+    batch B from Little's law (B = token rate × iteration time), iterated to a fixed point."""
     rate = load.rate_rps * load.mean_output
     per_seq_ctx = load.mean_prompt + load.mean_output / 2
     t = 0.05
@@ -96,7 +98,13 @@ def decode_power(pred: Predictor, shape: PoolShape, load: WindowLoad, spec: Clus
     b = max(1.0, rate * t)
     kv_need = b * (load.mean_prompt + load.mean_output)
     over = max(t / spec.tpot_budget_s, kv_need / max(spec.pool_kv_capacity_tokens(shape), 1.0))
-    if not op.feasible or over > 1.0:
+    return op, (over if op.feasible else max(over, 1.0 + 1e-9))
+
+
+def decode_power(pred: Predictor, shape: PoolShape, load: WindowLoad, spec: ClusterSpec, rule: ClockRule) -> float:
+    """Predicted power (W) of a decode pool at this load; INFEASIBLE + overload when it cannot hold it."""
+    op, over = decode_point(pred, shape, load, spec, rule)
+    if over > 1.0:
         return INFEASIBLE * over
     return op.energy_j / op.time_s
 
@@ -110,16 +118,18 @@ def long_prompt_time(pred: Predictor, shape: PoolShape, prompt: float, rule: Clo
     return plan_iteration(pred, shape, stats, 0.0, top if rule is None else rule).time_s
 
 
-def prefill_power(pred: Predictor, shape: PoolShape, load: WindowLoad, spec: ClusterSpec, rule: ClockRule,
-                  max_utilisation: float = 0.6) -> float:
+def prefill_point(pred: Predictor, shape: PoolShape, load: WindowLoad, spec: ClusterSpec, rule: ClockRule,
+                  max_utilisation: float = 0.6) -> tuple[OperatingPoint | None, float]:
+    """The prefill pool's planned operating point (None: no prefill load) and its predicted power (W):
+    busy share at the chosen clocks, idle share at their context-idle power."""
     rate = load.rate_rps * load.mean_prompt
     if rate <= 0:
-        return shape.gpus * spec.parked_power_w
+        return None, shape.gpus * spec.parked_power_w
     if load.p90_prompt > 0:
         t_long = long_prompt_time(pred, shape, load.p90_prompt)
         if t_long > spec.ttft_budget_s:
-            return INFEASIBLE * 10 * t_long / spec.ttft_budget_s
-    best = INFEASIBLE * 100
+            return None, INFEASIBLE * 10 * t_long / spec.ttft_budget_s
+    best, best_op = INFEASIBLE * 100, None
     prompt = max(1.0, load.mean_prompt)
     for chunk in (prompt, 2 * prompt, 4 * prompt):
         seqs = max(1.0, chunk / prompt)
@@ -133,8 +143,15 @@ def prefill_power(pred: Predictor, shape: PoolShape, load: WindowLoad, spec: Clu
             best = min(best, INFEASIBLE * max(1.0, op.time_s / budget))
             continue
         idle = idle_power_w(pred, shape, op.clock_attention, op.clock_ffn)
-        best = min(best, util * op.energy_j / op.time_s + (1 - util) * idle)
-    return best
+        power = util * op.energy_j / op.time_s + (1 - util) * idle
+        if power < best:
+            best, best_op = power, op
+    return best_op, best
+
+
+def prefill_power(pred: Predictor, shape: PoolShape, load: WindowLoad, spec: ClusterSpec, rule: ClockRule,
+                  max_utilisation: float = 0.6) -> float:
+    return prefill_point(pred, shape, load, spec, rule, max_utilisation)[1]
 
 
 def idle_power_w(pred: Predictor, shape: PoolShape, clock_attention: float, clock_ffn: float) -> float:
