@@ -117,17 +117,19 @@ def run_policies(args: argparse.Namespace, record: bool = False) -> dict[str, An
     for name in [s.strip() for s in args.policies.split(",") if s.strip()]:
         cfg = sim_config(args, record)
         t0 = time.perf_counter()
+        simulation: Simulation | None = None
         if name == "static-oracle":
             from loadgen.sim.oracle import search_oracle
 
             oracle = search_oracle(profile, model, arrivals, cfg, workers=args.oracle_workers)
-            res, simulation = oracle.result, oracle.rerun(profile, model, arrivals, cfg, pred)
+            res = oracle.result
+            simulation = oracle.rerun(profile, model, arrivals, cfg, pred) if record else None
         else:
             simulation = Simulation(profile, model, arrivals, policy_spec(name), cfg, pred)
             res = simulation.run()
         res["wall_s"] = round(time.perf_counter() - t0, 2)
         out["policies"][name] = res
-        if record:
+        if record and simulation is not None:
             out["timelines"][name] = {"clocks": simulation.clock_trace, "power": simulation.ledger.timeline}
         print(_summary(name, res, args.accounting), file=sys.stderr)
     return out

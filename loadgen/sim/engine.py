@@ -139,6 +139,7 @@ class Pool:
     joining: int = 0  # GPUs rejoining for `next_shape` (from parking, or freed by a pool that shrank)
     deficit: int = 0  # GPUs `next_shape` still waits for another pool to free
     rule: ClockRule | None = None  # the window's fixed clocks (global scheduler only), else the policy's
+    energy_j: float = 0.0  # the pool's own iterations and idle stretches (cluster accounting)
 
 
 class Simulation:
@@ -191,7 +192,9 @@ class Simulation:
 
     def _close_idle(self, pool: Pool, now: float) -> None:
         if now > pool.idle_since:
-            self.ledger.charge(pool.idle_since, now, pool.shape.gpus, self._idle_w(pool) * (now - pool.idle_since))
+            joules = self._idle_w(pool) * (now - pool.idle_since)
+            self.ledger.charge(pool.idle_since, now, pool.shape.gpus, joules)
+            pool.energy_j += joules
         pool.idle_since = max(pool.idle_since, now)
 
     def _parked(self, now: float, warm: int, cold: int) -> None:
@@ -404,6 +407,7 @@ class Simulation:
         # energy: the idle stretch before (at the clocks it waited at), then the iteration
         self._close_idle(pool, now)
         self.ledger.charge(now, now + t, pool.shape.gpus, e)
+        pool.energy_j += e
         pool.op = op
         pool.busy_until = now + t
         pool.pending = (chunk, n_dec)

@@ -68,6 +68,7 @@ def sim_results(sim: Simulation) -> dict[str, Any]:
         "mean_clock_mhz": {k: (sim.clock_weighted[k] / sim.clock_time[k] if sim.clock_time[k] else None)
                            for k in sim.clock_time},
         "gpus": cfg.gpus,
+        "pool_energy_j": {name: pool.energy_j for name, pool in sim.pools.items()},
         "parking": sim.parking,
         "parked_j": led.parked_j,
         "parked_gpu_s": led.parked_gpu_s,

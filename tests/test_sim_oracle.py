@@ -1,0 +1,103 @@
+"""The static oracle's grid search, the load sweep and `aflex sim`'s command line."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from loadgen.sim.arrivals import synthetic
+from loadgen.sim.engine import SimConfig, Simulation
+from loadgen.sim.models import get_model
+from loadgen.sim.oracle import OracleConfig, clock_levels, search_oracle
+from shared.gpu.emulated import load_profile
+from shared.perf import cached_predictor
+
+PROFILE = load_profile("a800")
+MODEL = get_model("llama-3-8b")
+ARRIVALS = synthetic(3.0, 40.0, 7, burstiness=1.5, prompt_mean=800, output_mean=80)
+CFG = SimConfig(gpus=8, window_s=20, tick_s=10)
+
+
+def test_the_decomposed_grid_finds_the_exhaustive_optimum() -> None:
+    """A small case whose optimum is known: every joint combination of the grid replayed (exhaustive),
+    against the search that pairs prefill and decode combinations (levels² replays, then the pair)."""
+    levels = ([795.0, 1110.0, 1410.0], [345.0, 570.0])
+    fast = search_oracle(PROFILE, MODEL, ARRIVALS, CFG, workers=2, levels_mhz=levels)
+    full = search_oracle(PROFILE, MODEL, ARRIVALS, CFG, workers=2, levels_mhz=levels, exhaustive=True)
+    assert full.result["oracle"]["replays"] == len(full.replays) > fast.result["oracle"]["replays"]
+    assert fast.result["oracle"]["feasible"] and full.result["oracle"]["feasible"]
+    assert fast.best == full.best
+    assert fast.result["energy_j"] == full.result["energy_j"]
+    # the optimum is the least energy among the replays that meet both SLOs, and nothing feasible beats it
+    ok = [r for r in full.replays if r["p90_ttft_ms"] <= 400 and r["p90_tpot_ms"] <= 120]
+    assert full.result["energy_j"] == min(r["energy_j"] for r in ok)
+
+
+def test_a_tighter_slo_rules_out_the_slow_configurations() -> None:
+    """With a TPOT SLO the slowest decode configuration misses, the oracle picks the least-energy one
+    among those that still meet it (from the same replays: they are deterministic)."""
+    levels = ([1110.0], [255.0, 570.0, 840.0])
+    loose_cfg = SimConfig(gpus=8, window_s=20, tick_s=10, tpot_slo_s=10.0)
+    loose = search_oracle(PROFILE, MODEL, ARRIVALS, loose_cfg, workers=2, levels_mhz=levels, exhaustive=True)
+    slowest = max(loose.replays, key=lambda r: r["p90_tpot_ms"])
+    slo_ms = 0.99 * slowest["p90_tpot_ms"]
+    tight_cfg = SimConfig(gpus=8, window_s=20, tick_s=10, tpot_slo_s=slo_ms / 1e3)
+    tight = search_oracle(PROFILE, MODEL, ARRIVALS, tight_cfg, workers=2, levels_mhz=levels, exhaustive=True)
+    still_ok = [r for r in loose.replays if r["p90_tpot_ms"] <= slo_ms]
+    assert tight.result["oracle"]["feasible"] and tight.result["p90_tpot_ms"] <= slo_ms
+    assert tight.result["energy_j"] == min(r["energy_j"] for r in still_ok)
+    assert tight.best.clocks_mhz != (slowest["clocks_mhz"]["PA"], slowest["clocks_mhz"]["PF"])
+
+
+def test_a_fixed_configuration_keeps_its_clocks_and_shapes() -> None:
+    shape_args = {"split": True, "attention": 1, "ffn": 1}
+    from shared.policy import PoolShape
+
+    conf = OracleConfig(PoolShape(**shape_args), PoolShape(**shape_args), ((885.0, 1020.0), (480.0, 525.0)))
+    sim = Simulation(PROFILE, MODEL, ARRIVALS, conf.spec(), CFG, cached_predictor(PROFILE, MODEL))
+    res = sim.run()
+    clocks = res["mean_clock_mhz"]
+    assert (clocks["prefill-attention"], clocks["prefill-ffn"]) == pytest.approx((885.0, 1020.0))
+    assert (clocks["decode-attention"], clocks["decode-ffn"]) == pytest.approx((480.0, 525.0))
+    assert len(res["plans"]) == 1 and res["plans"][0]["parked"] == 4 and res["finished"] == res["requests"]
+    table = cached_predictor(PROFILE, MODEL).clocks
+    pre, dec = clock_levels(PROFILE, 4, table)
+    assert len(pre) == len(dec) == 4 and pre[-1] == PROFILE.max_mhz and set(pre + dec) <= set(table.tolist())
+
+
+def _sim_cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "loadgen.sim.cli", *args], capture_output=True, text=True,
+                          timeout=300, cwd=Path(__file__).resolve().parents[1])
+
+
+def test_the_load_sweep_and_both_accountings_on_the_command_line(tmp_path: Path) -> None:
+    out = tmp_path / "sweep.json"
+    proc = _sim_cli("--rate", "2", "--duration", "30", "--model", "llama-3-8b", "--gpus", "8", "--window-s", "20",
+                    "--policies", "sglang,aflex", "--load", "0.5,2", "--accounting", "active", "--json", str(out))
+    assert proc.returncode == 0, proc.stderr
+    data = json.loads(out.read_text())
+    assert set(data["sweep"]) == {"0.5", "2"}
+    for load, policies in data["sweep"].items():
+        assert set(policies) == {"sglang", "aflex"}
+        for res in policies.values():
+            assert set(res) == set(data["policies"]["sglang"]) | ({"oracle"} & set(res))
+            assert res["accounting_reported"] == "active"
+            assert res["accounting"]["active"]["energy_j"] <= res["accounting"]["cluster"]["energy_j"]
+    assert data["sweep"]["2"]["sglang"]["requests"] > data["sweep"]["0.5"]["sglang"]["requests"]
+    assert "active E/token" in proc.stderr
+
+
+@pytest.mark.parametrize("args, message", [
+    (("--load", "0,1"), "--load multipliers must be > 0"),
+    (("--load", "fast"), "--load must be comma-separated numbers"),
+    (("--policies", "vllm"), "unknown policy 'vllm'"),
+    (("--parking", "hot"), "invalid choice: 'hot'"),
+    (("--idle-clock-share", "0.9"), "idle clock share must be in"),
+])
+def test_bad_sim_arguments_get_one_clear_line(args: tuple[str, ...], message: str) -> None:
+    proc = _sim_cli("--rate", "1", "--duration", "5", "--gpus", "4", "--model", "llama-3-8b", *args)
+    assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr
