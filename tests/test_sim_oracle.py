@@ -81,7 +81,7 @@ def test_the_load_sweep_and_both_accountings_on_the_command_line(tmp_path: Path)
     assert proc.returncode == 0, proc.stderr
     data = json.loads(out.read_text())
     assert set(data["sweep"]) == {"0.5", "2"}
-    for load, policies in data["sweep"].items():
+    for policies in data["sweep"].values():
         assert set(policies) == {"sglang", "aflex"}
         for res in policies.values():
             assert set(res) == set(data["policies"]["sglang"]) | ({"oracle"} & set(res))
