@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import itertools
 import multiprocessing
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -78,7 +78,7 @@ class OracleResult:
         return sim
 
 
-def snap_to_table(clocks_mhz: Sequence[float], table_mhz: np.ndarray) -> list[float]:
+def snap_to_table(clocks_mhz: Iterable[float], table_mhz: np.ndarray) -> list[float]:
     """Each clock moved to the nearest of the predictor's table (what a fixed rule can pin), deduplicated."""
     return list(dict.fromkeys(float(table_mhz[int(np.argmin(np.abs(table_mhz - f)))]) for f in clocks_mhz))
 
