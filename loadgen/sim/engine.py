@@ -23,12 +23,14 @@ from __future__ import annotations
 import heapq
 import math
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from loadgen.sim.arrivals import Arrivals
+from loadgen.sim.controller import Controller
+from loadgen.sim.fleet import Fleet, Pool
 from loadgen.sim.ledger import EnergyLedger
 from loadgen.sim.models import attention_weight_bytes, ffn_weight_bytes, kv_bytes_per_token
 from loadgen.sim.planning import SimPlanner
@@ -41,7 +43,6 @@ from shared.policy import (
     BatchStats,
     ClockRule,
     ClusterSpec,
-    OperatingPoint,
     PoolShape,
     SloMargin,
     WindowLoad,
@@ -82,66 +83,6 @@ class SimConfig:
     seed: int = 0
 
 
-class Controller:
-    """Memoised `plan_iteration` on quantised batch statistics (decisions are deterministic)."""
-
-    def __init__(self, pred: Predictor, rule: ClockRule) -> None:
-        self.pred, self.rule = pred, rule
-        self.cache: dict[tuple[Any, ...], OperatingPoint] = {}
-
-    @staticmethod
-    def _q(x: float, per_octave: int) -> int:
-        return round(per_octave * math.log2(x + 1.0))
-
-    @staticmethod
-    def _dq(k: int, per_octave: int) -> float:
-        return float(2.0 ** (k / per_octave) - 1.0)
-
-    def plan(self, shape: PoolShape, s: BatchStats, budget_s: float, current: OperatingPoint | None,
-             rule: ClockRule | None = None) -> OperatingPoint:
-        qn, qc = self._q(s.n_tokens, 16), self._q(s.ctx_tokens, 12)
-        qp, qs = self._q(s.pairs, 8), self._q(s.n_sample, 16)
-        # the single-sequence bound only matters when that sequence is more than one group's share
-        big = s.seq_tokens > s.n_tokens / max(1, shape.units)
-        sq = (self._q(s.seq_tokens, 16), self._q(s.seq_ctx, 12), self._q(s.seq_pairs, 8)) if big else (0, 0, 0)
-        qb = int(budget_s * 400)  # 2.5 ms
-        cur = (current.depth, current.index) if current is not None else None
-        rule = self.rule if rule is None else rule
-        key = (shape, s.phase, qn, qc, qp, qs, sq, qb, cur, rule)
-        op = self.cache.get(key)
-        if op is None:
-            seq = (self._dq(sq[0], 16), self._dq(sq[1], 12), self._dq(sq[2], 8)) if big else (0.0, 0.0, 0.0)
-            rep = BatchStats(s.phase, self._dq(qn, 16), self._dq(qc, 12), self._dq(qp, 8), self._dq(qs, 16), *seq)
-            op = plan_iteration(self.pred, shape, rep, qb / 400.0, rule, current)
-            if len(self.cache) > 200_000:
-                self.cache.clear()
-            self.cache[key] = op
-        return op
-
-
-@dataclass
-class Pool:
-    mode: str  # "mixed", "prefill", "decode"
-    shape: PoolShape
-    queue: deque[list[int]] = field(default_factory=deque)  # [rid, remaining prompt tokens]
-    queued_tokens: int = 0
-    heap: list[tuple[int, int]] = field(default_factory=list)  # (finish iteration, rid)
-    n_run: int = 0
-    ctx_sum: float = 0.0
-    iters: int = 0
-    busy_until: float = -1.0
-    idle_since: float = 0.0
-    op: OperatingPoint | None = None
-    pending: tuple[list[tuple[int, int]], int] | None = None  # prefill chunk [(rid, q)], decode tokens
-    waiting: deque[int] = field(default_factory=deque)  # decode admission wait list
-    next_shape: PoolShape | None = None  # the plan's shape, taken at the first idle moment from `next_at`
-    next_at: float = 0.0
-    joining: int = 0  # GPUs rejoining for `next_shape` (from parking, or freed by a pool that shrank)
-    deficit: int = 0  # GPUs `next_shape` still waits for another pool to free
-    rule: ClockRule | None = None  # the window's fixed clocks (global scheduler only), else the policy's
-    energy_j: float = 0.0  # the pool's own iterations and idle stretches (cluster accounting)
-
-
 class Simulation:
     def __init__(self, profile: GPUProfile, args: ModelArgs, arrivals: Arrivals, policy: PolicySpec,
                  config: SimConfig, predictor: Predictor) -> None:
@@ -176,115 +117,19 @@ class Simulation:
         self.planner = SimPlanner(policy, self.spec, predictor, arrivals, config.window_s, config.headroom,
                                   config.burst_subwindow_s, config.burst_quantile, config.colocated_tp)
         self.ledger = EnergyLedger(active_from_s=float(arrivals.time_s[0]) if n else 0.0, record=config.record_power)
-        self.pools: dict[str, Pool] = {}
+        self.fleet = Fleet(profile, config.gpus, self.switch_delay, self.weights, self.parking, self.ledger)
+        self.pools, self.rejoins = self.fleet.pools, self.fleet.rejoins
         self.planned_rate = 0.0
-        self.rejoins: list[tuple[float, int, str, float]] = []  # (time, GPUs, from state, delay s)
-
-    # -- energy -------------------------------------------------------------------------------
-    def _idle_w(self, pool: Pool) -> float:
-        """The pool's GPUs waiting at the clocks they are locked at (the default clock before any iteration)."""
-        sh, prof = pool.shape, self.p
-        fa = pool.op.clock_attention if pool.op else prof.default_mhz
-        ff = pool.op.clock_ffn if pool.op else prof.default_mhz
-        if sh.split:
-            return sh.attention * prof.context_idle_power_at(fa) + sh.ffn * prof.context_idle_power_at(ff)
-        return sh.gpus * prof.context_idle_power_at(fa)
-
-    def _close_idle(self, pool: Pool, now: float) -> None:
-        if now > pool.idle_since:
-            joules = self._idle_w(pool) * (now - pool.idle_since)
-            self.ledger.charge(pool.idle_since, now, pool.shape.gpus, joules)
-            pool.energy_j += joules
-        pool.idle_since = max(pool.idle_since, now)
-
-    def _parked(self, now: float, warm: int, cold: int) -> None:
-        led = self.ledger
-        led.set_group("parked-warm", now, warm, self.p.warm_parked_power_w, in_plan=False)
-        led.set_group("parked-cold", now, cold, self.p.idle_power_w, in_plan=False)
 
     # -- provisioning -------------------------------------------------------------------------
-    def _share_bytes(self, shape: PoolShape) -> float:
-        """Weight bytes one rejoining GPU loads: its role's share (the larger role's, if split)."""
-        wa, wf = self.weights["attention"], self.weights["ffn"]
-        if not shape.split:
-            return (wa + wf) / max(1, shape.tp)
-        return max(wa / max(1, shape.attention_tp), wf / max(1, shape.ffn))
-
-    def _rejoin_group(self, now: float) -> None:
-        self.ledger.set_group("rejoin", now, sum(p.joining for p in self.pools.values()),
-                              self.p.context_idle_power_w, in_plan=True)
-
     def _apply_plan(self, now: float, shapes: dict[str, PoolShape]) -> None:
-        """Give each pool its planned shape. A growing pool takes GPUs from parking (warm first: one clock
-        switch; then cold: a model load), and what parking lacks from pools that shrink, when they
-        free them (`deficit`); a pool takes its new shape at its first idle moment once they are ready."""
-        led = self.ledger
-        if not self.pools:  # time 0: the plan's GPUs start ready, the rest start parked
-            for name, shape in shapes.items():
-                self.pools[name] = Pool(mode=name, shape=shape, idle_since=now)
-            out = self.cfg.gpus - sum(sh.gpus for sh in shapes.values())
-            self._parked(now, out if self.parking == "warm" else 0, out if self.parking == "cold" else 0)
-        else:
-            warm, cold = led.group_count("parked-warm"), led.group_count("parked-cold")
-            for name, shape in shapes.items():
-                pool = self.pools[name]
-                pool.next_shape = shape
-                need = shape.gpus - (pool.shape.gpus + pool.joining + pool.deficit)
-                if need < 0:
-                    pool.deficit -= min(pool.deficit, -need)
-                elif need > 0:
-                    from_warm = min(need, warm)
-                    from_cold = min(need - from_warm, cold)
-                    warm, cold = warm - from_warm, cold - from_cold
-                    if from_warm or from_cold:
-                        delay = (self.p.cold_rejoin_s(self._share_bytes(shape)) if from_cold else self.switch_delay)
-                        pool.joining += from_warm + from_cold
-                        pool.next_at = max(pool.next_at, now + delay)
-                        self.rejoins.append((now, from_warm + from_cold, "cold" if from_cold else "warm", delay))
-                    pool.deficit += need - from_warm - from_cold
-            self._parked(now, warm, cold)
-            self._rejoin_group(now)
+        self.fleet.apply(now, shapes)
         if self.pol.window_clocks:
             for name, shape in shapes.items():
                 self.pools[name].rule = self.planner.window_rule(name, shape)
-        for pool in self.pools.values():
-            self._try_reshape(pool, now)
         self.plans.append((now, {k: [v.attention, v.ffn, v.attention_tp] if v.split else [v.replicas, v.tp]
                                  for k, v in shapes.items()} | {"parked": self.cfg.gpus - sum(
                                      sh.gpus for sh in shapes.values())}))
-
-    def _try_reshape(self, pool: Pool, now: float) -> None:
-        """Take the planned shape when the pool is idle and every GPU it waits for is ready. The joiners
-        move from the rejoin group into the pool; GPUs it no longer needs fill other pools' deficits
-        (loading their new role's weights) or go to parking."""
-        target = pool.next_shape
-        if target is None or pool.pending is not None or now < pool.next_at or pool.deficit:
-            return
-        self._close_idle(pool, now)
-        freed = pool.shape.gpus + pool.joining - target.gpus
-        pool.shape, pool.next_shape, pool.joining = target, None, 0
-        for other in self.pools.values():
-            if freed <= 0:
-                break
-            if other.deficit and other.next_shape is not None:
-                moved = min(freed, other.deficit)
-                freed -= moved
-                other.deficit -= moved
-                other.joining += moved
-                delay = self._share_bytes(other.next_shape) / self.p.host_to_device_bytes_s
-                other.next_at = max(other.next_at, now + delay)
-                self.rejoins.append((now, moved, "pool", delay))
-        self._rejoin_group(now)
-        if freed > 0:
-            led = self.ledger
-            warm, cold = led.group_count("parked-warm"), led.group_count("parked-cold")
-            self._parked(now, warm + (freed if self.parking == "warm" else 0),
-                         cold + (freed if self.parking == "cold" else 0))
-
-    def _next_reshape_s(self, now: float) -> float:
-        ready = [p.next_at for p in self.pools.values()
-                 if p.next_shape is not None and p.pending is None and not p.deficit and p.next_at > now]
-        return min(ready) if ready else math.inf
 
     def _provision(self, now: float, load: WindowLoad, scale_up_only: bool = False) -> None:
         shapes = self.planner.window(load)
@@ -405,7 +250,7 @@ class Simulation:
             phi = min(1.0, self.switch_delay / max(t, 1e-9))
             t, e = phi * t_old + (1 - phi) * t, phi * e_old + (1 - phi) * e
         # energy: the idle stretch before (at the clocks it waited at), then the iteration
-        self._close_idle(pool, now)
+        self.fleet.close_idle(pool, now)
         self.ledger.charge(now, now + t, pool.shape.gpus, e)
         pool.energy_j += e
         pool.op = op
@@ -478,7 +323,7 @@ class Simulation:
             t_next = min(t_pool, t_arr, t_kv)
             if t_next == math.inf:
                 break
-            t_next = min(t_next, self._next_reshape_s(now))
+            t_next = min(t_next, self.fleet.next_reshape_s(now))
             if next_tick <= t_next:
                 now = next_tick
                 self._tick(now, last_tick)
@@ -513,12 +358,12 @@ class Simulation:
                 pool.queued_tokens += int(a.prompt[i])
                 i += 1
             for pool in self.pools.values():
-                self._try_reshape(pool, now)
+                self.fleet.try_reshape(pool, now)
                 if pool.pending is None:
                     self._start(pool, now)
         # close the books
         for pool in self.pools.values():
-            self._close_idle(pool, now)
+            self.fleet.close_idle(pool, now)
         self.ledger.close(now)
         self.makespan = now
         return self.results()

@@ -1,0 +1,156 @@
+"""The cluster's GPUs as the simulator moves them: pools that iterate, GPUs parked outside the plan, and
+GPUs rejoining it.
+
+A plan gives each pool a shape. A pool that grows takes GPUs from parking, warm first (they rejoin
+after one clock switch), then cold (after a model load: their weight share over the host link plus
+a new context, `GPUProfile.cold_rejoin_s`), and what parking lacks from pools that shrink, when
+those free them (`deficit`; the moved GPUs load their new role's weights). A pool takes its new shape
+at its first idle moment once every GPU it waits for is ready; GPUs it no longer needs go to
+parking in the policy's state. Rejoining GPUs draw context-idle power at f_max and count as in the
+plan; parked ones draw their state's power (ledger.py). Role changes inside a pool of the same size
+(A/F rebalancing) and KV migration are free: not modelled.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass, field
+
+from loadgen.sim.ledger import EnergyLedger
+from shared.gpu.emulated import GPUProfile
+from shared.policy import ClockRule, OperatingPoint, PoolShape
+
+
+@dataclass
+class Pool:
+    mode: str  # "mixed", "prefill", "decode"
+    shape: PoolShape
+    queue: deque[list[int]] = field(default_factory=deque)  # [rid, remaining prompt tokens]
+    queued_tokens: int = 0
+    heap: list[tuple[int, int]] = field(default_factory=list)  # (finish iteration, rid)
+    n_run: int = 0
+    ctx_sum: float = 0.0
+    iters: int = 0
+    busy_until: float = -1.0
+    idle_since: float = 0.0
+    op: OperatingPoint | None = None
+    pending: tuple[list[tuple[int, int]], int] | None = None  # prefill chunk [(rid, q)], decode tokens
+    waiting: deque[int] = field(default_factory=deque)  # decode admission wait list
+    next_shape: PoolShape | None = None  # the plan's shape, taken at the first idle moment from `next_at`
+    next_at: float = 0.0
+    joining: int = 0  # GPUs rejoining for `next_shape` (from parking, or freed by a pool that shrank)
+    deficit: int = 0  # GPUs `next_shape` still waits for another pool to free
+    rule: ClockRule | None = None  # the window's fixed clocks (global scheduler only), else the policy's
+    energy_j: float = 0.0  # the pool's own iterations and idle stretches (cluster accounting)
+
+
+class Fleet:
+    def __init__(self, profile: GPUProfile, gpus: int, switch_delay_s: float, weights: dict[str, float],
+                 parking: str, ledger: EnergyLedger) -> None:
+        self.profile, self.gpus, self.switch_delay = profile, gpus, switch_delay_s
+        self.weights, self.parking, self.ledger = weights, parking, ledger
+        self.pools: dict[str, Pool] = {}
+        self.rejoins: list[tuple[float, int, str, float]] = []  # (time, GPUs, from state, delay s)
+
+    # -- energy ---------------------------------------------------------------------------------
+    def idle_w(self, pool: Pool) -> float:
+        """The pool's GPUs waiting at the clocks they are locked at (the default clock before any iteration)."""
+        sh, prof = pool.shape, self.profile
+        fa = pool.op.clock_attention if pool.op else prof.default_mhz
+        ff = pool.op.clock_ffn if pool.op else prof.default_mhz
+        if sh.split:
+            return sh.attention * prof.context_idle_power_at(fa) + sh.ffn * prof.context_idle_power_at(ff)
+        return sh.gpus * prof.context_idle_power_at(fa)
+
+    def close_idle(self, pool: Pool, now: float) -> None:
+        if now > pool.idle_since:
+            joules = self.idle_w(pool) * (now - pool.idle_since)
+            self.ledger.charge(pool.idle_since, now, pool.shape.gpus, joules)
+            pool.energy_j += joules
+        pool.idle_since = max(pool.idle_since, now)
+
+    def parked(self, now: float, warm: int, cold: int) -> None:
+        led = self.ledger
+        led.set_group("parked-warm", now, warm, self.profile.warm_parked_power_w, in_plan=False)
+        led.set_group("parked-cold", now, cold, self.profile.idle_power_w, in_plan=False)
+
+    # -- provisioning -------------------------------------------------------------------------
+    def share_bytes(self, shape: PoolShape) -> float:
+        """Weight bytes one rejoining GPU loads: its role's share (the larger role's, if split)."""
+        wa, wf = self.weights["attention"], self.weights["ffn"]
+        if not shape.split:
+            return (wa + wf) / max(1, shape.tp)
+        return max(wa / max(1, shape.attention_tp), wf / max(1, shape.ffn))
+
+    def rejoin_group(self, now: float) -> None:
+        self.ledger.set_group("rejoin", now, sum(p.joining for p in self.pools.values()),
+                              self.profile.context_idle_power_w, in_plan=True)
+
+    def apply(self, now: float, shapes: dict[str, PoolShape]) -> None:
+        """Give each pool its planned shape. A growing pool takes GPUs from parking (warm first: one clock
+        switch; then cold: a model load), and what parking lacks from pools that shrink, when they
+        free them (`deficit`); a pool takes its new shape at its first idle moment once they are ready."""
+        led = self.ledger
+        if not self.pools:  # time 0: the plan's GPUs start ready, the rest start parked
+            for name, shape in shapes.items():
+                self.pools[name] = Pool(mode=name, shape=shape, idle_since=now)
+            out = self.gpus - sum(sh.gpus for sh in shapes.values())
+            self.parked(now, out if self.parking == "warm" else 0, out if self.parking == "cold" else 0)
+        else:
+            warm, cold = led.group_count("parked-warm"), led.group_count("parked-cold")
+            for name, shape in shapes.items():
+                pool = self.pools[name]
+                pool.next_shape = shape
+                need = shape.gpus - (pool.shape.gpus + pool.joining + pool.deficit)
+                if need < 0:
+                    pool.deficit -= min(pool.deficit, -need)
+                elif need > 0:
+                    from_warm = min(need, warm)
+                    from_cold = min(need - from_warm, cold)
+                    warm, cold = warm - from_warm, cold - from_cold
+                    if from_warm or from_cold:
+                        cold_s = self.profile.cold_rejoin_s(self.share_bytes(shape))
+                        delay = cold_s if from_cold else self.switch_delay
+                        pool.joining += from_warm + from_cold
+                        pool.next_at = max(pool.next_at, now + delay)
+                        self.rejoins.append((now, from_warm + from_cold, "cold" if from_cold else "warm", delay))
+                    pool.deficit += need - from_warm - from_cold
+            self.parked(now, warm, cold)
+            self.rejoin_group(now)
+        for pool in self.pools.values():
+            self.try_reshape(pool, now)
+
+    def try_reshape(self, pool: Pool, now: float) -> None:
+        """Take the planned shape when the pool is idle and every GPU it waits for is ready. The joiners
+        move from the rejoin group into the pool; GPUs it no longer needs fill other pools' deficits
+        (loading their new role's weights) or go to parking."""
+        target = pool.next_shape
+        if target is None or pool.pending is not None or now < pool.next_at or pool.deficit:
+            return
+        self.close_idle(pool, now)
+        freed = pool.shape.gpus + pool.joining - target.gpus
+        pool.shape, pool.next_shape, pool.joining = target, None, 0
+        for other in self.pools.values():
+            if freed <= 0:
+                break
+            if other.deficit and other.next_shape is not None:
+                moved = min(freed, other.deficit)
+                freed -= moved
+                other.deficit -= moved
+                other.joining += moved
+                delay = self.share_bytes(other.next_shape) / self.profile.host_to_device_bytes_s
+                other.next_at = max(other.next_at, now + delay)
+                self.rejoins.append((now, moved, "pool", delay))
+        self.rejoin_group(now)
+        if freed > 0:
+            led = self.ledger
+            warm, cold = led.group_count("parked-warm"), led.group_count("parked-cold")
+            self.parked(now, warm + (freed if self.parking == "warm" else 0),
+                         cold + (freed if self.parking == "cold" else 0))
+
+    def next_reshape_s(self, now: float) -> float:
+        ready = [p.next_at for p in self.pools.values()
+                 if p.next_shape is not None and p.pending is None and not p.deficit and p.next_at > now]
+        return min(ready) if ready else math.inf
+
