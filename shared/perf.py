@@ -22,6 +22,7 @@ flops and bytes); each shard value is fitted once and cached.
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import cache
@@ -98,6 +99,14 @@ BUCKET_EDGES = np.array([2.0**k for k in range(0, 16)])  # 1, 2, 4, ... 32768 to
 
 def _bucket(n: np.ndarray | float) -> np.ndarray:
     return np.clip(np.searchsorted(BUCKET_EDGES, np.asarray(n, float), side="right") - 1, 0, len(BUCKET_EDGES) - 2)
+
+
+_EDGES = BUCKET_EDGES.tolist()
+
+
+def _bucket_of(n: float) -> int:
+    """`_bucket` of one scalar, without numpy's per-call overhead (the clock policy's hot path)."""
+    return min(max(bisect.bisect_right(_EDGES, n) - 1, 0), len(_EDGES) - 2)
 
 
 def _grid(op: str, phase: str, rng: np.random.Generator, size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -187,9 +196,9 @@ class Predictor:
     def predict(self, op: str, phase: str, n: float, ctx: float = 0.0, pairs: float = 0.0,
                 shard: int = 1) -> tuple[np.ndarray, np.ndarray]:
         """(time_s, energy_j) arrays over `self.clocks` for one layer's `op` on one GPU."""
-        fit = self._fit(op, phase, shard)
-        bi = int(_bucket(n))
-        x = _features(op, np.array(n, float), np.array(ctx, float), np.array(pairs, float))
+        fit = self._fits.get((op, phase, shard)) or self._fit(op, phase, shard)
+        bi = _bucket_of(n)
+        x = np.array((1.0, n, ctx / 1e3, pairs / 1e6) if op == "attention" else (1.0, n))  # as _features
         t = np.maximum(fit.time[:, bi, :] @ x, 1e-7) * self.correction.get((op, phase), 1.0)
         e = np.maximum(fit.energy[:, bi, :] @ x, 1e-9) * self.energy_correction.get((op, phase), 1.0)
         return t, e

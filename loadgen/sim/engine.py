@@ -49,7 +49,6 @@ from shared.policy import (
     WorkItem,
     decode_admit,
     form_iteration,
-    plan_iteration,
     prefill_budget,
     prefill_order,
     seq_chunk_cap,
@@ -62,6 +61,7 @@ from shared.policy.placement import (
 
 OPERATOR_KEYS = ("prefill-attention", "prefill-ffn", "decode-attention", "decode-ffn")
 ACCOUNTINGS = ("cluster", "active")
+AT_MAX = ClockRule(max_clock=True, depths=(1,))  # the prefill cap's "time at the top clock"
 
 
 @dataclass
@@ -206,7 +206,7 @@ class Simulation:
                 q1 = min(tokens, head_rem)
                 st = BatchStats("prefill", n_dec + tokens, pool.ctx_sum + n_dec + tokens, pool.ctx_sum + n_dec + tokens
                                 * tokens / 2, n_dec + 1, q1, q1, causal_pairs(q1, q1))
-                return plan_iteration(self.pred, shape, st, 0.0, ClockRule(max_clock=True, depths=(1,))).time_s
+                return self.ctrl.plan(shape, st, 0.0, None, AT_MAX).time_s
 
             rule = self.pol.batching
             iter_s = rule.prefill_iter_frac * self.cfg.ttft_slo_s
