@@ -1,0 +1,126 @@
+"""The paper's comparison on the simulator: both traces x Qwen3-32B and Mixtral-8x7B on 16 A800s, every
+baseline and ablation, both accountings, a load sweep; prints Markdown tables and writes JSON.
+
+    python benchmarks/paper_table.py --json out/paper.json --md out/paper.md
+    python benchmarks/paper_table.py --runs conv-qwen3 --loads 0.25,0.5,1,2 --no-oracle   # one run's sweep
+
+Every figure is modelled (the emulated A800 profile), never measured. Replays are spread over
+`--workers` processes; `static-oracle` runs its own grid (loadgen.sim.oracle) over the same workers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import sys
+import time
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from loadgen.sim.cli import add_sim_arguments, run_policies  # noqa: E402
+from loadgen.sim.policies import POLICIES  # noqa: E402
+
+RUNS = {"conv-qwen3": ("conv", "qwen3-32b"), "code-qwen3": ("code", "qwen3-32b"),
+        "conv-mixtral": ("conv", "mixtral-8x7b"), "code-mixtral": ("code", "mixtral-8x7b")}
+SUMMARY = ("p90_ttft_ms", "p99_ttft_ms", "p90_tpot_ms", "slo_attainment", "slo_met", "mean_clock_mhz", "placement",
+           "parking", "energy_source", "wall_s", "requests", "finished", "tokens")
+
+
+def _args(run: str, load: float, policy: str, extra: list[str]) -> argparse.Namespace:
+    trace, model = RUNS[run]
+    parser = argparse.ArgumentParser()
+    add_sim_arguments(parser)
+    a = parser.parse_args(["--trace", trace, "--model", model, "--gpu", "a800", "--gpus", "16",
+                           "--policies", policy, *extra])
+    a.time_scale = a.time_scale / load
+    return a
+
+
+def _one(job: tuple[str, float, str, list[str]]) -> tuple[str, float, str, dict[str, Any]]:
+    run, load, policy, extra = job
+    res = run_policies(_args(run, load, policy, extra))["policies"][policy]
+    keep = {k: res[k] for k in SUMMARY if k in res} | {"accounting": res["accounting"]}
+    if "oracle" in res:
+        keep["oracle"] = {k: v for k, v in res["oracle"].items() if k != "grid"}
+    return run, load, policy, keep
+
+
+def _pct(x: float, ref: float) -> str:
+    return f"{100 * (x / ref - 1):+.0f}%"
+
+
+def markdown(results: dict[str, dict[str, dict[str, Any]]]) -> str:
+    lines = ["| run | policy | J/token cluster | vs distserve | vs dynamollm | J/token active | vs distserve | "
+             "vs dynamollm | J/output token (cluster) | P90 TTFT ms | P90 TPOT ms | SLOs met | clocks PA/PF/DA/DF |",
+             "|" + "---|" * 13]
+    for run, policies in results.items():
+        ref = {k: policies.get(k) for k in ("distserve", "dynamollm")}
+        for name, r in policies.items():
+            acc = r["accounting"]
+            cells = [run, name]
+            for a in ("cluster", "active"):
+                e = acc[a]["energy_per_token_j"]
+                cells.append(f"{e:.3f}")
+                for b in ("distserve", "dynamollm"):
+                    base = ref[b]
+                    cells.append(_pct(e, base["accounting"][a]["energy_per_token_j"]) if base else "–")
+            clocks = "/".join(f"{v:.0f}" if v else "–" for v in r["mean_clock_mhz"].values())
+            cells += [f"{acc['cluster']['energy_per_output_token_j']:.2f}", f"{r['p90_ttft_ms']:.0f}",
+                      f"{r['p90_tpot_ms']:.0f}", "yes" if r["slo_met"] else "**no**", clocks]
+            lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--runs", default=",".join(RUNS))
+    p.add_argument("--policies", default=",".join(POLICIES))
+    p.add_argument("--loads", default="1", help="arrival-rate multipliers; the table is at 1, the sweep at all")
+    p.add_argument("--no-oracle", action="store_true")
+    p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--extra", default="", help="more `aflex sim` flags, e.g. '--idle-clock-share 0'")
+    p.add_argument("--json", default=None)
+    p.add_argument("--md", default=None)
+    a = p.parse_args(argv)
+    runs = [r for r in a.runs.split(",") if r]
+    loads = [float(x) for x in a.loads.split(",")]
+    policies = [x for x in a.policies.split(",") if x]
+    extra = a.extra.split()
+    t0 = time.perf_counter()
+    jobs = [(run, load, pol, extra) for run in runs for load in loads for pol in policies]
+    out: dict[str, dict[float, dict[str, Any]]] = {}
+    with ProcessPoolExecutor(max_workers=a.workers, mp_context=multiprocessing.get_context("fork")) as ex:
+        for run, load, pol, res in ex.map(_one, jobs):
+            out.setdefault(run, {}).setdefault(load, {})[pol] = res
+            print(f"{run} x{load:g} {pol}: {res['accounting']['cluster']['energy_per_token_j']:.3f} J/token "
+                  f"({res['wall_s']} s)", file=sys.stderr)
+    if not a.no_oracle:
+        for run in runs:
+            for load in loads:
+                job_args = _args(run, load, "static-oracle", [*extra, "--oracle-workers", str(a.workers)])
+                res = run_policies(job_args)["policies"]["static-oracle"]
+                keep = {k: res[k] for k in SUMMARY if k in res} | {"accounting": res["accounting"],
+                                                                   "oracle": {k: v for k, v in res["oracle"].items()
+                                                                              if k != "grid"}}
+                out[run][load]["static-oracle"] = keep
+    wall = time.perf_counter() - t0
+    table = {run: by_load[1.0] for run, by_load in out.items() if 1.0 in by_load}
+    text = markdown(table)
+    print(text)
+    print(f"whole table: {wall:.0f} s with {a.workers} workers", file=sys.stderr)
+    doc = {"runs": table, "sweep": {run: {f"{k:g}": v for k, v in by_load.items()} for run, by_load in out.items()},
+           "wall_s": wall, "workers": a.workers, "energy_source": "modelled (emulated A800 profile)"}
+    if a.json:
+        Path(a.json).write_text(json.dumps(doc, indent=1, default=str) + "\n")
+    if a.md:
+        Path(a.md).write_text(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
