@@ -52,6 +52,8 @@ def add_sim_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rate", type=float, default=4.0, help="synthetic arrivals per second (without --trace)")
     p.add_argument("--burstiness", type=float, default=1.0, help="synthetic inter-arrival CV (1 = Poisson)")
     p.add_argument("--duration", type=float, default=600.0, help="synthetic duration in seconds")
+    p.add_argument("--prompt-mean", type=float, default=1024.0, help="synthetic mean prompt tokens (lognormal)")
+    p.add_argument("--output-mean", type=float, default=256.0, help="synthetic mean output tokens (lognormal)")
     p.add_argument("--gpu", default="a800", choices=available_profiles())
     p.add_argument("--model", default="qwen3-32b", choices=sorted(MODELS))
     p.add_argument("--gpus", type=int, default=16)
@@ -80,7 +82,8 @@ def _arrivals(args: argparse.Namespace) -> Arrivals:
         return load_trace(args.trace, time_scale=args.time_scale, window=args.window,
                           max_input_len=getattr(args, "max_input_len", None),
                           max_output_len=getattr(args, "max_output_len", None))
-    return synthetic(args.rate, args.duration, args.seed, args.burstiness)
+    return synthetic(args.rate, args.duration, args.seed, args.burstiness,
+                     prompt_mean=getattr(args, "prompt_mean", 1024.0), output_mean=getattr(args, "output_mean", 256.0))
 
 
 def sim_config(args: argparse.Namespace, record: bool = False) -> SimConfig:

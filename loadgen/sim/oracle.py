@@ -126,7 +126,7 @@ def _run_all(jobs: list[tuple[Any, ...]], workers: int) -> list[dict[str, Any]]:
 def search_oracle(profile: GPUProfile, model: ModelArgs, arrivals: Arrivals, cfg: SimConfig, workers: int = 2,
                   levels: int = 4, shapes: Sequence[tuple[PoolShape, PoolShape]] | None = None,
                   levels_mhz: tuple[Sequence[float], Sequence[float]] | None = None,
-                  exhaustive: bool = False, top_k: int = 3) -> OracleResult:
+                  exhaustive: bool = False, top_k: int = 2) -> OracleResult:
     """The least-energy fixed configuration that meets both SLOs over the whole trace (module docstring)."""
     pred = cached_predictor(profile, model)
     probe = Simulation(profile, model, arrivals, policy_spec("aflex"), cfg, pred)
