@@ -2,7 +2,7 @@
 baseline and ablation, both accountings, a load sweep; prints Markdown tables and writes JSON.
 
     python benchmarks/paper_table.py --json out/paper.json --md out/paper.md
-    python benchmarks/paper_table.py --runs conv-qwen3 --loads 0.25,0.5,1,2 --no-oracle   # one run's sweep
+    python benchmarks/paper_table.py --runs conv-qwen3 --loads 0.25,0.5,1,2 --no-oracle --plots out/plots
 
 Every figure is modelled (the emulated A800 profile), never measured. Replays are spread over
 `--workers` processes; `static-oracle` runs its own grid (loadgen.sim.oracle) over the same workers.
@@ -86,6 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--extra", default="", help="more `aflex sim` flags, e.g. '--idle-clock-share 0'")
     p.add_argument("--json", default=None)
     p.add_argument("--md", default=None)
+    p.add_argument("--plots", default=None, help="directory: energy per token against load, one PNG per run")
     a = p.parse_args(argv)
     runs = [r for r in a.runs.split(",") if r]
     loads = [float(x) for x in a.loads.split(",")]
@@ -119,6 +120,14 @@ def main(argv: list[str] | None = None) -> int:
         Path(a.json).write_text(json.dumps(doc, indent=1, default=str) + "\n")
     if a.md:
         Path(a.md).write_text(text)
+    if a.plots:
+        from loadgen.sim.plots import plot_energy_vs_load
+
+        Path(a.plots).mkdir(parents=True, exist_ok=True)
+        for run, by_load in doc["sweep"].items():
+            if len(by_load) > 1:
+                png = Path(a.plots) / f"energy_vs_load-{run}.png"
+                plot_energy_vs_load(png, by_load, f"{run}, 16 x A800 (modelled)")
     return 0
 
 

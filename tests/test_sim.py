@@ -101,10 +101,12 @@ def test_parked_gpus_draw_their_states_power() -> None:
     assert cold["accounting"]["cluster"]["energy_j"] < warm["accounting"]["cluster"]["energy_j"]
 
 
-def test_deterministic_for_a_seed() -> None:
-    _, a = _run("aflex", seed=3)
-    _, b = _run("aflex", seed=3)
-    assert a == b
+@pytest.mark.parametrize("policy", ["aflex", "dynamollm", "biscale"])
+def test_deterministic_for_a_seed(policy: str) -> None:
+    _, a = _run(policy, seed=3)
+    _, b = _run(policy, seed=3)
+    _, c = _run(policy, seed=4)
+    assert a == b and a != c
 
 
 def test_trace_loader_and_window() -> None:

@@ -171,7 +171,8 @@ class Simulation:
             rid = pool.waiting[0]
             ctx = float(self.arr.prompt[rid] + 1)
             need = float(self.arr.prompt[rid] + self.arr.output[rid])
-            if not decode_admit(self.pol.batching, pool.n_run, pool.ctx_sum + pool.n_run, cap, need) and pool.n_run:
+            if not decode_admit(self.pol.batching, pool.n_run, pool.ctx_sum + pool.n_run, cap, need,
+                                instances=pool.shape.units) and pool.n_run:
                 break
             pool.waiting.popleft()
             pool.n_run += 1

@@ -41,7 +41,7 @@ from shared.model.config import ModelArgs
 from shared.perf import Predictor, cached_predictor
 from shared.policy import PoolShape, provision
 
-HEADROOMS = (1.0, 1.3)
+HEADROOMS = (1.0, 1.5, 2.0)
 Clocks = tuple[tuple[float, float], tuple[float, float]]
 
 
@@ -126,7 +126,7 @@ def _run_all(jobs: list[tuple[Any, ...]], workers: int) -> list[dict[str, Any]]:
 def search_oracle(profile: GPUProfile, model: ModelArgs, arrivals: Arrivals, cfg: SimConfig, workers: int = 2,
                   levels: int = 4, shapes: Sequence[tuple[PoolShape, PoolShape]] | None = None,
                   levels_mhz: tuple[Sequence[float], Sequence[float]] | None = None,
-                  exhaustive: bool = False, top_k: int = 2) -> OracleResult:
+                  exhaustive: bool = False, top_k: int = 3) -> OracleResult:
     """The least-energy fixed configuration that meets both SLOs over the whole trace (module docstring)."""
     pred = cached_predictor(profile, model)
     probe = Simulation(profile, model, arrivals, policy_spec("aflex"), cfg, pred)

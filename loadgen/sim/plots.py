@@ -46,6 +46,17 @@ def write_plots(directory: Path, out: dict[str, Any], timelines: dict[str, Any],
             if not args.trace:
                 a.rate = args.rate / scale
             sweep[f"{1 / scale:g}"] = run_policies(a)["policies"]
+    paths.append(plot_energy_vs_load(directory / "energy_vs_load.png", sweep))
+    return paths
+
+
+def plot_energy_vs_load(path: Path, sweep: dict[str, dict[str, Any]], title: str = "") -> Path:
+    """Energy per token against load for every policy, one panel per accounting; `sweep[load][policy]`."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
     fig, axes2 = plt.subplots(1, 2, figsize=(11, 4), squeeze=False)
     for ax, accounting in zip(axes2[0], ("cluster", "active"), strict=True):
         series: dict[str, list[tuple[float, float]]] = {}
@@ -60,9 +71,9 @@ def write_plots(directory: Path, out: dict[str, Any], timelines: dict[str, Any],
         ax.set_ylabel("energy per token (J, modelled)")
         ax.set_title(f"{accounting} accounting", fontsize=9)
     axes2[0, 0].legend(fontsize=7)
+    if title:
+        fig.suptitle(title, fontsize=10)
     fig.tight_layout()
-    p = directory / "energy_vs_load.png"
-    fig.savefig(p, dpi=110)
+    fig.savefig(path, dpi=110)
     plt.close(fig)
-    paths.append(p)
-    return paths
+    return path

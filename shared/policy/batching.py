@@ -87,11 +87,12 @@ def seq_chunk_cap(rule: BatchingRule, budget_tokens: int) -> int:
 
 
 def decode_admit(rule: BatchingRule, running: int, kv_used_tokens: float, kv_capacity_tokens: float,
-                 new_ctx_tokens: float) -> bool:
-    """Whether one more sequence may join the decode batch."""
+                 new_ctx_tokens: float, instances: int = 1) -> bool:
+    """Whether one more sequence may join the decode batch of `instances` engines (replicas, or attention
+    groups) that each cap their batch at `max_running` (vLLM's max_num_seqs is per engine)."""
     if kv_used_tokens + new_ctx_tokens > kv_capacity_tokens:
         return False
-    return rule.adaptive or running < rule.max_running
+    return rule.adaptive or running < rule.max_running * max(1, instances)
 
 
 def ttft_budget(now: float, deadlines: Sequence[float], tokens_ahead: Sequence[float], chunk_tokens: float,
