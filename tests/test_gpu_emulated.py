@@ -175,11 +175,13 @@ def test_context_idle_follows_the_clock(key: str) -> None:
     assert idle[-1] == pytest.approx(p.context_idle_power_w)
     assert p.idle_power_w < p.warm_parked_power_w == idle[0] < idle[-1]
     flat = p.with_idle_clock_share(0.0)
-    steep = p.with_idle_clock_share(0.6)
+    steep = p.with_idle_clock_share(p.idle_clock_share + 0.04)
     assert flat.warm_parked_power_w > p.warm_parked_power_w > steep.warm_parked_power_w
     assert flat.context_idle_power_at(p.max_mhz) == pytest.approx(steep.context_idle_power_at(p.max_mhz))
     with pytest.raises(GPUError, match="idle clock share"):
         p.with_idle_clock_share(0.95)
+    with pytest.raises(GPUError, match="below bare idle"):
+        p.with_idle_clock_share(0.75)
     assert p.cold_rejoin_s(p.host_to_device_bytes_s) == pytest.approx(1.0 + p.context_create_s)
 
 

@@ -109,7 +109,11 @@ class GPUProfile:
         """This profile with another clock-dependent idle share (the sensitivity study)."""
         if not 0.0 <= share <= 1.0 - self.idle_leakage_share:
             raise GPUError(f"idle clock share must be in [0, {1.0 - self.idle_leakage_share:.2f}], got {share}")
-        return replace(self, idle_clock_share=share)
+        out = replace(self, idle_clock_share=share)
+        if out.warm_parked_power_w < self.idle_power_w:
+            raise GPUError(f"idle clock share {share} puts context idle at the lowest clock "
+                           f"({out.warm_parked_power_w:.1f} W) below bare idle ({self.idle_power_w:.1f} W)")
+        return out
 
     @classmethod
     def from_dict(cls, d: dict[str, Any], source: str) -> GPUProfile:
