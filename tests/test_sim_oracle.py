@@ -77,7 +77,8 @@ def _sim_cli(*args: str) -> subprocess.CompletedProcess[str]:
 def test_the_load_sweep_and_both_accountings_on_the_command_line(tmp_path: Path) -> None:
     out = tmp_path / "sweep.json"
     proc = _sim_cli("--rate", "2", "--duration", "30", "--model", "llama-3-8b", "--gpus", "8", "--window-s", "20",
-                    "--policies", "sglang,aflex", "--load", "0.5,2", "--accounting", "active", "--json", str(out))
+                    "--policies", "sglang,aflex", "--load", "0.5,2", "--accounting", "active", "--json", str(out),
+                    "--plots", str(tmp_path / "plots"))
     assert proc.returncode == 0, proc.stderr
     data = json.loads(out.read_text())
     assert set(data["sweep"]) == {"0.5", "2"}
@@ -89,6 +90,8 @@ def test_the_load_sweep_and_both_accountings_on_the_command_line(tmp_path: Path)
             assert res["accounting"]["active"]["energy_j"] <= res["accounting"]["cluster"]["energy_j"]
     assert data["sweep"]["2"]["sglang"]["requests"] > data["sweep"]["0.5"]["sglang"]["requests"]
     assert "active E/token" in proc.stderr
+    for png in ("clocks_over_time.png", "energy_vs_load.png"):
+        assert (tmp_path / "plots" / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 @pytest.mark.parametrize("args, message", [

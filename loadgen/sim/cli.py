@@ -31,6 +31,9 @@ def _window(text: str) -> tuple[float, float]:
         raise argparse.ArgumentTypeError(f"--window must be START:END seconds, got {text!r}") from None
 
 
+PLOT_LOADS = (0.25, 0.5, 1.0, 2.0)  # the energy-against-load plot's loads when no --load was given
+
+
 def _loads(text: str) -> tuple[float, ...]:
     try:
         loads = tuple(float(x) for x in text.split(",") if x.strip())
@@ -163,7 +166,8 @@ def sim(args: argparse.Namespace) -> int:
     if args.plots:
         from loadgen.sim.plots import write_plots
 
-        write_plots(Path(args.plots), out, timelines, args)
+        sweep = out.get("sweep") or run_sweep(argparse.Namespace(**{**vars(args), "load": PLOT_LOADS}))
+        write_plots(Path(args.plots), timelines, sweep)
     text = json.dumps(out, indent=2, default=str)
     if args.json:
         Path(args.json).write_text(text + "\n")

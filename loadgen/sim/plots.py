@@ -2,20 +2,16 @@
 
 from __future__ import annotations
 
-import argparse
-import copy
 from pathlib import Path
 from typing import Any
 
 
-def write_plots(directory: Path, out: dict[str, Any], timelines: dict[str, Any], args: argparse.Namespace,
-                load_scales: tuple[float, ...] = (2.0, 1.0, 0.5, 0.25)) -> list[Path]:
+def write_plots(directory: Path, timelines: dict[str, Any], sweep: dict[str, dict[str, Any]]) -> list[Path]:
+    """`clocks_over_time.png` from the runs' timelines and `energy_vs_load.png` from `sweep[load][policy]`."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-
-    from loadgen.sim.cli import run_policies
 
     directory.mkdir(parents=True, exist_ok=True)
     paths = []
@@ -35,17 +31,6 @@ def write_plots(directory: Path, out: dict[str, Any], timelines: dict[str, Any],
     fig.savefig(p, dpi=110)
     plt.close(fig)
     paths.append(p)
-    # energy per token against load: the sweep's, or rerun at other time scales (smaller scale = higher load)
-    sweep = out.get("sweep")
-    if sweep is None:
-        sweep = {}
-        for scale in load_scales:
-            a = copy.copy(args)
-            a.time_scale = args.time_scale * scale
-            a.load = None
-            if not args.trace:
-                a.rate = args.rate / scale
-            sweep[f"{1 / scale:g}"] = run_policies(a)["policies"]
     paths.append(plot_energy_vs_load(directory / "energy_vs_load.png", sweep))
     return paths
 
