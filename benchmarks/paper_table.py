@@ -103,12 +103,8 @@ def main(argv: list[str] | None = None) -> int:
     if not a.no_oracle:
         for run in runs:
             for load in loads:
-                job_args = _args(run, load, "static-oracle", [*extra, "--oracle-workers", str(a.workers)])
-                res = run_policies(job_args)["policies"]["static-oracle"]
-                keep = {k: res[k] for k in SUMMARY if k in res} | {"accounting": res["accounting"],
-                                                                   "oracle": {k: v for k, v in res["oracle"].items()
-                                                                              if k != "grid"}}
-                out[run][load]["static-oracle"] = keep
+                *_, res = _one((run, load, "static-oracle", [*extra, "--oracle-workers", str(a.workers)]))
+                out.setdefault(run, {}).setdefault(load, {})["static-oracle"] = res
     wall = time.perf_counter() - t0
     table = {run: by_load[1.0] for run, by_load in out.items() if 1.0 in by_load}
     text = markdown(table)

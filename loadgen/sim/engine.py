@@ -98,7 +98,6 @@ class Simulation:
         n = len(arrivals)
         self.first = np.full(n, np.nan)
         self.finish = np.full(n, np.nan)
-        self.busy_gpu_s = 0.0
         self.clock_time = {k: 0.0 for k in OPERATOR_KEYS}  # GPU-seconds busy per operator
         self.clock_weighted = {k: 0.0 for k in OPERATOR_KEYS}
         self.clock_trace: list[tuple[float, str, float, float, int]] = []
@@ -252,18 +251,15 @@ class Simulation:
             t, e = phi * t_old + (1 - phi) * t, phi * e_old + (1 - phi) * e
         # energy: the idle stretch before (at the clocks it waited at), then the iteration
         self.fleet.close_idle(pool, now)
-        self.ledger.charge(now, now + t, pool.shape.gpus, e)
-        pool.energy_j += e
+        self.fleet.charge(pool, now, now + t, e)
         pool.op = op
         pool.busy_until = now + t
         pool.pending = (chunk, n_dec)
-        gpu_s = pool.shape.gpus * t
-        self.busy_gpu_s += gpu_s
         if pool.shape.split:
             a_s = pool.shape.attention * t
             f_s = pool.shape.ffn * t
         else:
-            a_s = f_s = gpu_s / 2
+            a_s = f_s = pool.shape.gpus * t / 2
         self.clock_time[f"{phase}-attention"] += a_s
         self.clock_weighted[f"{phase}-attention"] += a_s * op.clock_attention
         self.clock_time[f"{phase}-ffn"] += f_s

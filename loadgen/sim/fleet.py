@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from loadgen.sim.ledger import EnergyLedger
 from shared.gpu.emulated import GPUProfile
 from shared.policy import ClockRule, OperatingPoint, PoolShape
+from shared.policy.provision import idle_power_w
 
 
 @dataclass
@@ -56,24 +57,30 @@ class Fleet:
     # -- energy ---------------------------------------------------------------------------------
     def idle_w(self, pool: Pool) -> float:
         """The pool's GPUs waiting at the clocks they are locked at (the default clock before any iteration)."""
-        sh, prof = pool.shape, self.profile
-        fa = pool.op.clock_attention if pool.op else prof.default_mhz
-        ff = pool.op.clock_ffn if pool.op else prof.default_mhz
-        if sh.split:
-            return sh.attention * prof.context_idle_power_at(fa) + sh.ffn * prof.context_idle_power_at(ff)
-        return sh.gpus * prof.context_idle_power_at(fa)
+        default = self.profile.default_mhz
+        fa, ff = (pool.op.clock_attention, pool.op.clock_ffn) if pool.op else (default, default)
+        return idle_power_w(self.profile, pool.shape, fa, ff)
+
+    def charge(self, pool: Pool, t0: float, t1: float, joules: float) -> None:
+        """`joules` the pool's GPUs spent over [t0, t1], on the books and on the pool's own tally."""
+        self.ledger.charge(t0, t1, pool.shape.gpus, joules)
+        pool.energy_j += joules
 
     def close_idle(self, pool: Pool, now: float) -> None:
         if now > pool.idle_since:
-            joules = self.idle_w(pool) * (now - pool.idle_since)
-            self.ledger.charge(pool.idle_since, now, pool.shape.gpus, joules)
-            pool.energy_j += joules
+            self.charge(pool, pool.idle_since, now, self.idle_w(pool) * (now - pool.idle_since))
         pool.idle_since = max(pool.idle_since, now)
 
     def parked(self, now: float, warm: int, cold: int) -> None:
         led = self.ledger
         led.set_group("parked-warm", now, warm, self.profile.warm_parked_power_w, in_plan=False)
         led.set_group("parked-cold", now, cold, self.profile.idle_power_w, in_plan=False)
+
+    def park(self, now: float, count: int) -> None:
+        """`count` more GPUs leave the plan, into the policy's parking state."""
+        warm, cold = self.ledger.group_count("parked-warm"), self.ledger.group_count("parked-cold")
+        to_warm = count if self.parking == "warm" else 0
+        self.parked(now, warm + to_warm, cold + count - to_warm)
 
     # -- provisioning -------------------------------------------------------------------------
     def share_bytes(self, shape: PoolShape) -> float:
@@ -95,8 +102,7 @@ class Fleet:
         if not self.pools:  # time 0: the plan's GPUs start ready, the rest start parked
             for name, shape in shapes.items():
                 self.pools[name] = Pool(mode=name, shape=shape, idle_since=now)
-            out = self.gpus - sum(sh.gpus for sh in shapes.values())
-            self.parked(now, out if self.parking == "warm" else 0, out if self.parking == "cold" else 0)
+            self.park(now, self.gpus - sum(sh.gpus for sh in shapes.values()))
         else:
             warm, cold = led.group_count("parked-warm"), led.group_count("parked-cold")
             for name, shape in shapes.items():
@@ -110,8 +116,7 @@ class Fleet:
                     from_cold = min(need - from_warm, cold)
                     warm, cold = warm - from_warm, cold - from_cold
                     if from_warm or from_cold:
-                        cold_s = self.profile.cold_rejoin_s(self.share_bytes(shape))
-                        delay = cold_s if from_cold else self.switch_delay
+                        delay = self.profile.cold_rejoin_s(self.share_bytes(shape)) if from_cold else self.switch_delay
                         pool.joining += from_warm + from_cold
                         pool.next_at = max(pool.next_at, now + delay)
                         self.rejoins.append((now, from_warm + from_cold, "cold" if from_cold else "warm", delay))
@@ -144,10 +149,7 @@ class Fleet:
                 self.rejoins.append((now, moved, "pool", delay))
         self.rejoin_group(now)
         if freed > 0:
-            led = self.ledger
-            warm, cold = led.group_count("parked-warm"), led.group_count("parked-cold")
-            self.parked(now, warm + (freed if self.parking == "warm" else 0),
-                         cold + (freed if self.parking == "cold" else 0))
+            self.park(now, freed)
 
     def next_reshape_s(self, now: float) -> float:
         ready = [p.next_at for p in self.pools.values()

@@ -137,7 +137,7 @@ def idle_floor_w(pred: Predictor, shape: PoolShape) -> np.ndarray:
     idle = pred.idle_table
     if shape.split:
         return shape.attention * idle[:, None] + shape.ffn * idle[None, :]
-    return shape.gpus * idle[:, None] + 0.0 * idle[None, :]
+    return np.broadcast_to(shape.gpus * idle[:, None], (len(idle), len(idle)))
 
 
 def plan_iteration(pred: Predictor, shape: PoolShape, stats: BatchStats, budget_s: float, rule: ClockRule,

@@ -83,7 +83,7 @@ def mixed_power(pred: Predictor, shape: PoolShape, load: WindowLoad, spec: Clust
     if dp >= INFEASIBLE or pp >= INFEASIBLE:
         return max(dp, pp)
     top = pred.profile.max_mhz
-    return dp + pp - idle_power_w(pred, shape, top, top)
+    return dp + pp - idle_power_w(pred.profile, shape, top, top)
 
 
 def provision_colocated(pred: Predictor, load: WindowLoad, spec: ClusterSpec, rule: ClockRule,

@@ -21,6 +21,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
+from shared.gpu.emulated import GPUProfile
 from shared.perf import Predictor
 from shared.policy.clocks import BatchStats, ClockRule, OperatingPoint, PoolShape, plan_iteration
 
@@ -142,7 +143,7 @@ def prefill_point(pred: Predictor, shape: PoolShape, load: WindowLoad, spec: Clu
         if not op.feasible:
             best = min(best, INFEASIBLE * max(1.0, op.time_s / budget))
             continue
-        idle = idle_power_w(pred, shape, op.clock_attention, op.clock_ffn)
+        idle = idle_power_w(pred.profile, shape, op.clock_attention, op.clock_ffn)
         power = util * op.energy_j / op.time_s + (1 - util) * idle
         if power < best:
             best, best_op = power, op
@@ -154,9 +155,9 @@ def prefill_power(pred: Predictor, shape: PoolShape, load: WindowLoad, spec: Clu
     return prefill_point(pred, shape, load, spec, rule, max_utilisation)[1]
 
 
-def idle_power_w(pred: Predictor, shape: PoolShape, clock_attention: float, clock_ffn: float) -> float:
-    """The pool's context-idle power (W) with its GPUs waiting at these clocks."""
-    prof = pred.profile
+def idle_power_w(prof: GPUProfile, shape: PoolShape, clock_attention: float, clock_ffn: float) -> float:
+    """The pool's context-idle power (W) with its GPUs waiting at these clocks (a colocated pool runs
+    both halves at the attention clock)."""
     if not shape.split:
         return shape.gpus * prof.context_idle_power_at(clock_attention)
     return shape.attention * prof.context_idle_power_at(clock_attention) + shape.ffn * prof.context_idle_power_at(
