@@ -87,6 +87,7 @@ class Simulation:
     def __init__(self, profile: GPUProfile, args: ModelArgs, arrivals: Arrivals, policy: PolicySpec,
                  config: SimConfig, predictor: Predictor) -> None:
         self.p, self.args, self.arr, self.pol, self.cfg = profile, args, arrivals, policy, config
+        self._token_costs: dict[tuple[str, str, int, int, float], tuple[float, float]] = {}
         self.pred = predictor
         self.ctrl = Controller(predictor, policy.clock)
         self.switch_delay = profile.clock_switch_delay_s if config.switch_delay_s is None else config.switch_delay_s
@@ -144,24 +145,34 @@ class Simulation:
 
     # -- iterations ---------------------------------------------------------------------------
     def _truth(self, shape: PoolShape, s: BatchStats, depth: int, fa: float, ff: float) -> tuple[float, float]:
-        """True (time, energy) from the emulated GPU at the chosen clocks (the same pipeline formulas)."""
-        a, p = self.args, self.p
+        """True (time, energy) from the emulated GPU at the chosen clocks (the same pipeline formulas).
 
-        def att(n: float, ctx: float, pairs: float, shard: int) -> tuple[np.ndarray, np.ndarray]:
+        Plain floats throughout, and the token-only operators (FFN, LM head) looked up once per
+        (phase, tokens, shard, clock): the same figures, without the per-iteration cost of rebuilding them."""
+        a, p, memo = self.args, self.p, self._token_costs
+        fa, ff = float(fa), float(ff)  # clocks may come from a numpy table
+
+        def att(n: float, ctx: float, pairs: float, shard: int) -> tuple[float, float]:
             c = operator_cost(p, op_work(a, "attention", s.phase, n, ctx, pairs, shard), fa)
-            return np.array(c.time_s), np.array(c.energy_j)
+            return c.time_s, c.time_s * c.power_w
 
-        def ffn(n: float, shard: int) -> tuple[np.ndarray, np.ndarray]:
-            c = operator_cost(p, op_work(a, "ffn", s.phase, n, 0, 0, shard), ff if shape.split else fa)
-            return np.array(c.time_s), np.array(c.energy_j)
+        def tokens_only(op: str, n: float, shard: int, clock_mhz: float) -> tuple[float, float]:
+            key = (op, s.phase, max(1, round(n)), shard, clock_mhz)
+            hit = memo.get(key)
+            if hit is None:
+                c = operator_cost(p, op_work(a, op, s.phase, n, 0, 0, shard), clock_mhz)
+                hit = memo[key] = (c.time_s, c.time_s * c.power_w)
+            return hit
 
-        def head(n: float, shard: int) -> tuple[np.ndarray, np.ndarray]:
-            c = operator_cost(p, op_work(a, "lm_head", s.phase, n, 0, 0, shard), fa)
-            return np.array(c.time_s), np.array(c.energy_j)
+        def ffn(n: float, shard: int) -> tuple[float, float]:
+            return tokens_only("ffn", n, shard, ff if shape.split else fa)
+
+        def head(n: float, shard: int) -> tuple[float, float]:
+            return tokens_only("lm_head", n, shard, fa)
 
         idle_a = p.context_idle_power_at(fa)
         idle_f = p.context_idle_power_at(ff) if shape.split else idle_a
-        t, e = iteration_cost(att, ffn, head, shape, s, depth, a.dim, a.n_layers, idle_a, idle_f)
+        t, e = iteration_cost(att, ffn, head, shape, s, depth, a.dim, a.n_layers, idle_a, idle_f)  # type: ignore[arg-type]
         return float(t), float(e)
 
     def _admit(self, pool: Pool, now: float) -> None:

@@ -12,13 +12,14 @@ and four clocks (prefill attention, prefill FFN, decode attention, decode FFN). 
 The search uses that the two pools do not share GPUs or SLOs: the prefill pool's energy and the TTFT
 depend only on the prefill clocks, the decode pool's energy and the TPOT only on the decode clocks
 (decode arrivals move a little with prefill clocks). So replay k runs prefill combination k beside
-decode combination k, and `levels²` replays per shape cover both full grids; the best prefill
-combinations (the `top_k` with the least prefill-pool energy and P90 TTFT inside the SLO) and the best
-decode combinations (least energy outside the prefill pool, P90 TPOT inside) are then replayed together (the run's
-length still couples them a little: slower decode keeps every GPU a little longer), and the
-least-energy configuration that meets both SLOs wins. Cost: shapes × (levels² + top_k²) whole-trace
-replays, spread over `workers` processes. `exhaustive=True` replays every joint combination instead (levels⁴ per shape:
-the tests check the two agree on a small case).
+decode combination k, and `levels²` replays per shape screen both full grids. Then each shape's
+`top_k` best prefill combinations (least prefill-pool energy to a common horizon, P90 TTFT inside
+the SLO) are paired with its `top_k` best decode combinations (least energy outside the prefill
+pool, P90 TPOT inside). A pair is replayed whole when its screened estimate (the sum) is within 1%
+of the least over all shapes: the run's length still couples the pools a little. The least-energy
+configuration that meets both SLOs wins. Cost: shapes × levels² screening replays plus a few joint
+ones, spread over `workers` processes. `exhaustive=True` replays every joint combination instead
+(levels⁴ per shape: the tests check the two agree on a small case).
 """
 
 from __future__ import annotations
@@ -123,6 +124,58 @@ def _run_all(jobs: list[tuple[Any, ...]], workers: int) -> list[dict[str, Any]]:
         return list(ex.map(_replay, jobs))
 
 
+def _rest_j(run: dict[str, Any]) -> float:
+    """A replay's energy outside its prefill pool (decode pool, parked GPUs)."""
+    return float(run["result"]["energy_j"] - run["result"]["pool_energy_j"]["prefill"])
+
+
+def _pool_idle_w(profile: GPUProfile, shape: PoolShape, clocks_mhz: tuple[float, float]) -> float:
+    """What a pool's GPUs draw waiting at fixed clocks (attention, FFN)."""
+    fa, ff = clocks_mhz
+    if shape.split:
+        return shape.attention * profile.context_idle_power_at(fa) + shape.ffn * profile.context_idle_power_at(ff)
+    return shape.gpus * profile.context_idle_power_at(fa)
+
+
+def _prefill_j(profile: GPUProfile, run: dict[str, Any], horizon_s: float) -> float:
+    """A screening replay's prefill-pool energy to a common horizon: a slow decode choice in the same replay
+    stretches the run, and the prefill pool's idle tail with it, which says nothing about the prefill clocks."""
+    conf: OracleConfig = run["config"]
+    tail_s = run["result"]["makespan_s"] - horizon_s
+    return float(run["result"]["pool_energy_j"]["prefill"] - _pool_idle_w(profile, conf.prefill, conf.clocks_mhz[0])
+                 * tail_s)
+
+
+def _finals(profile: GPUProfile, runs: list[dict[str, Any]], shapes: Sequence[tuple[PoolShape, PoolShape]],
+            cfg: SimConfig, top_k: int, slack: float = 0.01) -> list[OracleConfig]:
+    """The joint replays after the screening. Per shape, its `top_k` prefill clock pairs (least prefill-pool
+    energy, P90 TTFT inside the SLO) are paired with its `top_k` decode pairs (least energy outside the
+    prefill pool -- a decode choice also sets how long the run lasts -- P90 TPOT inside); a pair is
+    replayed when its screened estimate (the one's prefill-pool energy plus the other's rest) is within
+    `slack` of the least estimate over all shapes, and it was not screened already."""
+    cands: list[tuple[float, OracleConfig]] = []
+    for ps, ds in shapes:
+        mine = [r for r in runs if (r["config"].prefill, r["config"].decode) == (ps, ds)]
+        if not mine:
+            continue
+        horizon_s = min(r["result"]["makespan_s"] for r in mine)
+        pre: dict[tuple[float, float], float] = {}
+        for r in sorted(mine, key=lambda r: _prefill_j(profile, r, horizon_s)):
+            if _meets(r["result"], cfg, "ttft"):
+                pre.setdefault(r["config"].clocks_mhz[0], _prefill_j(profile, r, horizon_s))
+        rest: dict[tuple[float, float], float] = {}
+        for r in sorted(mine, key=_rest_j):
+            if _meets(r["result"], cfg, "tpot"):
+                rest.setdefault(r["config"].clocks_mhz[1], _rest_j(r))
+        tried = {r["config"].clocks_mhz for r in mine}
+        cands += [(e_p + e_r, OracleConfig(ps, ds, (bp, bd))) for bp, e_p in list(pre.items())[:top_k]
+                  for bd, e_r in list(rest.items())[:top_k] if (bp, bd) not in tried]
+    if not cands:
+        return []
+    least = min(est for est, _ in cands)
+    return [c for est, c in cands if est <= least * (1.0 + slack)]
+
+
 def search_oracle(profile: GPUProfile, model: ModelArgs, arrivals: Arrivals, cfg: SimConfig, workers: int = 2,
                   levels: int = 4, shapes: Sequence[tuple[PoolShape, PoolShape]] | None = None,
                   levels_mhz: tuple[Sequence[float], Sequence[float]] | None = None,
@@ -147,19 +200,7 @@ def search_oracle(profile: GPUProfile, model: ModelArgs, arrivals: Arrivals, cfg
                         for k in range(n)]
     runs = _run_all([(profile, model, arrivals, cfg, c) for c in configs], workers)
     if not exhaustive:
-        finals = []
-        for ps, ds in shapes:
-            mine = [r for r in runs if (r["config"].prefill, r["config"].decode) == (ps, ds)]
-            ok_p = sorted((r for r in mine if _meets(r["result"], cfg, "ttft")),
-                          key=lambda r: r["result"]["pool_energy_j"]["prefill"])
-            # a decode choice also sets how long the run lasts, so it is scored with everything but the
-            # prefill pool (decode pool, parked GPUs)
-            ok_d = sorted((r for r in mine if _meets(r["result"], cfg, "tpot")),
-                          key=lambda r: r["result"]["energy_j"] - r["result"]["pool_energy_j"]["prefill"])
-            best_p = list(dict.fromkeys(r["config"].clocks_mhz[0] for r in ok_p))[:top_k]
-            best_d = list(dict.fromkeys(r["config"].clocks_mhz[1] for r in ok_d))[:top_k]
-            tried = {r["config"].clocks_mhz for r in mine}
-            finals += [OracleConfig(ps, ds, (bp, bd)) for bp in best_p for bd in best_d if (bp, bd) not in tried]
+        finals = _finals(profile, runs, shapes, cfg, top_k)
         runs += _run_all([(profile, model, arrivals, cfg, c) for c in finals], workers)
     feasible = [r for r in runs if _meets(r["result"], cfg, "ttft") and _meets(r["result"], cfg, "tpot")]
     table = [{**r["config"].describe(), "energy_j": r["result"]["energy_j"],

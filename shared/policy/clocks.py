@@ -18,6 +18,7 @@ widens it, a clean window with p90 well under the SLO narrows it.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -100,36 +101,52 @@ class OperatingPoint:
     index: tuple[int, int] = (-1, -1)
 
 
-def _tables(pred: Predictor, shape: PoolShape, s: BatchStats, depth: int,
-            dim: int, layers: int) -> tuple[np.ndarray, np.ndarray]:
-    """Predicted (time, energy) over (clock_a, clock_f) for one depth."""
+def _tables(pred: Predictor, shape: PoolShape, s: BatchStats, depth: int, dim: int, layers: int,
+            rows: slice = slice(None), cols: slice = slice(None)) -> tuple[np.ndarray, np.ndarray]:
+    """Predicted (time, energy) over (clock_a, clock_f) for one depth: the clock table's `rows` for
+    attention and `cols` for the FFN (a pinned rule asks for one of each, not the whole table)."""
     idle = pred.idle_table
     if shape.split:
         def att(n: float, ctx: float, pairs: float, shard: int) -> tuple[np.ndarray, np.ndarray]:
             t, e = pred.predict("attention", s.phase, n, ctx, pairs, shard=shard)
-            return t[:, None], e[:, None]
+            return t[rows, None], e[rows, None]
 
         def ffn(n: float, shard: int) -> tuple[np.ndarray, np.ndarray]:
             t, e = pred.predict("ffn", s.phase, n, shard=shard)
-            return t[None, :], e[None, :]
+            return t[None, cols], e[None, cols]
 
         def head(n: float, shard: int) -> tuple[np.ndarray, np.ndarray]:
             t, e = pred.predict("lm_head", "decode", max(1.0, n), shard=shard)
-            return t[:, None], e[:, None]
+            return t[rows, None], e[rows, None]
 
-        return iteration_cost(att, ffn, head, shape, s, depth, dim, layers, idle[:, None], idle[None, :])
+        return iteration_cost(att, ffn, head, shape, s, depth, dim, layers, idle[rows, None], idle[None, cols])
 
     def att1(n: float, ctx: float, pairs: float, shard: int) -> tuple[np.ndarray, np.ndarray]:
-        return pred.predict("attention", s.phase, n, ctx, pairs, shard=shard)
+        t, e = pred.predict("attention", s.phase, n, ctx, pairs, shard=shard)
+        return t[rows], e[rows]
 
     def ffn1(n: float, shard: int) -> tuple[np.ndarray, np.ndarray]:
-        return pred.predict("ffn", s.phase, n, shard=shard)
+        t, e = pred.predict("ffn", s.phase, n, shard=shard)
+        return t[rows], e[rows]
 
     def head1(n: float, shard: int) -> tuple[np.ndarray, np.ndarray]:
-        return pred.predict("lm_head", "decode", max(1.0, n), shard=shard)
+        t, e = pred.predict("lm_head", "decode", max(1.0, n), shard=shard)
+        return t[rows], e[rows]
 
-    t, e = iteration_cost(att1, ffn1, head1, shape, s, depth, dim, layers, idle, idle)
+    t, e = iteration_cost(att1, ffn1, head1, shape, s, depth, dim, layers, idle[rows], idle[rows])
     return np.diag(t), np.diag(e)  # one clock for both halves: only the diagonal exists
+
+
+def _pinned(pred: Predictor, shape: PoolShape, phase: str, rule: ClockRule) -> tuple[int, int] | None:
+    """The one (attention, FFN) clock index a fixed or max-clock rule allows; None when the rule scans."""
+    top = len(pred.clocks) - 1
+    if rule.fixed_mhz is not None:
+        fa, ff = rule.fixed_mhz[0 if phase == "prefill" else 1]
+        ia = int(np.argmin(np.abs(pred.clocks - fa)))
+        return ia, int(np.argmin(np.abs(pred.clocks - ff))) if shape.split else ia
+    if rule.max_clock:
+        return top, top
+    return None
 
 
 def idle_floor_w(pred: Predictor, shape: PoolShape) -> np.ndarray:
@@ -167,23 +184,35 @@ def plan_iteration(pred: Predictor, shape: PoolShape, stats: BatchStats, budget_
         raise ValueError(f"unknown clock objective {rule.objective!r}")
     best_v = keep_v = np.inf
     depths = tuple(dict.fromkeys(min(d, max(1, int(stats.n_tokens))) for d in depths))
+    pin = _pinned(pred, shape, stats.phase, rule)
+    if pin is not None:  # one clock pair: a 1x1 table (the same figures as masking the whole one)
+        oa, of = pin[0], pin[1] if shape.split else pin[0]
+        rows, cols = slice(oa, oa + 1), slice(of, of + 1)
+    else:
+        oa = of = 0
+        rows = cols = slice(None)
+    if marginal:
+        floor_w = floor_w[rows, cols]  # type: ignore[index]
     for d in depths:
-        t, e = _tables(pred, shape, stats, d, args.dim, args.n_layers)
-        mask = np.zeros_like(t, dtype=bool)
-        if rule.fixed_mhz is not None:
-            fa, ff = rule.fixed_mhz[0 if stats.phase == "prefill" else 1]
-            ia = int(np.argmin(np.abs(clocks - fa)))
-            mask[ia, int(np.argmin(np.abs(clocks - ff))) if shape.split else ia] = True
-        elif rule.max_clock:
-            mask[top, top] = True
-        elif not rule.per_operator or not shape.split:
-            np.fill_diagonal(mask, True)
+        t, e = _tables(pred, shape, stats, d, args.dim, args.n_layers, rows, cols)
+        if pin is not None:
+            mask = np.ones_like(t, dtype=bool)
         else:
-            mask[:] = True
+            mask = np.zeros_like(t, dtype=bool)
+            if not rule.per_operator or not shape.split:
+                np.fill_diagonal(mask, True)
+            else:
+                mask[:] = True
+
+        def point(i: tuple[Any, ...], feasible: bool, d: int = d, t: np.ndarray = t,
+                  e: np.ndarray = e) -> OperatingPoint:
+            ga, gf = int(i[0]) + oa, int(i[1]) + of  # the clock table's indices
+            return OperatingPoint(d, float(clocks[ga]), float(clocks[gf]), float(t[i]), float(e[i]), feasible,
+                                  (ga, gf))
+
         tm = np.where(mask, t, np.inf)
         i_fast = np.unravel_index(int(np.argmin(tm)), t.shape)
-        p_fast = OperatingPoint(d, float(clocks[i_fast[0]]), float(clocks[i_fast[1]]), float(t[i_fast]),
-                                float(e[i_fast]), bool(t[i_fast] <= budget_s), (int(i_fast[0]), int(i_fast[1])))
+        p_fast = point(i_fast, bool(t[i_fast] <= budget_s))
         if fastest is None or p_fast.time_s < fastest.time_s:
             fastest = p_fast
         ok = mask & (t <= budget_s)
@@ -191,16 +220,12 @@ def plan_iteration(pred: Predictor, shape: PoolShape, stats: BatchStats, budget_
             v = e - floor_w * t  # the objective (total energy, or energy above the pool's idle floor)
             em = np.where(ok, v, np.inf)
             i = np.unravel_index(int(np.argmin(em)), t.shape)
-            cand = OperatingPoint(d, float(clocks[i[0]]), float(clocks[i[1]]), float(t[i]), float(e[i]), True,
-                                  (int(i[0]), int(i[1])))
             if best is None or float(v[i]) < best_v:
-                best, best_v = cand, float(v[i])
+                best, best_v = point(i, True), float(v[i])
             if current is not None and current.depth == d and current.index[0] >= 0:
-                ci = current.index
-                if ok[ci]:
-                    keep = OperatingPoint(d, float(clocks[ci[0]]), float(clocks[ci[1]]), float(t[ci]), float(e[ci]),
-                                          True, ci)
-                    keep_v = float(v[ci])
+                ci = (current.index[0] - oa, current.index[1] - of)
+                if 0 <= ci[0] < t.shape[0] and 0 <= ci[1] < t.shape[1] and ok[ci]:
+                    keep, keep_v = point(ci, True), float(v[ci])
     if best is None:
         assert fastest is not None
         return fastest

@@ -44,11 +44,18 @@ def megascale_depth(t_comm_s: float, t_compute_s: float, max_depth: int = 4) -> 
 Idle = Array | float  # context-idle power (W) of one GPU, over a clock table or at one clock
 
 
+def _maximum(a: Any, b: Any) -> Any:
+    """np.maximum, without numpy's per-call cost when both are plain floats (the simulator's truth path)."""
+    if type(a) is float and type(b) is float:
+        return a if a >= b else b
+    return np.maximum(a, b)
+
+
 def af_iteration(ta: Array, ea: Array, tf: Array, ef: Array, th: Array, eh: Array, tc: float, depth: int,
                  layers: int, n_attention: int, n_ffn: int, idle_a: Idle, idle_f: Idle) -> tuple[Array, Array]:
     """(time_s, energy_j) of one split iteration; all GPUs of both sides included."""
     m = depth
-    cycle = np.maximum(np.maximum(m * ta, m * tf), ta + tf + 2.0 * tc)
+    cycle = _maximum(_maximum(m * ta, m * tf), ta + tf + 2.0 * tc)
     t = layers * cycle + th
     busy_a = layers * m * ta + th
     busy_f = layers * m * tf
@@ -81,7 +88,7 @@ def allreduce_s(tokens: float, dim: int, tp: int, link_bytes_s: float, dtype_byt
 
 def pad_to(t: Array, e: Array, t_floor: Array, idle_w: Idle) -> tuple[Array, Array]:
     """A GPU's share (t, e) stretched to at least `t_floor`, the extra time idle (a straggler elsewhere)."""
-    t2 = np.maximum(t, t_floor)
+    t2 = _maximum(t, t_floor)
     return t2, e + idle_w * (t2 - t)
 
 
@@ -126,7 +133,7 @@ def iteration_cost(att: AttnCost, ffn: TokCost, head: TokCost, shape: Any, s: An
         ts_f, _ = ffn(s.seq_tokens, shape.tp)
         t_share = ta + tf + 2.0 * ar
         t_seq = ts + ts_f + 2.0 * allreduce_s(s.seq_tokens, dim, shape.tp, link)
-        stretch = np.maximum(t_seq - t_share, 0.0)  # put the straggler's extra time on the FFN share
+        stretch = _maximum(t_seq - t_share, 0.0)  # put the straggler's extra time on the FFN share
         tf, ef = tf + stretch, ef + stretch * idle_a
     th, eh = head(max(1.0, s.n_sample / r), shape.tp)
     return colocated_iteration(ta, ea, tf, ef, th, eh, ar, layers, shape.gpus, idle_a)
