@@ -42,13 +42,13 @@ from typing import Any
 import torch
 from engine_decode import PROMPT, environment, time_engine, write_report  # the script's folder is on sys.path
 
-from services.launch import aflex_up
 from shared import subjects
 from shared.messages import MicrobatchDone, decode
 from shared.model.checkpoint import open_checkpoint
 from shared.model.engine import Engine
 from shared.model.weights import load_ffn_half
 from shared.nats_server import EmbeddedNatsServer
+from tools.launch import aflex_up
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -146,8 +146,8 @@ def _run_service(args: argparse.Namespace) -> int:
 
         entry = run_scheduler
         settings = _settings(s.SchedulerSettings, args, (*common, "model", "max_queue", "max_batch_tokens",
-                                                         "max_num_seqs", "microbatch_depth", "freq_policy",
-                                                         "fixed_clocks", "ttft_slo_ms", "tpot_slo_ms"))
+                                                         "max_num_seqs", "microbatch_depth", "batching",
+                                                         "freq_policy", "fixed_clocks", "ttft_slo_ms", "tpot_slo_ms"))
     elif args.command == "attention-worker":
         from services.attention_worker.worker import run as run_attention
 
@@ -187,6 +187,8 @@ def _add_services(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-batch-tokens", type=int, help="tokens per iteration per attention worker")
     p.add_argument("--max-num-seqs", type=int, help="running sequences per attention worker")
     p.add_argument("--microbatch-depth", choices=["auto", "1", "2", "3", "4"])
+    p.add_argument("--batching", choices=["aflex", "fcfs"],
+                   help="prefill order and cap: aflex (shortest first with aging, SLO-capped; the default) or fcfs")
     p.add_argument("--freq-policy", choices=["aflex", "slo", "max", "fixed"],
                    help="how the scheduler picks worker clocks (default aflex; env AFLEX_FREQ_POLICY)")
     p.add_argument("--fixed-clocks", help="for --freq-policy fixed: e.g. attention.decode=900,ffn=1200")
@@ -213,7 +215,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_generate(sub)
     _add_services(sub)
     from services.supervisor import add_up_arguments, up
-    from services.top import add_top_arguments, top
+    from tools.top import add_top_arguments, top
 
     p = sub.add_parser("up", help="the whole mesh: nats-server, scheduler, workers, gateway")
     add_up_arguments(p)

@@ -18,7 +18,7 @@ What the supervisor does and does not do:
 - On SIGINT/SIGTERM: stops the gateway (no new requests), the scheduler, then the workers
   (SIGTERM, then SIGKILL after a grace period), then the nats-server, and exits 0.
 - Calls the `on_child_death` hooks for every child that died on its own or had to be killed
-  (a later issue resets the dead worker's GPU clock there).
+  (`aflex up` resets a dead worker's GPU clock there).
 """
 
 from __future__ import annotations
@@ -90,8 +90,6 @@ class ChildExit:
 ChildDeathHook = Callable[[ChildExit], None]
 CommandBuilder = Callable[[argparse.Namespace], list[ChildSpec]]
 
-# Hooks every `aflex up` registers on its supervisor (besides the GPU clock reset `up` adds).
-DEFAULT_CHILD_DEATH_HOOKS: list[ChildDeathHook] = []
 WORKER_ROLES = frozenset({"attention-worker", "ffn-worker"})
 
 
@@ -450,7 +448,7 @@ def up(args: argparse.Namespace, *, command_builder: CommandBuilder = build_comm
             print(f"aflex up: nats-server at {nats.url}", file=sys.stderr, flush=True)
         specs = command_builder(args)
         supervisor = Supervisor(specs, env, grace_s=args.grace,
-                                on_child_death=[reset_clock_hook(specs), *DEFAULT_CHILD_DEATH_HOOKS, *on_child_death])
+                                on_child_death=[reset_clock_hook(specs), *on_child_death])
         supervisor.start()
         base_url = f"http://{local_host(args.host)}:{args.port}"
         try:

@@ -81,16 +81,11 @@ def eos_token_ids(checkpoint: Checkpoint) -> tuple[int, ...]:
     return tuple(tokenizer.eos_token_ids) if tokenizer is not None else tuple(checkpoint.args.eos_token_ids)
 
 
-async def stop_presence(heartbeat_task: asyncio.Task[None] | None, sub: Subscription | None) -> None:
-    """Stop heartbeating and stop taking work: the first steps of every worker's shutdown."""
+async def stop_presence(heartbeat_task: asyncio.Task[None] | None) -> None:
+    """Stop heartbeating: the first step of every worker's shutdown (the scheduler then stops sending)."""
     if heartbeat_task is not None:
         heartbeat_task.cancel()
         await asyncio.gather(heartbeat_task, return_exceptions=True)
-    if sub is not None:
-        try:
-            await sub.unsubscribe()
-        except Exception as exc:  # connection already gone
-            log.debug("unsubscribe failed: %s", exc)
 
 
 async def wait_stop(stop: asyncio.Event, timeout_s: float) -> bool:

@@ -9,15 +9,17 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import nats
 from nats.aio.client import Client
+from nats.aio.msg import Msg
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
 
 from shared.errors import AFlexError
+from shared.messages import ProtocolError
 
 log = logging.getLogger("aflex.bus")
 
@@ -117,3 +119,16 @@ async def close(nc: Client) -> None:
         await nc.drain()
     except Exception:  # already closing / connection lost: nothing left to drain
         await nc.close()
+
+
+def guarded(handler: Callable[[Msg], Awaitable[None]], logger: logging.Logger) -> Callable[[Msg], Awaitable[None]]:
+    """A NATS callback that logs a malformed message (or any error handling it) and never kills the
+    subscription."""
+    async def cb(msg: Msg) -> None:
+        try:
+            await handler(msg)
+        except ProtocolError as exc:
+            logger.warning("dropped a message on %s: %s", msg.subject, exc)
+        except Exception:
+            logger.exception("error handling a message on %s", msg.subject)
+    return cb

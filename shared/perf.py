@@ -45,23 +45,35 @@ def causal_pairs(q: float, ctx: float) -> float:
     return q * ctx - q * (q - 1) / 2
 
 
+def attention_core_work(args: ModelArgs, n_tokens: int, ctx_tokens: float, pairs: float, dtype_bytes: int = 2,
+                        phase: str = "decode") -> OperatorWork:
+    """The attention core of `attention_work_agg` (scores and values over the context, K/V written): the
+    only part that depends on the context; the projections depend on the tokens alone."""
+    flops = 4.0 * args.n_heads * args.head_dim * pairs
+    moved = ctx_tokens * 2.0 * args.kv_dim * dtype_bytes + n_tokens * 2.0 * args.kv_dim * dtype_bytes
+    moved += n_tokens * 2.0 * args.q_dim * dtype_bytes
+    return OperatorWork(flops=flops, bytes_moved=moved, kind=f"attention.{phase}.core")
+
+
+def attention_projections(args: ModelArgs, n_tokens: int, dtype_bytes: int = 2,
+                          phase: str = "decode") -> tuple[OperatorWork, OperatorWork]:
+    """The QKV and output projections of `attention_work_agg`."""
+    kind = f"attention.{phase}"
+    return (_gemm(f"{kind}.qkv", n_tokens, args.dim, args.q_dim + 2 * args.kv_dim, dtype_bytes),
+            _gemm(f"{kind}.o", n_tokens, args.q_dim, args.dim, dtype_bytes))
+
+
 def attention_work_agg(args: ModelArgs, n_tokens: float, ctx_tokens: float, pairs: float,
                        dtype_bytes: int = 2, phase: str = "decode") -> ComposedWork:
     """`shared.gpu.workload.attention_work` from aggregates (sum of contexts, sum of pairs), O(1).
 
     Equal to attention_work(args, n, contexts) when ctx = sum(contexts) and pairs = the sum of the
     causal pairs of each sequence's chunk (tests check it)."""
-    kind = f"attention.{phase}"
     n = max(1, round(n_tokens))
-    qkv = _gemm(f"{kind}.qkv", n, args.dim, args.q_dim + 2 * args.kv_dim, dtype_bytes)
-    core_flops = 4.0 * args.n_heads * args.head_dim * pairs
-    core_bytes = ctx_tokens * 2.0 * args.kv_dim * dtype_bytes + n * 2.0 * args.kv_dim * dtype_bytes
-    core_bytes += n * 2.0 * args.q_dim * dtype_bytes
-    core = OperatorWork(flops=core_flops, bytes_moved=core_bytes, kind=f"{kind}.core")
-    out = _gemm(f"{kind}.o", n, args.q_dim, args.dim, dtype_bytes)
-    parts = (qkv, core, out)
+    qkv, out = attention_projections(args, n, dtype_bytes, phase)
+    parts = (qkv, attention_core_work(args, n, ctx_tokens, pairs, dtype_bytes, phase), out)
     return ComposedWork(flops=sum(p.flops for p in parts), bytes_moved=sum(p.bytes_moved for p in parts),
-                        kind=kind, parts=parts)
+                        kind=f"attention.{phase}", parts=parts)
 
 
 def shard_work(work: ComposedWork, shard: int) -> ComposedWork:

@@ -37,6 +37,9 @@ class SchedulerSettings(ServiceSettings):
     max_batch_tokens: int = 2048  # tokens per iteration per attention worker (chunked prefill budget)
     max_num_seqs: int = 256  # running sequences per attention worker
     microbatch_depth: Literal["auto", "1", "2", "3", "4"] = "auto"
+    # aflex: shortest remaining prompt first with aging, prefill capped by the SLOs (the simulator's rule);
+    # fcfs: first come first served within max_batch_tokens (the in-process engine's)
+    batching: Literal["aflex", "fcfs"] = "aflex"
     heartbeat_timeout_s: float = 5.0
     microbatch_timeout_s: float = 120.0
     # a microbatch sent this long ago that its worker's heartbeat does not list, and that is not done, is lost

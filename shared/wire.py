@@ -50,11 +50,6 @@ def _raw_view(tensor: Any) -> memoryview:
     return memoryview(t.numpy()).cast("B")
 
 
-def tensor_bytes(tensor: Any) -> bytes:
-    """Raw bytes of a contiguous CPU copy of `tensor` (bf16 goes through an int16 view)."""
-    return bytes(_raw_view(tensor))
-
-
 def encode_frames(header: dict[str, Any], tensor: Any, max_payload: int) -> list[bytes]:
     """Frames for `tensor` with `header` (which must not use the keys dtype/shape/chunk/chunks/nbytes).
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from shared.gpu.base import GPU, ClockResult, GPUPermissionError
-from shared.gpu.controller import DVFSController, snap_to
+from shared.gpu.controller import DVFSController
+from shared.gpu.snap import snap_clock
 from shared.messages import FrequencyCommand
 
 CLOCKS = list(range(210, 1411, 15))  # A800: 210..1410 MHz in 15 MHz steps
@@ -71,9 +72,11 @@ def make(gpu: GPU | None = None, **kw: object) -> tuple[DVFSController, FakeGPU,
 
 
 def test_snap_clamps_and_picks_nearest() -> None:
-    assert snap_to(CLOCKS, 0) == 210 and snap_to(CLOCKS, 5000) == 1410
-    assert snap_to(CLOCKS, 600) == 600 and snap_to(CLOCKS, 607) == 600 and snap_to(CLOCKS, 608) == 615
-    assert snap_to(CLOCKS, 607.5) == 600  # type: ignore[arg-type]  # ties go down
+    assert snap_clock(CLOCKS, 0, "nearest") == 210 and snap_clock(CLOCKS, 5000, "nearest") == 1410
+    assert [snap_clock(CLOCKS, f, "nearest") for f in (600, 607, 608)] == [600, 600, 615]
+    assert snap_clock(CLOCKS, 607.5, "nearest") == 600  # ties go down
+    with pytest.raises(ValueError, match="rounding"):
+        snap_clock(CLOCKS, 600, "sideways")  # type: ignore[arg-type]
 
 
 def test_command_is_clamped_and_snapped() -> None:

@@ -88,7 +88,7 @@ class FakeScheduler:
         req = decode(SubmitRequest, msg.data)
         self.submissions.append(req)
         if self.mode == "overload":
-            error = ErrorBody(type="overloaded_error", message="the queue is full", code="429")
+            error = ErrorBody(type="overloaded_error", message="the queue is full", code="queue_full")
             await msg.respond(encode(SubmitReply(request_id=req.request_id, accepted=False, error=error,
                                                  retry_after_s=2.5)))
             return
@@ -400,7 +400,7 @@ def test_api_key(h: Harness) -> None:
 
 
 def test_gateway_does_not_import_torch() -> None:
-    code = ("import sys, services.gateway.app, services.gateway.streaming, services.gateway.backend; "
+    code = ("import sys, services.gateway.app, services.gateway.streaming, services.gateway.generation; "
             "assert 'torch' not in sys.modules, 'torch imported'")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
 

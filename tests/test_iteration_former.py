@@ -13,7 +13,6 @@ from pathlib import Path
 import pytest
 
 from services.scheduler import aflex
-from services.scheduler.batcher import plan_iteration
 from services.scheduler.state import RequestState
 from shared.messages import SamplingSpec
 from shared.model.checkpoint import open_checkpoint
@@ -22,11 +21,13 @@ from shared.model.sampling import SamplingParams
 from shared.policy import (
     AFLEX_BATCHING,
     AFLEX_CLOCK_OBJECTIVE,
+    KvRoom,
     WorkItem,
     form_iteration,
     microbatch_depth,
     split_microbatches,
 )
+from tests.test_scheduler import plan_iteration
 
 SRPT = AFLEX_BATCHING
 
@@ -122,11 +123,11 @@ def test_srpt_serves_the_short_prompt_first_until_the_long_one_has_aged() -> Non
 def test_a_refusal_stops_admission_but_admitted_work_goes_on() -> None:
     a, b, c = _req("a", 5, 1.0), _req("b", 5, 1.0), _req("c", 5, 2.0)
     part = _req("part", 8, 0.5, computed=2)  # 6 tokens left, served after the three under srpt at now=3
-    passes, admitted = plan_iteration([], [a, b, c], max_batch_tokens=100, max_num_seqs=8,
-                                      can_admit=lambda s: s is not b)
+    no_b = KvRoom(free_blocks=4, block_size=1, reserved_blocks={a: 1, c: 1})  # b's 5 tokens do not fit
+    passes, admitted = plan_iteration([], [a, b, c], max_batch_tokens=100, max_num_seqs=8, kv=no_b)
     assert _fed(passes) == [("a", 5)] and admitted == [a]  # c does not overtake b
-    passes, admitted = plan_iteration([part], [a, b, c], max_batch_tokens=100, max_num_seqs=8,
-                                      can_admit=lambda s: s is not b, rule=SRPT, now=3.0)
+    passes, admitted = plan_iteration([part], [a, b, c], max_batch_tokens=100, max_num_seqs=8, kv=no_b,
+                                      rule=SRPT, now=3.0)
     assert _fed(passes) == [("a", 5), ("part", 6)] and admitted == [a]
     asked: list[str] = []
 

@@ -8,8 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from services.launch import aflex_up
 from shared.nats_server import free_port
+from tools.launch import aflex_up
 
 SLICE = Path(__file__).parent / "data" / "azure_conv_slice.csv"
 N = 6

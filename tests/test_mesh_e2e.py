@@ -18,7 +18,7 @@ import httpx
 import openai
 import pytest
 
-from services.launch import Mesh, aflex_up
+from tools.launch import Mesh, aflex_up
 
 QUESTION = "Tell me about the sea."
 

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import openai
 
-from services.launch import Mesh, aflex_up
 from shared.nats_server import EmbeddedNatsServer, free_port
+from tools.launch import Mesh, aflex_up
 
 MAX_TOKENS = 160
 

@@ -17,11 +17,11 @@ from shared.policy import (
     WindowLoad,
     megascale_depth,
     overlap_floor,
-    plan_iteration,
     prefill_budget,
     provision,
     ttft_budget,
 )
+from shared.policy import choose_operating_point as choose
 
 
 @pytest.fixture(scope="module")
@@ -32,13 +32,13 @@ def pred() -> Predictor:
 def test_memory_bound_decode_attention_gets_a_lower_clock_than_ffn(pred: Predictor) -> None:
     shape = PoolShape(split=True, attention=4, ffn=2)
     b = 256
-    op = plan_iteration(pred, shape, BatchStats("decode", b, b * 1500, b * 1500, b), 0.1, ClockRule())
+    op = choose(pred, shape, BatchStats("decode", b, b * 1500, b * 1500, b), 0.1, ClockRule())
     assert op.feasible
     assert op.clock_attention < op.clock_ffn
 
 
 def test_depth_one_at_low_load(pred: Predictor) -> None:
-    op = plan_iteration(pred, PoolShape(split=True, attention=1, ffn=1), BatchStats("decode", 4, 4000, 4000, 4), 0.1,
+    op = choose(pred, PoolShape(split=True, attention=1, ffn=1), BatchStats("decode", 4, 4000, 4000, 4), 0.1,
                         ClockRule())
     assert op.depth == 1
 
@@ -47,17 +47,17 @@ def test_max_clock_rule_and_one_clock_rule(pred: Predictor) -> None:
     shape = PoolShape(split=True, attention=2, ffn=2)
     s = BatchStats("decode", 64, 64 * 1000, 64 * 1000, 64)
     top = float(pred.clocks[-1])
-    op = plan_iteration(pred, shape, s, 0.1, ClockRule(max_clock=True))
+    op = choose(pred, shape, s, 0.1, ClockRule(max_clock=True))
     assert (op.clock_attention, op.clock_ffn) == (top, top)
-    op = plan_iteration(pred, shape, s, 0.1, ClockRule(per_operator=False))
+    op = choose(pred, shape, s, 0.1, ClockRule(per_operator=False))
     assert op.clock_attention == op.clock_ffn
 
 
 def test_tighter_budget_never_lowers_the_clock(pred: Predictor) -> None:
     shape = PoolShape(split=False, replicas=8, tp=2)
     s = BatchStats("prefill", 8192, 8192, 8 * 1024 * 1024 / 2, 8)
-    loose = plan_iteration(pred, shape, s, 1.0, ClockRule())
-    tight = plan_iteration(pred, shape, s, 0.12, ClockRule())
+    loose = choose(pred, shape, s, 1.0, ClockRule())
+    tight = choose(pred, shape, s, 0.12, ClockRule())
     assert tight.clock_attention >= loose.clock_attention
 
 
@@ -102,7 +102,7 @@ def test_one_long_prompt_is_bounded_by_its_group_and_tp_shortens_it(pred: Predic
     alone = BatchStats("prefill", p, p, p * p / 2, 1, p, p, p * p / 2)
     shape = PoolShape(split=True, attention=4, ffn=8)
     top = ClockRule(max_clock=True, depths=(1,))
-    assert plan_iteration(pred, shape, alone, 0.0, top).time_s > 1.5 * plan_iteration(pred, shape, spread, 0.0,
+    assert choose(pred, shape, alone, 0.0, top).time_s > 1.5 * choose(pred, shape, spread, 0.0,
                                                                                         top).time_s
     times = [long_prompt_time(pred, PoolShape(split=True, attention=4, ffn=8, attention_tp=tp), p) for tp in (1, 2, 4)]
     assert times[0] > times[1] > times[2]
@@ -152,23 +152,23 @@ def test_prefill_only_iteration_is_capped_by_time_when_asked() -> None:
 def test_marginal_objective_scores_energy_above_the_idle_floor(pred: Predictor) -> None:
     shape = PoolShape(split=False, replicas=4, tp=4)
     s = BatchStats("decode", 64, 64 * 1000, 64 * 1000, 64)
-    total = plan_iteration(pred, shape, s, 0.1, ClockRule(per_operator=False))
-    marginal = plan_iteration(pred, shape, s, 0.1, ClockRule(per_operator=False, objective="marginal"))
+    total = choose(pred, shape, s, 0.1, ClockRule(per_operator=False))
+    marginal = choose(pred, shape, s, 0.1, ClockRule(per_operator=False, objective="marginal"))
     assert marginal.feasible and total.feasible
     # idle power is free under "marginal", so it never runs faster than "total" does
     assert marginal.clock_attention <= total.clock_attention
     with pytest.raises(ValueError):
-        plan_iteration(pred, shape, s, 0.1, ClockRule(objective="bogus"))
+        choose(pred, shape, s, 0.1, ClockRule(objective="bogus"))
 
 
 def test_marginal_decode_scores_decode_only_and_provisioning_ignores_it(pred: Predictor) -> None:
     shape = PoolShape(split=True, attention=1, ffn=1)
     dec = BatchStats("decode", 64, 64 * 1500, 64 * 1500, 64)
     md = ClockRule(objective="marginal-decode")
-    assert plan_iteration(pred, shape, dec, 0.1, md).clock_ffn <= plan_iteration(pred, shape, dec, 0.1,
+    assert choose(pred, shape, dec, 0.1, md).clock_ffn <= choose(pred, shape, dec, 0.1,
                                                                                     ClockRule()).clock_ffn
     pre = BatchStats("prefill", 2048, 2048, 2048 * 1024, 2)
-    assert plan_iteration(pred, shape, pre, 0.2, md) == plan_iteration(pred, shape, pre, 0.2, ClockRule())
+    assert choose(pred, shape, pre, 0.2, md) == choose(pred, shape, pre, 0.2, ClockRule())
     args = get_model("qwen3-32b")
     spec = ClusterSpec(16, 80e9, attention_weight_bytes(args), ffn_weight_bytes(args), kv_bytes_per_token(args),
                        400e9, 0.34, 0.1, pred.profile.idle_power_w)  # parked cold

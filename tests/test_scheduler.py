@@ -19,7 +19,7 @@ import nats
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 
-from services.scheduler.batcher import Pass, microbatch_depth, phase_of, plan_iteration, split_microbatches
+from services.scheduler.batcher import Pass, plan_passes
 from services.scheduler.model_info import ModelInfo
 from services.scheduler.service import run
 from services.scheduler.state import RequestState
@@ -40,6 +40,8 @@ from shared.messages import (
     decode,
     encode,
 )
+from shared.policy import BatchingRule
+from shared.policy.iteration import DecodeAwareCap, IterationPolicy, KvRoom, microbatch_depth
 from shared.settings import SchedulerSettings
 
 MODEL = ModelInfo("test-model", frozenset({2}), vocab_size=1000, max_seq_len=4096)
@@ -54,6 +56,15 @@ def _state(rid: str, prompt_len: int, *, computed: int = 0, output: int = 0) -> 
     s.output_ids = [100 + i for i in range(output)]
     s.num_computed = computed
     return s
+
+
+def plan_iteration(running: list[RequestState], waiting: list[RequestState], *, max_batch_tokens: int,
+                   max_num_seqs: int, kv: KvRoom[RequestState] | None = None, rule: BatchingRule | None = None,
+                   now: float = 0.0, prefill_cap: DecodeAwareCap | None = None,
+                   ) -> tuple[list[Pass], list[RequestState]]:
+    """The scheduler's planning call (batcher.plan_passes), as (passes, admitted)."""
+    plan = plan_passes(running, waiting, IterationPolicy(max_batch_tokens, max_num_seqs, rule, now, prefill_cap), kv)
+    return plan.passes, plan.admitted
 
 
 def test_plan_running_first_then_chunked_admission() -> None:
@@ -72,7 +83,8 @@ def test_plan_respects_max_num_seqs_and_can_admit() -> None:
     waiting = [_state("w1", 2), _state("w2", 2)]
     _, admitted = plan_iteration(running, waiting, max_batch_tokens=100, max_num_seqs=2)
     assert [s.request_id for s in admitted] == ["w1"]
-    _, admitted = plan_iteration(running, waiting, max_batch_tokens=100, max_num_seqs=9, can_admit=lambda s: False)
+    _, admitted = plan_iteration(running, waiting, max_batch_tokens=100, max_num_seqs=9,
+                                 kv=KvRoom(free_blocks=0, block_size=16))
     assert admitted == []
 
 
@@ -88,16 +100,23 @@ def test_recompute_feeds_prompt_and_output_with_generated_ids() -> None:
 def test_depth_and_split() -> None:
     assert microbatch_depth("auto", 3) == 1 and microbatch_depth("auto", 4) == 2
     assert microbatch_depth("3", 2) == 2 and microbatch_depth("4", 10) == 4
-    passes = [Pass.of(_state(f"s{i}", 1, computed=1, output=1), n) for i, n in enumerate([100, 1, 1, 1])]
-    groups = split_microbatches(passes, 2)
-    assert [len(g) for g in groups] == [1, 3]
-    groups = split_microbatches(passes, 4)
-    assert [len(g) for g in groups] == [1, 1, 1, 1]
-    even = [Pass.of(_state(f"e{i}", 1, computed=1, output=1), 1) for i in range(6)]
-    assert [len(g) for g in split_microbatches(even, 3)] == [2, 2, 2]
-    assert split_microbatches([], 2) == []
-    prefill = Pass.of(_state("p", 8), 8)
-    assert phase_of(even) == "decode" and phase_of([prefill]) == "prefill" and phase_of([prefill, *even]) == "mixed"
+    decoding = [_state(f"s{i}", 1, computed=1, output=1) for i in range(3)]
+    prompt = _state("p", 100)
+
+    def groups(depth: str, planned: dict[str, int] | None = None) -> list[list[str]]:
+        policy = IterationPolicy(1000, 16, depth=depth, planned_depth=planned or {})
+        return [[p.state.request_id for p in g] for g in plan_passes(decoding, [prompt], policy).groups]
+    assert groups("2") == [["s0", "s1", "s2"], ["p"]]  # 3 tokens | 100 tokens
+    assert groups("4") == [["s0"], ["s1"], ["s2"], ["p"]]
+    assert groups("auto") == [["s0", "s1", "s2"], ["p"]]  # 4 sequences: 2
+    assert groups("auto", {"prefill": 1}) == [["s0", "s1", "s2", "p"]]  # the clock plan's depth for the phase
+    assert groups("auto", {"decode": 3}) == [["s0", "s1", "s2"], ["p"]]  # (a plan for the other phase: unused)
+    even = [_state(f"e{i}", 1, computed=1, output=1) for i in range(6)]
+    plan = plan_passes(even, [], IterationPolicy(1000, 16, depth="3"))
+    assert [len(g) for g in plan.groups] == [2, 2, 2] and plan.phase == "decode"
+    assert plan_passes([], [], IterationPolicy(1000, 16, depth="2")).groups == []
+    assert plan_passes([], [_state("q", 8)], IterationPolicy(1000, 16)).phase == "prefill"
+    assert plan_passes(even, [_state("q", 8)], IterationPolicy(1000, 16)).phase == "mixed"
 
 
 # -- fake workers ---------------------------------------------------------------------------------
@@ -359,7 +378,7 @@ def test_queue_full_is_overloaded(nats_url: str) -> None:
             await wait_for(lambda: len(attn.descriptors) == 1)  # q1 running, q2 and q3 wait
             reply = await m.submit("q4", [1, 2], max_tokens=4)
             assert not reply.accepted and reply.error is not None
-            assert reply.error.type == "overloaded_error" and reply.error.code == "429"
+            assert reply.error.type == "overloaded_error" and reply.error.code == "queue_full"
             assert reply.retry_after_s and reply.retry_after_s > 0
             status = await m.status()
             assert status.queue_depth == 2 and status.running == 1
@@ -439,7 +458,7 @@ def test_status_ready_once_both_roles_registered(nats_url: str) -> None:
         async with mesh(nats_url, attn=(), ffn=()) as m:
             assert not (await m.status()).ready
             reply = await m.submit("early", [1], max_tokens=2)
-            assert not reply.accepted and reply.error is not None and reply.error.code == "503"
+            assert not reply.accepted and reply.error is not None and reply.error.code == "no_workers_ready"
             assert reply.retry_after_s
             worker = FakeAttention(m.nc, "a0")
             await worker.start()

@@ -15,7 +15,7 @@ import orjson
 import pytest
 from nats.aio.msg import Msg
 
-from services.scheduler.batcher import Pass
+from services.scheduler.batcher import Pass, share_energy
 from services.scheduler.clocks import (
     PhaseSignal,
     SloRule,
@@ -23,12 +23,11 @@ from services.scheduler.clocks import (
     percentile,
     plan_clocks,
     slo_direction,
-    snap,
     step,
 )
-from services.scheduler.service import share_energy
 from services.scheduler.state import RequestState
 from shared import subjects
+from shared.gpu.snap import snap_clock
 from shared.messages import (
     FrequencyCommand,
     MicrobatchDescriptor,
@@ -60,11 +59,12 @@ def test_parse_fixed_clocks() -> None:
 
 
 def test_snap_and_step_stay_in_the_table() -> None:
-    assert snap(A100, 1000) == 990 and snap(A100, 900) == 900 and snap(A100, 100) == 210 and snap(A100, 5000) == 1410
+    assert [snap_clock(A100, f, "down") for f in (1000, 900, 100, 5000)] == [990, 900, 210, 1410]
+    assert [snap_clock(A100, f, "up") for f in (1000, 900, 100, 5000)] == [1005, 900, 210, 1410]
     assert step(A100, 1410, -2) == 1380 and step(A100, 1410, 3) == 1410 and step(A100, 225, -5) == 210
     assert step(COARSE, 950, 1) == 1000  # an off-table clock snaps down first
     with pytest.raises(ValueError):
-        snap([], 1000)
+        snap_clock([], 1000, "down")
 
 
 def test_slo_direction() -> None:

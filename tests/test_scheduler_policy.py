@@ -22,12 +22,12 @@ from nats.aio.msg import Msg
 
 from loadgen.sim.models import get_model
 from services.scheduler.aflex import AflexPlanner, IterationSample, guess_profile, representative, sample_of
-from services.scheduler.clocks import snap_up
 from services.scheduler.model_info import ModelInfo
 from services.scheduler.service import Scheduler
 from services.worker_common import registration
 from shared import subjects
 from shared.gpu.emulated import EmulatedGPU, available_profiles, load_profile
+from shared.gpu.snap import snap_clock
 from shared.messages import (
     FrequencyCommand,
     OutputDelta,
@@ -40,7 +40,7 @@ from shared.messages import (
     encode,
 )
 from shared.perf import cached_predictor
-from shared.policy import BatchStats, ClockRule, PoolShape, plan_iteration
+from shared.policy import BatchStats, ClockRule, PoolShape, choose_operating_point
 from shared.settings import SchedulerSettings
 from tests.test_scheduler import FakeAttention, heartbeat, wait_for
 
@@ -86,22 +86,22 @@ def test_plan_pair_is_the_policy_and_misses_raise_clocks() -> None:
     plan = pl.plan_pair(A800, "decode", window)
     assert plan is not None and plan.budget_s == pytest.approx(0.120 * (1 - pl.margins["decode"].margin))
     pred = cached_predictor(A800, QWEN)
-    expected = plan_iteration(pred, PoolShape(split=True), BatchStats("decode", 1, 30, 30, 1), plan.budget_s,
+    expected = choose_operating_point(pred, PoolShape(split=True), BatchStats("decode", 1, 30, 30, 1), plan.budget_s,
                               AFLEX_RULE)
     assert plan.op == expected and pl.rule.objective == "marginal-decode"
     # energy above the idle floor, not the iteration's total: here a slower decode point than the old rule's
-    total = plan_iteration(pred, PoolShape(split=True), BatchStats("decode", 1, 30, 30, 1), plan.budget_s,
+    total = choose_operating_point(pred, PoolShape(split=True), BatchStats("decode", 1, 30, 30, 1), plan.budget_s,
                            ClockRule())
     assert plan.op.clock_attention + plan.op.clock_ffn < total.clock_attention + total.clock_ffn
     # prefill iterations keep the whole-iteration objective
     pre = [IterationSample(0.0, "prefill", 512, 512.0, 512.0 * 513 / 2, 1, 0, 512)]
     pplan = pl.plan_pair(A800, "prefill", pre)
     assert pplan is not None
-    assert pplan.op == plan_iteration(pred, PoolShape(split=True), pre[0].stats, pplan.budget_s, ClockRule())
+    assert pplan.op == choose_operating_point(pred, PoolShape(split=True), pre[0].stats, pplan.budget_s, ClockRule())
     # a batch whose time follows the clock, an SLO just above its unconstrained optimum: misses widen
     # the margin until the optimum no longer fits, and the clocks rise
     big = [IterationSample(0.0, "decode", 128, 128 * 25.0, 128 * 25.0, 128, 128, 0)]
-    best = plan_iteration(pred, PoolShape(split=True), big[0].stats, 1e9, AFLEX_RULE)
+    best = choose_operating_point(pred, PoolShape(split=True), big[0].stats, 1e9, AFLEX_RULE)
     tight = AflexPlanner(QWEN, ttft_slo_ms=400, tpot_slo_ms=best.time_s * 1e3 / 0.8, depths=(1, 2, 3, 4))
     before = tight.plan_pair(A800, "decode", big)
     for _ in range(6):
@@ -227,25 +227,26 @@ def test_aflex_commands_follow_the_policy_under_a_large_decode_batch(nats_url: s
             assert lv.commands["a0"][0].reason.startswith("aflex")
             dones = await asyncio.gather(*(lv.submit(f"r{i}", 10, 40) for i in range(200)))
             await wait_for(lambda: sum(s.phase == "decode" and s.n_tokens >= 150
-                                       for s in lv.sched.samples.get("a0", ())) >= 5, 10)
+                                       for s in lv.sched.governor.samples.get("a0", ())) >= 5, 10)
             n = len(lv.commands["a0"])
             await lv.sched.freq_window()
             await wait_for(lambda: len(lv.commands["a0"]) > n and len(lv.commands["f0"]) > n)
-            rec = lv.sched.plans["a0"]["decode"]
+            rec = lv.sched.governor.plans["a0"]["decode"]
             assert rec.stats.phase == "decode" and rec.stats.n_tokens >= 150
             pred = cached_predictor(A800, QWEN)  # no timings reported: no correction either
-            op = plan_iteration(pred, PoolShape(split=True), rec.stats, rec.budget_s, AFLEX_RULE, rec.current)
+            op = choose_operating_point(pred, PoolShape(split=True), rec.stats, rec.budget_s, AFLEX_RULE, rec.current)
             assert op == rec.op
-            assert rec.budget_s == pytest.approx(0.120 * (1 - lv.sched.aflex.margins["decode"].margin))  # type: ignore[union-attr]
+            assert rec.budget_s == pytest.approx(0.120 * (1 - lv.sched.governor.aflex.margins["decode"].margin))  # type: ignore[union-attr]
             a_cmd, f_cmd = lv.commands["a0"][-1].clocks_mhz, lv.commands["f0"][-1].clocks_mhz
-            assert a_cmd["decode"] == snap_up(A800_CLOCKS, op.clock_attention)
-            assert f_cmd["decode"] == snap_up(A800_CLOCKS, op.clock_ffn)
+            assert a_cmd["decode"] == snap_clock(A800_CLOCKS, op.clock_attention, "up")
+            assert f_cmd["decode"] == snap_clock(A800_CLOCKS, op.clock_ffn, "up")
             if op.clock_attention < op.clock_ffn:  # memory-bound decode attention: the policy slows it more
                 assert a_cmd["decode"] < f_cmd["decode"]
             # the policy's depth now cuts the decode iterations
-            k = len(lv.sched.samples["a0"])
-            await wait_for(lambda: len(lv.sched.samples["a0"]) > k + 2, 10)
-            latest = [s for s in list(lv.sched.samples["a0"])[k:] if s.phase == "decode" and s.n_tokens >= op.depth]
+            k = len(lv.sched.governor.samples["a0"])
+            await wait_for(lambda: len(lv.sched.governor.samples["a0"]) > k + 2, 10)
+            latest = [s for s in list(lv.sched.governor.samples["a0"])[k:]
+                      if s.phase == "decode" and s.n_tokens >= op.depth]
             assert latest and all(s.depth == op.depth for s in latest)
             await asyncio.wait_for(asyncio.gather(*(d.wait() for d in dones)), 15)
     asyncio.run(main())
@@ -254,7 +255,7 @@ def test_aflex_commands_follow_the_policy_under_a_large_decode_batch(nats_url: s
 def test_aflex_clocks_rise_after_misses(nats_url: str) -> None:
     # what each round's decode looks like: short prompts, so the prefill cap admits a round at once
     nominal = BatchStats("decode", 128, 128 * 6, 128 * 6, 128)
-    best = plan_iteration(cached_predictor(A800, QWEN), PoolShape(split=True), nominal, 1e9, AFLEX_RULE)
+    best = choose_operating_point(cached_predictor(A800, QWEN), PoolShape(split=True), nominal, 1e9, AFLEX_RULE)
     tpot_slo_ms = best.time_s * 1e3 / 0.8  # fits the optimum at the starting margin, not at a wide one
 
     async def main() -> None:
@@ -276,7 +277,7 @@ def test_aflex_clocks_rise_after_misses(nats_url: str) -> None:
             await lv.sched.freq_window()
             await wait_for(lambda: len(lv.commands.get("a0", [])) >= 2 and len(lv.commands.get("f0", [])) >= 2)
             first = decode_clocks()
-            first_budget_s = lv.sched.plans["a0"]["decode"].budget_s
+            first_budget_s = lv.sched.governor.plans["a0"]["decode"].budget_s
             a0.delay_s = 2 * tpot_slo_ms / 1e3  # every token now misses the TPOT SLO
             for _ in range(3):
                 await burst()
@@ -287,8 +288,8 @@ def test_aflex_clocks_rise_after_misses(nats_url: str) -> None:
             # Faster clocks for a tighter budget. Not each clock: at a tighter budget the least-energy split
             # may move one operator down while the other goes up (seen: A 300 -> 210, F 480 -> 1020 MHz).
             assert sum(last) > sum(first) and max(last) > max(first), (first, last, reasons)
-            assert lv.sched.aflex is not None and lv.sched.aflex.margins["decode"].margin > 0.3
-            plan = lv.sched.plans["a0"]["decode"]
+            assert lv.sched.governor.aflex is not None and lv.sched.governor.aflex.margins["decode"].margin > 0.3
+            plan = lv.sched.governor.plans["a0"]["decode"]
             assert plan.budget_s < first_budget_s and plan.op.feasible and plan.op.time_s <= plan.budget_s
     asyncio.run(main())
 

@@ -13,13 +13,13 @@ import pytest
 
 from loadgen.sim.policies import policy_spec
 from services.scheduler.aflex import BATCHING, CLOCK_OBJECTIVE, AflexPlanner, serving_order
-from services.scheduler.batcher import plan_iteration
 from services.scheduler.state import RequestState
 from shared.messages import SamplingSpec
 from shared.perf import cached_predictor, causal_pairs
 from shared.policy import BatchStats, ClockRule, PoolShape, prefill_budget
-from shared.policy import plan_iteration as plan_clocks
-from tests.test_scheduler import FakeAttention, mesh, wait_for
+from shared.policy import choose_operating_point as plan_clocks
+from shared.policy.iteration import KvRoom
+from tests.test_scheduler import FakeAttention, mesh, plan_iteration, wait_for
 from tests.test_scheduler_policy import A800, QWEN, ProfiledAttention, live
 
 
@@ -79,7 +79,7 @@ def test_a_refused_aged_prompt_is_not_overtaken_and_running_work_goes_on() -> No
     dec = _state("dec", 5, received=1.0, computed=6, output=2)  # decoding: one token to feed
     part = _state("part", 200, received=39.0, computed=150)  # an unfinished prefill, 50 tokens left
     passes, admitted = plan_iteration([dec, part], [aged, short], max_batch_tokens=1000, max_num_seqs=8,
-                                      can_admit=lambda s: s is not aged, rule=BATCHING, now=41.0)
+                                      kv=KvRoom(free_blocks=100, block_size=1), rule=BATCHING, now=41.0)
     assert admitted == [] and _order(passes) == [("dec", 1), ("part", 50)]
     passes, admitted = plan_iteration([dec, part], [aged, short], max_batch_tokens=1000, max_num_seqs=8,
                                       rule=BATCHING, now=41.0)
@@ -148,10 +148,11 @@ def test_prefill_tokens_is_the_policys_budget() -> None:
 # -- live -----------------------------------------------------------------------------------------
 
 
-async def _first_order(freq_policy: str, url: str) -> list[str]:
+async def _first_order(batching: str, freq_policy: str, url: str) -> list[str]:
     """Long then short submitted while the worker is busy: the request ids of their first passes, in order."""
     a0 = FakeAttention(None, "a0", delay_s=0.3)  # type: ignore[arg-type]
-    async with mesh(url, attn=(a0,), max_batch_tokens=64, microbatch_depth="1", freq_policy=freq_policy) as m:
+    async with mesh(url, attn=(a0,), max_batch_tokens=64, microbatch_depth="1", batching=batching,
+                    freq_policy=freq_policy) as m:
         first = asyncio.create_task(m.run_request("busy", [5, 6, 7], max_tokens=3))
         await wait_for(lambda: bool(a0.seqs_of("busy")))
         streams = {rid: await m.stream(rid) for rid in ("long", "short")}
@@ -169,10 +170,10 @@ async def _first_order(freq_policy: str, url: str) -> list[str]:
         return [s.seq_id for d in a0.descriptors for s in d.seqs if s.seq_id in ("long", "short")]
 
 
-def test_live_aflex_serves_the_short_prompt_first(nats_url: str) -> None:
-    order = asyncio.run(_first_order("aflex", nats_url))
+def test_live_aflex_batching_serves_the_short_prompt_first_whatever_the_clocks(nats_url: str) -> None:
+    order = asyncio.run(_first_order("aflex", "max", nats_url))  # the batching setting decides, not the clocks
     assert order[0] == "short"
-    order = asyncio.run(_first_order("max", nats_url))  # other policies: first-come first-served
+    order = asyncio.run(_first_order("fcfs", "aflex", nats_url))  # first-come first-served
     assert order[0] == "long"
 
 
@@ -184,7 +185,7 @@ def test_live_prefill_iterations_are_capped_by_the_ttft_budget(nats_url: str) ->
             done = await lv.submit("big", 3000, 2)
             await asyncio.wait_for(done.wait(), 15)
             chunks = [len(s.token_ids) for d, i in a0.seqs_of("big") if (s := d.seqs[i]).start_pos < 3000]
-            planner = lv.sched.aflex
+            planner = lv.sched.governor.aflex
             assert planner is not None and sum(chunks) == 3000 and len(chunks) > 1  # all fed, none twice
             left = 3000
             for c in chunks:  # each iteration takes the policy's cap for what is left
@@ -195,13 +196,14 @@ def test_live_prefill_iterations_are_capped_by_the_ttft_budget(nats_url: str) ->
     asyncio.run(main())
 
 
-@pytest.mark.parametrize("policy", ["slo", "max"])
-def test_live_other_policies_keep_the_token_budget(nats_url: str, policy: str) -> None:
+@pytest.mark.parametrize("policy", ["slo", "max", "aflex"])
+def test_live_fcfs_batching_keeps_the_token_budget_under_any_clock_policy(nats_url: str, policy: str) -> None:
     async def main() -> None:
         a0 = ProfiledAttention(None, "a0", kv_total_blocks=20000)  # type: ignore[arg-type]
-        async with live(nats_url, a0, max_batch_tokens=4096, microbatch_depth="1", freq_policy=policy) as lv:
+        async with live(nats_url, a0, max_batch_tokens=4096, microbatch_depth="1", freq_policy=policy,
+                        batching="fcfs") as lv:
             await lv.ffn("f0")
             await asyncio.wait_for((await lv.submit("big", 3000, 2)).wait(), 15)
             chunks = [len(s.token_ids) for d, i in a0.seqs_of("big") if (s := d.seqs[i]).start_pos < 3000]
-            assert chunks == [3000] and lv.sched.batching is None
+            assert chunks == [3000] and lv.sched.governor.batching is None
     asyncio.run(main())

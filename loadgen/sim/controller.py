@@ -1,4 +1,4 @@
-"""The simulator's per-iteration controller: `plan_iteration` memoised on quantised batch statistics.
+"""The simulator's per-iteration controller: `choose_operating_point` memoised on quantised batch statistics.
 
 A one-hour trace runs hundreds of thousands of iterations whose batches repeat closely; quantising
 the statistics (16 steps per octave of tokens, 12 of context) and caching the decision keeps a
@@ -11,11 +11,11 @@ import math
 from typing import Any
 
 from shared.perf import Predictor
-from shared.policy import BatchStats, ClockRule, OperatingPoint, PoolShape, plan_iteration
+from shared.policy import BatchStats, ClockRule, OperatingPoint, PoolShape, choose_operating_point
 
 
 class Controller:
-    """Memoised `plan_iteration` on quantised batch statistics (decisions are deterministic)."""
+    """Memoised `choose_operating_point` on quantised batch statistics (decisions are deterministic)."""
 
     def __init__(self, pred: Predictor, rule: ClockRule) -> None:
         self.pred, self.rule = pred, rule
@@ -44,7 +44,7 @@ class Controller:
         if op is None:
             seq = (self._dq(sq[0], 16), self._dq(sq[1], 12), self._dq(sq[2], 8)) if big else (0.0, 0.0, 0.0)
             rep = BatchStats(s.phase, self._dq(qn, 16), self._dq(qc, 12), self._dq(qp, 8), self._dq(qs, 16), *seq)
-            op = plan_iteration(self.pred, shape, rep, qb / 400.0, rule, current)
+            op = choose_operating_point(self.pred, shape, rep, qb / 400.0, rule, current)
             if len(self.cache) > 200_000:
                 self.cache.clear()
             self.cache[key] = op

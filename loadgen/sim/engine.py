@@ -36,9 +36,11 @@ from loadgen.sim.models import attention_weight_bytes, ffn_weight_bytes, kv_byte
 from loadgen.sim.planning import SimPlanner
 from loadgen.sim.policies import PolicySpec
 from loadgen.sim.results import sim_results
+from shared.gpu.base import OperatorWork
 from shared.gpu.emulated import GPUProfile, operator_cost
+from shared.gpu.workload import ComposedWork
 from shared.model.config import ModelArgs
-from shared.perf import Predictor, causal_pairs, op_work
+from shared.perf import Predictor, attention_core_work, attention_projections, causal_pairs, op_work, shard_work
 from shared.policy import (
     BatchStats,
     ClockRule,
@@ -153,14 +155,27 @@ class Simulation:
         fa, ff = float(fa), float(ff)  # clocks may come from a numpy table
 
         def att(n: float, ctx: float, pairs: float, shard: int) -> tuple[float, float]:
-            c = operator_cost(p, op_work(a, "attention", s.phase, n, ctx, pairs, shard), fa)
-            return c.time_s, c.time_s * c.power_w
+            # the projections (tokens only) looked up, the context-dependent core computed: the parts of
+            # one operator run one after another, so their times and energies add
+            n_int = max(1, round(n))
+            t_proj, e_proj = tokens_only("attention", n, shard, fa)
+            core = attention_core_work(a, n_int, ctx, pairs, phase=s.phase)
+            if shard > 1:
+                core = OperatorWork(core.flops / shard, core.bytes_moved / shard, core.kind)
+            c = operator_cost(p, core, fa)
+            return t_proj + c.time_s, e_proj + c.time_s * c.power_w
 
         def tokens_only(op: str, n: float, shard: int, clock_mhz: float) -> tuple[float, float]:
             key = (op, s.phase, max(1, round(n)), shard, clock_mhz)
             hit = memo.get(key)
             if hit is None:
-                c = operator_cost(p, op_work(a, op, s.phase, n, 0, 0, shard), clock_mhz)
+                if op == "attention":  # its projections only (`att` adds the core)
+                    parts = attention_projections(a, key[2], phase=s.phase)
+                    work = shard_work(ComposedWork(sum(x.flops for x in parts), sum(x.bytes_moved for x in parts),
+                                                   "attention.projections", parts), shard)
+                else:
+                    work = op_work(a, op, s.phase, n, 0, 0, shard)
+                c = operator_cost(p, work, clock_mhz)
                 hit = memo[key] = (c.time_s, c.time_s * c.power_w)
             return hit
 

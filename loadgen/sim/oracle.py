@@ -38,6 +38,7 @@ from loadgen.sim.engine import SimConfig, Simulation
 from loadgen.sim.planning import SimPlanner
 from loadgen.sim.policies import FixedPlan, PolicySpec, policy_spec
 from shared.gpu.emulated import GPUProfile
+from shared.gpu.snap import snap_clock
 from shared.model.config import ModelArgs
 from shared.perf import Predictor, cached_predictor
 from shared.policy import PoolShape, provision
@@ -81,7 +82,8 @@ class OracleResult:
 
 def snap_to_table(clocks_mhz: Iterable[float], table_mhz: np.ndarray) -> list[float]:
     """Each clock moved to the nearest of the predictor's table (what a fixed rule can pin), deduplicated."""
-    return list(dict.fromkeys(float(table_mhz[int(np.argmin(np.abs(table_mhz - f)))]) for f in clocks_mhz))
+    table = [float(f) for f in table_mhz]
+    return list(dict.fromkeys(snap_clock(table, f, "nearest") for f in clocks_mhz))
 
 
 def clock_levels(profile: GPUProfile, levels: int, table_mhz: np.ndarray) -> tuple[list[float], list[float]]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from shared.error_types import ErrorType
 from shared.errors import AFlexError, KVCacheExhaustedError
 from shared.messages import SeqWork
 from shared.model.attention import SequencePass
@@ -20,7 +21,7 @@ from shared.model.sampling import SequenceSampler
 class SequenceRefused(AFlexError):
     """One sequence of a microbatch cannot run; `code` says why (the others still run)."""
 
-    def __init__(self, code: str, message: str, error_type: str = "server_error") -> None:
+    def __init__(self, code: str, message: str, error_type: ErrorType) -> None:
         super().__init__(message)
         self.code, self.error_type = code, error_type
 
@@ -78,36 +79,37 @@ class SequenceTable:
         n_new = len(work.token_ids)
         if n_new == 0:
             raise SequenceRefused("invalid_tokens", f"sequence {work.seq_id}: no token ids to feed",
-                                  "invalid_request_error")
+                                  ErrorType.INVALID_REQUEST)
         if any(not 0 <= t < self.vocab_size for t in work.token_ids):
             raise SequenceRefused("invalid_tokens", f"sequence {work.seq_id}: token ids must lie in "
-                                  f"[0, {self.vocab_size})", "invalid_request_error")
+                                  f"[0, {self.vocab_size})", ErrorType.INVALID_REQUEST)
         end = work.start_pos + n_new
         if end > self.max_seq_len:
             raise SequenceRefused("context_length_exceeded", f"sequence {work.seq_id}: {end} tokens exceed "
-                                  f"the model's context of {self.max_seq_len}", "invalid_request_error")
+                                  f"the model's context of {self.max_seq_len}", ErrorType.INVALID_REQUEST)
         state = self._states.get(work.seq_id)
         is_new = state is None
         if state is None:
             if work.start_pos != 0:
                 raise SequenceRefused("start_pos_mismatch", f"sequence {work.seq_id}: start_pos is "
                                       f"{work.start_pos} but this worker holds no KV for it (resend it from "
-                                      "start_pos 0 with its sampling and generated_ids)")
+                                      "start_pos 0 with its sampling and generated_ids)", ErrorType.SERVER_ERROR)
             if work.sampling is None:
                 raise SequenceRefused("missing_sampling", f"sequence {work.seq_id}: its first pass on this "
-                                      "worker must carry `sampling`", "invalid_request_error")
+                                      "worker must carry `sampling`", ErrorType.INVALID_REQUEST)
             params = work.sampling.to_params()
             try:
                 params.validate()
             except AFlexError as exc:
                 raise SequenceRefused("invalid_sampling", f"sequence {work.seq_id}: {exc}",
-                                      "invalid_request_error") from None
+                                      ErrorType.INVALID_REQUEST) from None
             state = SequenceState(SequenceSampler(params, self.eos_token_ids))
             for token_id in work.generated_ids:  # penalties and min_tokens see what came before
                 state.sampler.record(token_id)
         elif work.start_pos != state.num_computed:
             raise SequenceRefused("start_pos_mismatch", f"sequence {work.seq_id}: start_pos is {work.start_pos} "
-                                  f"but this worker has computed {state.num_computed} of its tokens")
+                                  f"but this worker has computed {state.num_computed} of its tokens",
+                                  ErrorType.SERVER_ERROR)
         if is_new:
             self.block_tables.add_sequence(work.seq_id)
         try:
@@ -116,7 +118,7 @@ class SequenceTable:
             if is_new:
                 self.block_tables.free_sequence(work.seq_id)
             raise SequenceRefused("kv_cache_exhausted", f"sequence {work.seq_id}: {exc}",
-                                  "overloaded_error") from None
+                                  ErrorType.OVERLOADED) from None
         if is_new:
             self._states[work.seq_id] = state
         seq_pass = SequencePass(work.start_pos, n_new, self.block_tables.slots(work.seq_id, 0, end),

@@ -49,6 +49,7 @@ from services.worker_common import (
     stop_presence,
 )
 from shared import bus, subjects, wire
+from shared.error_types import ErrorType
 from shared.errors import AFlexError
 from shared.gpu.base import GPU, OperatorWork
 from shared.gpu.workload import attention_work, lm_head_work
@@ -175,7 +176,7 @@ class AttentionWorker:
             finally:
                 self._accepting = False
                 await self._finish_in_flight()
-                await stop_presence(heartbeat_task, None)
+                await stop_presence(heartbeat_task)
                 await self._ffn_watch.stop()
                 if seam is not None:
                     await seam.close()
@@ -237,7 +238,7 @@ class AttentionWorker:
         seqs = raw.get("seqs")
         seq_ids = [s["seq_id"] for s in seqs if isinstance(s, dict) and isinstance(s.get("seq_id"), str)] \
             if isinstance(seqs, list) else []
-        done = self._done(raw["mb_id"], [], seq_ids, ErrorBody(type="invalid_request_error",
+        done = self._done(raw["mb_id"], [], seq_ids, ErrorBody(type=ErrorType.INVALID_REQUEST,
                                                               code="invalid_descriptor", message=reason))
         task = asyncio.create_task(self._publish_done(done))
         self._tasks.add(task)
@@ -295,7 +296,7 @@ class AttentionWorker:
                 self.gpu.meter.queue_depth = len(self._active_mbs)
             for work in desc.seqs:
                 if work.seq_id in self._busy:
-                    failures.add(work.seq_id, "server_error", "sequence_busy",
+                    failures.add(work.seq_id, ErrorType.SERVER_ERROR, "sequence_busy",
                                  f"sequence {work.seq_id} is already in an in-flight microbatch")
                     continue
                 try:
@@ -340,7 +341,7 @@ class AttentionWorker:
         for item in admitted:
             if item.is_new:
                 self.sequences.free(item.work.seq_id)
-        failures.errors.insert(0, ("server_error", "microbatch_failed", f"microbatch {desc.mb_id}: {message}"))
+        failures.errors.insert(0, (ErrorType.SERVER_ERROR, "microbatch_failed", f"microbatch {desc.mb_id}: {message}"))
         for work in desc.seqs:
             if work.seq_id not in failures.seq_ids:
                 failures.seq_ids.append(work.seq_id)

@@ -119,7 +119,7 @@ class FFNWorker:
                              self.subject, self.settings.merge_microbatches)
                     await stop.wait()
             finally:
-                await stop_presence(heartbeat_task, None)
+                await stop_presence(heartbeat_task)
                 if seam is not None:
                     await seam.stop_receiving()
                     await self._idle.wait()  # answers what is queued

@@ -27,7 +27,6 @@ from starlette.concurrency import run_in_threadpool
 from starlette.responses import Response, StreamingResponse
 
 from services.gateway import metrics as gateway_metrics
-from services.gateway.backend import Generation
 from services.gateway.errors import (
     AUTHENTICATION,
     NOT_FOUND,
@@ -36,6 +35,7 @@ from services.gateway.errors import (
     install_error_handlers,
     invalid,
 )
+from services.gateway.generation import Generation
 from services.gateway.openai_schema import ChatCompletionRequest, CompletionRequest, _GenerationRequest
 from services.gateway.streaming import SSE_HEADERS, ResponseShape, collect, stream
 from shared import bus, subjects

@@ -17,18 +17,19 @@ from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 
+from shared.error_types import RETRY_STATUSES, ErrorType
 from shared.messages import ErrorBody
 
 log = logging.getLogger("aflex.gateway")
 
-INVALID_REQUEST = "invalid_request_error"
-AUTHENTICATION = "authentication_error"
-NOT_FOUND = "not_found_error"
-RATE_LIMIT = "rate_limit_error"
-OVERLOADED = "overloaded_error"
-SERVICE_UNAVAILABLE = "service_unavailable_error"
-TIMEOUT = "timeout_error"
-SERVER_ERROR = "server_error"
+INVALID_REQUEST = ErrorType.INVALID_REQUEST
+AUTHENTICATION = ErrorType.AUTHENTICATION
+NOT_FOUND = ErrorType.NOT_FOUND
+RATE_LIMIT = ErrorType.RATE_LIMIT
+OVERLOADED = ErrorType.OVERLOADED
+SERVICE_UNAVAILABLE = ErrorType.SERVICE_UNAVAILABLE
+TIMEOUT = ErrorType.TIMEOUT
+SERVER_ERROR = ErrorType.SERVER_ERROR
 
 
 class JSONResponse(Response):
@@ -70,26 +71,12 @@ def retry_after_headers(seconds: float | None) -> dict[str, str]:
     return {"Retry-After": str(max(1, math.ceil(seconds))), "retry-after-ms": str(int(seconds * 1000))}
 
 
-# Scheduler error types (ErrorBody.type) -> HTTP status.
-_STATUS_OF_TYPE = {
-    INVALID_REQUEST: 400,
-    NOT_FOUND: 404,
-    RATE_LIMIT: 429,
-    OVERLOADED: 429,
-    SERVICE_UNAVAILABLE: 503,
-    TIMEOUT: 504,
-}
-
-
 def from_error_body(error: ErrorBody | None, retry_after_s: float | None = None) -> APIError:
     """Map a scheduler's typed rejection / error to an HTTP error (unknown types are 500)."""
     if error is None:
         return APIError(500, "the scheduler rejected the request without a reason", type=SERVER_ERROR)
-    status = _STATUS_OF_TYPE.get(error.type)
-    if status is None and error.code is not None and error.code.isdigit() and 400 <= int(error.code) < 600:
-        status = int(error.code)
-    status = status or 500
-    headers = retry_after_headers(retry_after_s) if status in (429, 503) else {}
+    status = ErrorType.status_of(error.type)
+    headers = retry_after_headers(retry_after_s) if status in RETRY_STATUSES else {}
     return APIError(status, error.message, type=error.type, param=error.param, code=error.code, headers=headers)
 
 

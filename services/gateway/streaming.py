@@ -15,8 +15,8 @@ from typing import Any
 import anyio
 import orjson
 
-from services.gateway.backend import Generation
 from services.gateway.errors import APIError
+from services.gateway.generation import Generation
 
 DONE = b"data: [DONE]\n\n"
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}

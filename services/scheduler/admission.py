@@ -1,14 +1,60 @@
-"""Admission checks of a submitted request, without torch.
+"""Admission of a submitted request, without torch: every reason the scheduler refuses one.
 
 The gateway validates too, but the scheduler is the one that knows the workers' real capacity
 (KV blocks x block size, context length from `Register`), and other clients may submit directly.
-Each check raises `InvalidRequestError(message, param)`, which becomes a typed 400 rejection.
+`validate_request` raises `InvalidRequestError(message, param)`; `rejection` turns that and the
+scheduler's own state (a bad or duplicate id, no workers ready, a full queue) into the typed
+`ErrorBody` of a refused `SubmitReply`.
 """
 
 from __future__ import annotations
 
+from collections.abc import Container
+from dataclasses import dataclass
+
+from shared import subjects
+from shared.error_types import ErrorType
 from shared.errors import InvalidRequestError
-from shared.messages import SamplingSpec, SubmitRequest
+from shared.messages import ErrorBody, SamplingSpec, SubmitRequest
+
+RETRY_AFTER_S = 1.0  # what overloaded / unavailable rejections suggest
+
+
+@dataclass(frozen=True)
+class Mesh:
+    """What admission needs to know of the scheduler's state when a request arrives."""
+
+    running_ids: Container[str]
+    ready: bool  # attention and FFN workers are serving
+    context_limit: int  # the longest sequence a worker can hold
+    vocab_size: int | None
+    queue_depth: int
+    max_queue: int
+
+
+def rejection(req: SubmitRequest, mesh: Mesh) -> tuple[ErrorBody, float | None] | None:
+    """Why `req` is refused (the error, and the retry delay it suggests), or None when it is admitted."""
+    rid = req.request_id
+    try:
+        subjects.check_token(rid)
+    except ValueError as exc:
+        return ErrorBody(type=ErrorType.INVALID_REQUEST, message=str(exc), code="invalid_request_id",
+                         param="request_id"), None
+    if rid in mesh.running_ids:
+        return ErrorBody(type=ErrorType.INVALID_REQUEST, message=f"request {rid!r} is already running",
+                         code="duplicate_request_id", param="request_id"), None
+    if not mesh.ready:
+        return ErrorBody(type=ErrorType.SERVICE_UNAVAILABLE, message="no attention and FFN workers are ready yet",
+                         code="no_workers_ready"), RETRY_AFTER_S
+    try:
+        validate_request(req, context_limit=mesh.context_limit, vocab_size=mesh.vocab_size)
+    except InvalidRequestError as exc:
+        return ErrorBody(type=ErrorType.INVALID_REQUEST, message=str(exc), code="invalid_value",
+                         param=exc.param), None
+    if mesh.queue_depth >= mesh.max_queue:
+        return ErrorBody(type=ErrorType.OVERLOADED, message=f"the scheduler queue is full ({mesh.max_queue} "
+                         "waiting requests); retry later", code="queue_full"), RETRY_AFTER_S
+    return None
 
 
 def validate_sampling(spec: SamplingSpec) -> None:

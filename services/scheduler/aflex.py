@@ -5,7 +5,7 @@ Pure (no I/O, no clock of its own): the service feeds it what it saw and publish
 Every frequency window, for each attention worker (paired with the FFN workers it sends microbatches
 to) and each clock phase, `AflexPlanner.plan_pair` takes the iterations that worker ran in the window
 (batch tokens, context tokens, score pairs, sequences sampled: `IterationSample`), picks the one at the
-90th percentile of batch tokens as the load to plan for, and asks `shared.policy.plan_iteration` (the
+90th percentile of batch tokens as the load to plan for, and asks `shared.policy.choose_operating_point` (the
 simulator's own call, with the simulator's `aflex` rule: `ClockRule(objective="marginal-decode")`) for
 the (depth, attention clock, FFN clock) whose predicted iteration time meets the phase's budget at the
 least energy: above the pool's context-idle floor for decode-only iterations, in total for any with
@@ -26,7 +26,7 @@ never below `min_chunk_tokens`.
 The predictors are `shared.perf`'s, fitted for the worker's GPU profile and the served model
 (`cached_predictor`, the simulator's construction), one per (profile, model); each planner keeps its
 own online correction on top of the shared fit. The margins are `SloMargin`s fed with the window's
-observed p90 and misses, so misses widen them and clocks rise. Pipeline slack is `plan_iteration`'s:
+observed p90 and misses, so misses widen them and clocks rise. Pipeline slack is `choose_operating_point`'s:
 the side that is not the bottleneck slows until it nearly becomes it. An FFN worker serves every
 attention worker, so it runs at the highest FFN clock any pair asks for.
 
@@ -59,7 +59,7 @@ from shared.policy import (
     OperatingPoint,
     PoolShape,
     SloMargin,
-    plan_iteration,
+    choose_operating_point,
     prefill_budget,
     prefill_order,
     ttft_budget,
@@ -216,7 +216,7 @@ class AflexPlanner:
         s = rep.stats
         stats = BatchStats(s.phase, s.n_tokens * k, s.ctx_tokens * k, s.pairs * k, s.n_sample * k)
         budget = self.budget_s(phase, rep, now_unix, queue)
-        op = plan_iteration(pred, shape, stats, budget, self.rule, current)
+        op = choose_operating_point(pred, shape, stats, budget, self.rule, current)
         return PairPlan(phase, stats, budget, shape, self.rule, current, op)
 
     # -- prefill cap -------------------------------------------------------------------------------
@@ -232,7 +232,7 @@ class AflexPlanner:
         pairs = decode_ctx + n_decode + tokens * tokens / 2.0
         stats = BatchStats("prefill", n * k, ctx * k, pairs * k, float(n_decode + 1) * k, q1, q1, causal_pairs(q1, q1))
         shape = PoolShape(split=True, attention=k, ffn=1, link_bytes_s=self.link_bytes_s)
-        return plan_iteration(self.predictor(profile), shape, stats, 0.0, _AT_MAX).time_s
+        return choose_operating_point(self.predictor(profile), shape, stats, 0.0, _AT_MAX).time_s
 
     def prefill_tokens(self, profile: GPUProfile, queued_tokens: int, n_decode: int = 0, decode_ctx: float = 0.0,
                        head_tokens: int | None = None, share: int = 1) -> int:

@@ -1,38 +1,21 @@
-"""Forming one iteration of one attention worker, and cutting it into microbatches. Pure: no I/O.
+"""One attention worker's iteration as passes over its request states. Pure: no I/O.
 
-The rules are `shared.policy.iteration`'s (`form_iteration`, `split_microbatches`), which the
-simulator and the in-process engine use too; this module adapts them to the scheduler's request
-states and passes.
-
-The default rule is the in-process engine's (`shared.model.engine.Engine._schedule`): running
-sequences first (a decode step feeds the last sampled token; an unfinished prefill feeds its next
-chunk), then waiting ones are admitted first-come first-served while the token budget and
-`max_num_seqs` allow, their prompts chunked to what is left of the budget.
-
-With a `BatchingRule` (the `aflex` policy): decode steps first, then the prefill work (unfinished
-prefills of running sequences and waiting requests) in the rule's order (`shared.policy.prefill_order`
-at `now`, each request's arrival being its `received_mono`: shortest remaining prompt first, with
-aging), within the token budget and, if `prefill_cap` is given, at most that many prefill tokens.
-Admission of waiting requests still stops at the first refusal, so a request that has aged to the
-front is not overtaken while it waits for room. Nothing here mutates the request states: the service
-applies the plan, so the plan can be unit-tested.
+The decision is `shared.policy.plan_iteration`'s (the simulator's and the engine's iteration former,
+the microbatch cut and the depth); this module only translates: request states to `WorkItem`s (and
+the worker's KV estimate to a `KvRoom`), the plan's feeds back to `Pass`es. Nothing here mutates the
+request states: the service applies the plan, so the plan can be unit-tested.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from services.scheduler.state import RequestState
-from shared.messages import Phase, SeqWork
-from shared.policy import BatchingRule, WorkItem, form_iteration, microbatch_depth
-from shared.policy import split_microbatches as split_by_tokens
-from shared.policy.iteration import PrefillCap as FormCap
+from shared.messages import SeqWork
+from shared.policy.iteration import IterationPhase, IterationPolicy, KvRoom, WorkItem, phase_of, plan_iteration
 
-__all__ = ["Pass", "PrefillCap", "microbatch_depth", "phase_of", "plan_iteration", "split_microbatches"]
-
-# (prefill tokens queued, decode sequences, their context tokens, the first prompt's tokens) -> prefill tokens
-PrefillCap = Callable[[int, int, float, int], int]
+__all__ = ["Pass", "PassPlan", "plan_passes", "share_energy"]
 
 
 @dataclass(frozen=True)
@@ -62,54 +45,47 @@ class Pass:
                        generated_ids=list(s.output_ids) if first else [])
 
 
-def plan_iteration(running: Iterable[RequestState], waiting: Iterable[RequestState], *, max_batch_tokens: int,
-                   max_num_seqs: int, can_admit: Callable[[RequestState], bool] | None = None,
-                   rule: BatchingRule | None = None, now: float = 0.0, prefill_cap: PrefillCap | None = None,
-                   ) -> tuple[list[Pass], list[RequestState]]:
-    """Passes for this iteration, and the waiting requests they admit (in order).
+@dataclass(frozen=True)
+class PassPlan:
+    groups: list[list[Pass]]  # the microbatches, in order; empty: nothing to run
+    phase: IterationPhase  # of the whole iteration
+    phases: list[IterationPhase]  # of each microbatch
+    admitted: list[RequestState]  # waiting requests it admits, in order
 
-    Running sequences already in flight or with nothing to feed are skipped. `can_admit` lets the
-    caller refuse a waiting request (e.g. not enough free KV); admission stops at the first refusal
-    so no later request overtakes it. `rule` (with `now`, on the clock of `received_mono`) and
-    `prefill_cap` select the policy's ordering and prefill cap (module docstring).
+    @property
+    def passes(self) -> list[Pass]:
+        return [p for g in self.groups for p in g]
+
+
+def plan_passes(running: Sequence[RequestState], waiting: Iterable[RequestState], policy: IterationPolicy,
+                kv: KvRoom[RequestState] | None = None) -> PassPlan:
+    """The iteration `shared.policy.plan_iteration` forms from these states. Running sequences already in
+    flight or with nothing to feed are left out (they still count toward `max_num_seqs`)."""
+    feedable = [_item(s) for s in running if not s.in_flight and not s.finished and s.pending_tokens > 0]
+    plan = plan_iteration(feedable, [_item(s) for s in waiting], policy, kv, running_count=len(running))
+    return PassPlan([[Pass.of(f.key, f.n_tokens) for f in g] for g in plan.groups], plan.phase,
+                    [phase_of(g) for g in plan.groups], list(plan.admitted))
+
+
+def _item(state: RequestState) -> WorkItem[RequestState]:
+    decode = state.num_computed >= len(state.prompt_ids)
+    return WorkItem(state, state.pending_tokens, state.received_mono, is_decode=decode,
+                    context_tokens=state.num_computed)
+
+
+def share_energy(group: list[Pass], energy_j: float, refused: set[str]) -> None:
+    """Add each pass's share of a microbatch's energy to its request, in proportion to the tokens it fed.
+
+    Sequences the worker refused fed nothing and get nothing (unless all were refused). The last
+    share is the remainder, so the shares add up to `energy_j` exactly as floats allow.
     """
-    running = list(running)
-    policy = rule is not None or prefill_cap is not None
-    decodes: list[RequestState] = []
-    queue: list[WorkItem[RequestState]] = []
-    for s in running:
-        if s.in_flight or s.finished or s.pending_tokens <= 0:
-            continue
-        if policy and s.num_computed >= len(s.prompt_ids):  # decode steps first (the engine: running order)
-            decodes.append(s)
-        else:
-            queue.append(_item(s, False))
-    queue += [_item(s, True) for s in waiting]
-    form = form_iteration([_item(s, False) for s in decodes], queue, token_budget=max_batch_tokens,
-                          max_num_seqs=max_num_seqs, running_count=len(running), rule=rule, now_s=now,
-                          prefill_cap=_form_cap(prefill_cap, decodes), can_admit=can_admit)
-    return [Pass.of(f.key, f.n_tokens) for f in form.feeds], list(form.admitted)
-
-
-def _form_cap(prefill_cap: PrefillCap | None, decodes: list[RequestState]) -> FormCap | None:
-    """`prefill_cap` told what only the scheduler knows: the decode steps beside the prefill."""
-    if prefill_cap is None:
-        return None
-    n_decode, ctx = len(decodes), float(sum(s.num_computed for s in decodes))
-    return lambda queued, head: prefill_cap(queued, n_decode, ctx, head)
-
-
-def _item(state: RequestState, waiting: bool) -> WorkItem[RequestState]:
-    return WorkItem(state, state.pending_tokens, state.received_mono, waiting)
-
-
-def split_microbatches(passes: list[Pass], depth: int) -> list[list[Pass]]:
-    """`passes` cut into microbatches by `shared.policy.split_microbatches`."""
-    return [passes[r.start:r.stop] for r in split_by_tokens([p.n_new for p in passes], depth)]
-
-
-def phase_of(passes: list[Pass]) -> Phase:
-    decodes = sum(p.is_decode for p in passes)
-    if decodes == len(passes):
-        return "decode"
-    return "prefill" if decodes == 0 else "mixed"
+    takers = [p for p in group if p.state.request_id not in refused] or group
+    if not takers:
+        return
+    total = sum(p.n_new for p in takers)
+    left = energy_j
+    for i, p in enumerate(takers):
+        share = left if i == len(takers) - 1 else (
+            energy_j * p.n_new / total if total > 0 else energy_j / len(takers))
+        left -= share
+        p.state.energy_j = (p.state.energy_j or 0.0) + share

@@ -21,12 +21,12 @@ A clock is always one of the worker's supported clocks.
 
 from __future__ import annotations
 
-import bisect
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal, get_args
 
+from shared.gpu.snap import snap_clock
 from shared.messages import ClockPhase, Role
 
 ClockPolicy = Literal["aflex", "max", "fixed", "slo"]
@@ -89,24 +89,10 @@ def _table(supported: Iterable[int]) -> list[int]:
     return table
 
 
-def snap(supported: Iterable[int], mhz: float) -> int:
-    """The highest supported clock <= mhz (the lowest supported one when mhz is below them all)."""
-    table = _table(supported)
-    i = bisect.bisect_right(table, mhz) - 1
-    return table[max(i, 0)]
-
-
-def snap_up(supported: Iterable[int], mhz: float) -> int:
-    """The lowest supported clock >= mhz (the highest supported one when mhz is above them all)."""
-    table = _table(supported)
-    i = bisect.bisect_left(table, mhz)
-    return table[min(i, len(table) - 1)]
-
-
 def step(supported: Iterable[int], current: int, steps: int) -> int:
     """Move `steps` supported clocks up (> 0) or down (< 0) from `current`, clamped to the table."""
     table = _table(supported)
-    i = table.index(snap(table, current))
+    i = table.index(snap_clock(table, current, "down"))
     return table[min(max(i + steps, 0), len(table) - 1)]
 
 
@@ -135,7 +121,7 @@ def plan_clocks(policy: ClockPolicy, role: Role, supported: Sequence[int],
         return {p: top for p in PHASES}, "max"
     if policy == "fixed":
         fixed = fixed or {}
-        return {p: snap(table, fixed.get((role, p), top)) for p in PHASES}, "fixed"
+        return {p: snap_clock(table, fixed.get((role, p), top), "down") for p in PHASES}, "fixed"
     if policy != "slo":
         raise ValueError(f"unknown clock policy {policy!r} (aflex is planned by services.scheduler.aflex)")
     if previous is None:
@@ -144,7 +130,7 @@ def plan_clocks(policy: ClockPolicy, role: Role, supported: Sequence[int],
     clocks: dict[ClockPhase, int] = {}
     why = []
     for p in PHASES:
-        current = snap(table, previous.get(p, top))
+        current = snap_clock(table, previous.get(p, top), "down")
         sig = signals.get(p)
         direction = slo_direction(sig, rule) if sig is not None else 0
         steps = rule.up_steps if direction > 0 else -rule.down_steps if direction < 0 else 0

@@ -1,9 +1,10 @@
 """Workers the scheduler knows: capabilities from `Register`, liveness and KV load from heartbeats.
 
 A worker is healthy while heartbeats (or MicrobatchDone reports) keep arriving within
-`heartbeat_timeout_s`. Each attention worker also carries its own queue and running set, because
-a request's KV lives on exactly one attention worker; FFN workers are stateless between
-microbatches, so any healthy one can serve any microbatch (round-robin).
+`heartbeat_timeout_s`. Each attention worker also has a lane (`AttentionLane`): its queue, running
+set and KV estimate, because a request's KV lives on exactly one attention worker; FFN workers are
+stateless between microbatches, so any healthy one can serve any microbatch (round-robin), and have
+no lane.
 """
 
 from __future__ import annotations
@@ -16,25 +17,15 @@ from dataclasses import dataclass, field
 
 from services.scheduler.state import RequestState
 from shared.messages import Heartbeat, Register, Role, WorkerInfo
+from shared.policy.iteration import KvRoom
 
 
 @dataclass(eq=False)
-class Worker:
-    worker_id: str
-    role: Role
-    registered: bool = False
-    model_id: str = ""
-    kv_total_blocks: int = 0
-    kv_free_blocks: int = 0
+class AttentionLane:
+    """Dispatch's state for one attention worker: what is queued on it, running on it, and in its KV."""
+
     block_size: int = 0
-    max_seq_len: int = 0
-    last_seen: float = field(default_factory=time.monotonic)
-    healthy: bool = True
-    gpu_backend: str = ""
-    gpu_name: str = ""
-    gpu_profile: str = ""  # as registered; the scheduler resolves it (or the name) to a profile
-    supported_clocks_mhz: list[int] = field(default_factory=list)  # empty: no frequency commands
-    # -- attention workers only ----------------------------------------------------------------
+    kv_free_blocks: int = 0  # as last reported
     waiting: deque[RequestState] = field(default_factory=deque)
     running: list[RequestState] = field(default_factory=list)
     pending_release: list[str] = field(default_factory=list)  # sent with the next descriptor
@@ -45,18 +36,73 @@ class Worker:
     task: asyncio.Task[None] | None = None
 
     @property
-    def capacity_tokens(self) -> int:
-        """Longest sequence (prompt + max_tokens) this worker can hold; 0 when unknown."""
-        limits = [x for x in (self.kv_total_blocks * self.block_size, self.max_seq_len) if x > 0]
-        return min(limits) if limits and self.block_size > 0 else 0
-
-    @property
     def est_free_blocks(self) -> int:
         """Free KV blocks as last reported, less what we routed here since (our own estimate)."""
         return self.kv_free_blocks - sum(self.reserved_blocks.values())
 
     def blocks_for(self, tokens: int) -> int:
         return math.ceil(tokens / self.block_size) if self.block_size > 0 else 0
+
+    def kv_room(self) -> KvRoom[RequestState]:
+        """The KV estimate as the iteration planner reads it (reservations are per request id)."""
+        reserved = {s: self.reserved_blocks.get(s.request_id, 0) for s in self.waiting}
+        return KvRoom(self.est_free_blocks, self.block_size, reserved, holds_running=bool(self.running))
+
+    def detach(self, state: RequestState) -> None:
+        """Take `state` off this lane, wherever it is."""
+        if state in self.running:
+            self.running.remove(state)
+        if state in self.waiting:
+            self.waiting.remove(state)
+        self.reserved_blocks.pop(state.request_id, None)
+
+
+@dataclass(eq=False)
+class Worker:
+    """What the registry knows of a worker: its capabilities and liveness (and, attention only, a lane)."""
+
+    worker_id: str
+    role: Role
+    registered: bool = False
+    model_id: str = ""
+    kv_total_blocks: int = 0
+    max_seq_len: int = 0
+    last_seen: float = field(default_factory=time.monotonic)
+    healthy: bool = True
+    gpu_backend: str = ""
+    gpu_name: str = ""
+    gpu_profile: str = ""  # as registered; the scheduler resolves it (or the name) to a profile
+    supported_clocks_mhz: list[int] = field(default_factory=list)  # empty: no frequency commands
+    attention_lane: AttentionLane | None = None
+
+    def __post_init__(self) -> None:
+        if self.role == "attention" and self.attention_lane is None:
+            self.attention_lane = AttentionLane()
+
+    @property
+    def lane(self) -> AttentionLane:
+        if self.attention_lane is None:
+            raise TypeError(f"worker {self.worker_id} is an {self.role} worker: it has no attention lane")
+        return self.attention_lane
+
+    @property
+    def block_size(self) -> int:
+        return self.attention_lane.block_size if self.attention_lane else 0
+
+    @property
+    def kv_free_blocks(self) -> int:
+        return self.attention_lane.kv_free_blocks if self.attention_lane else 0
+
+    def report_kv(self, free_blocks: int, total_blocks: int) -> None:
+        self.kv_total_blocks = total_blocks
+        if self.attention_lane is not None:
+            self.attention_lane.kv_free_blocks = free_blocks
+
+    @property
+    def capacity_tokens(self) -> int:
+        """Longest sequence (prompt + max_tokens) this worker can hold; 0 when unknown."""
+        limits = [x for x in (self.kv_total_blocks * self.block_size, self.max_seq_len) if x > 0]
+        return min(limits) if limits and self.block_size > 0 else 0
 
     def info(self, now: float) -> WorkerInfo:
         return WorkerInfo(worker_id=self.worker_id, role=self.role, healthy=self.healthy,
@@ -78,9 +124,9 @@ class Registry:
             self.workers[msg.worker_id] = worker
         worker.registered = True
         worker.model_id = msg.model_id
-        worker.kv_total_blocks = msg.kv_total_blocks
-        worker.kv_free_blocks = msg.kv_total_blocks  # a (re)started worker has an empty cache
-        worker.block_size = msg.block_size
+        worker.report_kv(msg.kv_total_blocks, msg.kv_total_blocks)  # a (re)started worker has an empty cache
+        if worker.attention_lane is not None:
+            worker.attention_lane.block_size = msg.block_size
         worker.max_seq_len = msg.max_seq_len
         worker.gpu_backend, worker.gpu_name, worker.gpu_profile = msg.gpu_backend, msg.gpu_name, msg.gpu_profile
         worker.supported_clocks_mhz = sorted({c for c in msg.supported_clocks_mhz if c > 0})
@@ -98,8 +144,7 @@ class Registry:
         worker.last_seen = now
         worker.healthy = True
         if msg.kv_total_blocks:
-            worker.kv_total_blocks = msg.kv_total_blocks
-            worker.kv_free_blocks = msg.kv_free_blocks
+            worker.report_kv(msg.kv_free_blocks, msg.kv_total_blocks)
         return worker, revived
 
     def expire(self, now: float, timeout_s: float) -> list[Worker]:
@@ -115,6 +160,10 @@ class Registry:
         return sorted((w for w in self.workers.values() if w.role == role and w.healthy),
                       key=lambda w: w.worker_id)
 
+    def lanes(self) -> list[AttentionLane]:
+        """The lane of every attention worker known, healthy or not."""
+        return [w.attention_lane for w in self.workers.values() if w.attention_lane is not None]
+
     def usable_attention(self) -> list[Worker]:
         """Healthy attention workers whose capacity we know (they registered)."""
         return [w for w in self.healthy("attention") if w.capacity_tokens > 0]
@@ -129,7 +178,8 @@ class Registry:
     def best_attention(self, tokens: int) -> Worker | None:
         """The usable attention worker able to hold `tokens` with the most free KV blocks (estimated)."""
         fits = [w for w in self.usable_attention() if w.capacity_tokens >= tokens]
-        return max(fits, key=lambda w: (w.est_free_blocks, -len(w.running) - len(w.waiting)), default=None)
+        return max(fits, key=lambda w: (w.lane.est_free_blocks, -len(w.lane.running) - len(w.lane.waiting)),
+                   default=None)
 
     def next_ffn(self) -> Worker | None:
         """Round-robin over healthy FFN workers, one turn per microbatch."""

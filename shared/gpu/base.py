@@ -13,6 +13,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
 from shared.errors import AFlexError
+from shared.gpu.snap import snap_clock
 
 
 class GPUError(AFlexError):
@@ -69,8 +70,7 @@ class GPU(ABC):
 
     def snap_clock_mhz(self, clock_mhz: int) -> int:
         """The supported clock nearest to `clock_mhz` (clamped to the supported range)."""
-        clocks = self.supported_sm_clocks_mhz()
-        return min(clocks, key=lambda c: (abs(c - clock_mhz), c))
+        return snap_clock(self.supported_sm_clocks_mhz(), clock_mhz, "nearest")
 
     @abstractmethod
     def set_sm_clock_mhz(self, clock_mhz: int) -> ClockResult:

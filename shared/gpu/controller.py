@@ -30,28 +30,17 @@ only called on a switch. On a real NVML GPU a set takes ~0.1–0.7 ms, once per 
 
 from __future__ import annotations
 
-import bisect
 import logging
 import time
 from collections.abc import Callable
 
 from shared.gpu.base import GPU, ClockResult, GPUError
+from shared.gpu.snap import snap_clock
 from shared.messages import FrequencyCommand
 
 log = logging.getLogger("aflex.gpu.controller")
 
 PHASES = ("prefill", "decode")
-
-
-def snap_to(clocks: list[int], clock_mhz: int) -> int:
-    """The clock of ascending `clocks` nearest `clock_mhz`, clamped to their range (ties go down)."""
-    i = bisect.bisect_left(clocks, clock_mhz)
-    if i <= 0:
-        return clocks[0]
-    if i >= len(clocks):
-        return clocks[-1]
-    below, above = clocks[i - 1], clocks[i]
-    return below if clock_mhz - below <= above - clock_mhz else above
 
 
 class DVFSController:
@@ -63,8 +52,8 @@ class DVFSController:
         self.clocks_mhz = sorted(gpu.supported_sm_clocks_mhz())
         if not self.clocks_mhz:
             raise GPUError(f"GPU {gpu.name} reports no supported SM clocks")
-        self.default_clock_mhz = snap_to(self.clocks_mhz, default_clock_mhz if default_clock_mhz is not None
-                                         else self.clocks_mhz[-1])
+        wanted = default_clock_mhz if default_clock_mhz is not None else self.clocks_mhz[-1]
+        self.default_clock_mhz = snap_clock(self.clocks_mhz, wanted, "nearest")
         self.hysteresis_mhz = max(0, int(hysteresis_mhz))
         self.min_hold_s = max(0.0, float(min_hold_s))
         self._now = clock
@@ -90,7 +79,8 @@ class DVFSController:
         if cmd.issued_ts < self.issued_ts:
             log.debug("ignored a frequency command issued before the current one")
             return dict(self.phase_clocks_mhz)
-        self.phase_clocks_mhz = {phase: snap_to(self.clocks_mhz, int(mhz)) for phase, mhz in cmd.clocks_mhz.items()}
+        self.phase_clocks_mhz = {phase: snap_clock(self.clocks_mhz, int(mhz), "nearest")
+                                 for phase, mhz in cmd.clocks_mhz.items()}
         self.valid_until_ts = cmd.valid_until_ts
         self.issued_ts = cmd.issued_ts
         self.commands += 1

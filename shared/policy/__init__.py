@@ -12,13 +12,17 @@ from shared.policy.batching import (
     seq_chunk_cap,
     ttft_budget,
 )
-from shared.policy.clocks import BatchStats, ClockRule, OperatingPoint, PoolShape, SloMargin, plan_iteration
+from shared.policy.clocks import BatchStats, ClockRule, OperatingPoint, PoolShape, SloMargin, choose_operating_point
 from shared.policy.iteration import (
     Feed,
     IterationForm,
+    IterationPlan,
+    IterationPolicy,
+    KvRoom,
     WorkItem,
     form_iteration,
     microbatch_depth,
+    plan_iteration,
     split_microbatches,
 )
 from shared.policy.pipeline import af_iteration, colocated_iteration, iteration_cost, megascale_depth, overlap_floor
@@ -27,8 +31,9 @@ from shared.policy.specs import AFLEX_BATCHING, AFLEX_CLOCK_OBJECTIVE
 
 __all__ = [
     "AFLEX_BATCHING", "AFLEX_CLOCK_OBJECTIVE", "BatchStats", "BatchingRule", "ClockRule", "ClusterSpec", "Feed",
-    "IterationForm", "OperatingPoint", "Plan", "PoolShape", "SloMargin", "WindowLoad", "WorkItem", "af_iteration",
-    "colocated_iteration", "decode_admit", "form_iteration", "iteration_cost", "megascale_depth", "microbatch_depth",
-    "overlap_floor", "plan_iteration", "prefill_budget", "prefill_order", "provision", "seq_chunk_cap",
-    "split_microbatches", "ttft_budget",
+    "IterationForm", "IterationPlan", "IterationPolicy", "KvRoom", "OperatingPoint", "Plan", "PoolShape",
+    "SloMargin", "WindowLoad", "WorkItem", "af_iteration", "choose_operating_point", "colocated_iteration",
+    "decode_admit", "form_iteration", "iteration_cost", "megascale_depth", "microbatch_depth", "overlap_floor",
+    "plan_iteration", "prefill_budget", "prefill_order", "provision", "seq_chunk_cap", "split_microbatches",
+    "ttft_budget",
 ]

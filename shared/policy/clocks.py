@@ -1,6 +1,6 @@
 """Per-iteration operating point: microbatch depth and a clock per operator, under a latency budget.
 
-`plan_iteration` scans every candidate depth and every (attention clock, FFN clock) pair of the
+`choose_operating_point` scans every candidate depth and every (attention clock, FFN clock) pair of the
 predictor's clock table, keeps those whose predicted iteration time meets the budget, and returns
 the one with the least predicted energy (the lowest clock is not always the cheapest: static power
 makes energy per token U-shaped). In a split pool this is where pipeline slack goes: the side that
@@ -22,6 +22,7 @@ from typing import Any
 
 import numpy as np
 
+from shared.gpu.snap import snap_clock
 from shared.perf import Predictor
 from shared.policy.pipeline import iteration_cost, megascale_depth, seam_transfer_s
 
@@ -142,8 +143,9 @@ def _pinned(pred: Predictor, shape: PoolShape, phase: str, rule: ClockRule) -> t
     top = len(pred.clocks) - 1
     if rule.fixed_mhz is not None:
         fa, ff = rule.fixed_mhz[0 if phase == "prefill" else 1]
-        ia = int(np.argmin(np.abs(pred.clocks - fa)))
-        return ia, int(np.argmin(np.abs(pred.clocks - ff))) if shape.split else ia
+        table = pred.clocks.tolist()
+        ia = table.index(snap_clock(table, fa, "nearest"))
+        return ia, table.index(snap_clock(table, ff, "nearest")) if shape.split else ia
     if rule.max_clock:
         return top, top
     return None
@@ -157,7 +159,7 @@ def idle_floor_w(pred: Predictor, shape: PoolShape) -> np.ndarray:
     return np.broadcast_to(shape.gpus * idle[:, None], (len(idle), len(idle)))
 
 
-def plan_iteration(pred: Predictor, shape: PoolShape, stats: BatchStats, budget_s: float, rule: ClockRule,
+def choose_operating_point(pred: Predictor, shape: PoolShape, stats: BatchStats, budget_s: float, rule: ClockRule,
                    current: OperatingPoint | None = None) -> OperatingPoint:
     """The least-energy (depth, clock_a, clock_f) whose predicted time meets `budget_s`."""
     args = pred.args

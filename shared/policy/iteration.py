@@ -4,7 +4,7 @@ The simulator's latency and energy figures say something about the mesh only if 
 as the scheduler does, and the engine is the token reference for both; so all three form an
 iteration (which sequences, how many tokens each) and cut it into microbatches with this code.
 What stays with each caller is what only it has: KV reservation and preemption (the engine, from a
-form it applies in order), KV estimates (the scheduler's `can_admit`), and the decode batch as one
+form it applies in order), KV estimates (the scheduler's `KvRoom`), and the decode batch as one
 aggregate (the simulator, which forms only its prefill chunk here).
 
 An iteration, in order: decode steps first (`decodes`), then the prefill work (`queue`: unfinished
@@ -14,13 +14,18 @@ admitted while `max_num_seqs` and `can_admit` allow; admission stops at the firs
 request that has aged to the front is not overtaken while it waits for room, and admitted work
 goes on. The engine's first-come first-served rule is the same walk with every running sequence
 in `queue`, in its order, and no rule.
+
+`plan_iteration` is the scheduler's whole decision for one worker in one pure call: the form above
+(with the KV estimate as data, `KvRoom`), the microbatch cut (`split_microbatches`) and the depth
+(`microbatch_depth`, or the clock plan's under "auto"), returned as `IterationPlan(groups, phase,
+admitted)`; the service only publishes and applies it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
-from typing import Generic, TypeVar
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Generic, Literal, TypeVar
 
 from shared.policy.batching import BatchingRule, prefill_order
 
@@ -28,6 +33,9 @@ K = TypeVar("K")
 
 # (prefill tokens queued, the remaining tokens of the first in serving order) -> most prefill tokens
 PrefillCap = Callable[[int, int], int]
+# (prefill tokens queued, decode steps beside them, their context tokens, the first's tokens) -> most prefill tokens
+DecodeAwareCap = Callable[[int, int, float, int], int]
+IterationPhase = Literal["decode", "prefill", "mixed"]
 
 AUTO_DEPTH_MIN_SEQS = 4  # below this many sequences overlap cannot pay: depth 1 (as the paper found)
 
@@ -40,6 +48,8 @@ class WorkItem(Generic[K]):
     remaining_tokens: int  # tokens not yet fed (1 for a decode step)
     arrival_s: float = 0.0  # on the clock of `now_s`: only the rule's aging reads it
     is_waiting: bool = False  # not admitted yet: must pass `max_num_seqs` and `can_admit`
+    is_decode: bool = False  # a decode step (one token after the prompt), not prefill work
+    context_tokens: int = 0  # tokens already in its KV (what a decode step attends to)
 
 
 @dataclass(frozen=True)
@@ -155,3 +165,96 @@ def split_microbatches(token_counts: Sequence[int], depth: int) -> list[range]:
             starts.append(index)
         done += tokens
     return [range(a, b) for a, b in zip(starts, [*starts[1:], n], strict=True)]
+
+
+@dataclass(frozen=True)
+class KvRoom(Generic[K]):
+    """What an attention worker's KV cache can still take, as the scheduler estimates it: a waiting item
+    is admitted while its first chunk fits in the free blocks (its own reservation given back). With
+    nothing running it is always admitted: validation guaranteed a lone sequence fits, and the worker
+    refuses it (`failed_seq_ids`) if the estimate was wrong."""
+
+    free_blocks: int
+    block_size: int
+    reserved_blocks: Mapping[K, int] = field(default_factory=dict)
+    holds_running: bool = True
+
+    def admits(self, key: K, first_chunk_tokens: int) -> bool:
+        if not self.holds_running:
+            return True
+        need = -(-first_chunk_tokens // self.block_size) if self.block_size > 0 else 0
+        return self.free_blocks + self.reserved_blocks.get(key, 0) >= need
+
+
+@dataclass(frozen=True)
+class IterationPolicy:
+    """How one worker's iteration is formed and cut: the batching settings and what the clock policy
+    planned (`planned_depth`: the depth its operating point chose per clock phase, used with "auto")."""
+
+    token_budget: int
+    max_num_seqs: int | None = None
+    rule: BatchingRule | None = None  # None: first-come first-served, running sequences in their order
+    now_s: float = 0.0  # on the clock of the items' `arrival_s`
+    prefill_cap: DecodeAwareCap | None = None
+    depth: str = "1"  # `microbatch_depth`'s setting
+    planned_depth: Mapping[str, int] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class IterationPlan(Generic[K]):
+    groups: tuple[tuple[Feed[K], ...], ...]  # the microbatches, in order; empty: nothing to run
+    phase: IterationPhase
+    admitted: tuple[K, ...]  # the waiting items it admits, in order
+
+    @property
+    def feeds(self) -> tuple[Feed[K], ...]:
+        return tuple(f for g in self.groups for f in g)
+
+
+def phase_of(feeds: Sequence[Feed[K]]) -> IterationPhase:
+    """"decode" when every feed is one decode step, "prefill" when none is, else "mixed"."""
+    decodes = sum(f.item.is_decode and f.n_tokens == 1 for f in feeds)
+    if decodes == len(feeds):
+        return "decode"
+    return "prefill" if decodes == 0 else "mixed"
+
+
+def plan_iteration(running: Sequence[WorkItem[K]], waiting: Iterable[WorkItem[K]], policy: IterationPolicy,
+                   kv: KvRoom[K] | None = None, running_count: int | None = None) -> IterationPlan[K]:
+    """One iteration of one worker: which sequences, how many tokens each, cut into microbatches.
+
+    `running` are the admitted sequences that can be fed now (in their order), `waiting` the queue;
+    `running_count` (default len(running)) is every admitted sequence, in flight or not, toward
+    `max_num_seqs`. With a rule or a prefill cap, decode steps go first and the prefill work follows
+    in the rule's order; without, the walk is the engine's (running order, then the queue). Depth:
+    the clock plan's for this phase under "auto" when it planned one, else `microbatch_depth`.
+    """
+    ordered = policy.rule is not None or policy.prefill_cap is not None
+    decodes = [i for i in running if ordered and i.is_decode]
+    queue = [i for i in running if not (ordered and i.is_decode)] + [replace(i, is_waiting=True) for i in waiting]
+    n_decode, decode_ctx = len(decodes), float(sum(i.context_tokens for i in decodes))
+    sizes = {id(i.key): i.remaining_tokens for i in queue}
+
+    def cap(queued: int, head: int) -> int:  # the decode steps beside the prefill, as only the view knows
+        assert policy.prefill_cap is not None
+        return policy.prefill_cap(queued, n_decode, decode_ctx, head)
+
+    def can_admit(key: K) -> bool:  # the first chunk in the KV room left
+        assert kv is not None
+        return kv.admits(key, min(sizes[id(key)], policy.token_budget))
+
+    form = form_iteration(decodes, queue, token_budget=policy.token_budget, max_num_seqs=policy.max_num_seqs,
+                          running_count=len(running) if running_count is None else running_count,
+                          rule=policy.rule, now_s=policy.now_s,
+                          prefill_cap=cap if policy.prefill_cap is not None else None,
+                          can_admit=can_admit if kv is not None else None)
+    if not form.feeds:
+        return IterationPlan((), "decode", form.admitted)
+    phase = phase_of(form.feeds)
+    planned = policy.planned_depth.get("decode" if phase == "decode" else "prefill")
+    if policy.depth == "auto" and planned is not None:
+        depth = max(1, min(planned, len(form.feeds)))
+    else:
+        depth = microbatch_depth(policy.depth, len(form.feeds))
+    groups = tuple(form.feeds[r.start:r.stop] for r in split_microbatches([f.n_tokens for f in form.feeds], depth))
+    return IterationPlan(groups, phase, form.admitted)

@@ -15,7 +15,7 @@ baselines place whole-model instances (replicas of `tp` GPUs running both halves
 
 `parking_state` is the one rule for where a GPU outside a plan waits (warm: context kept, clock at
 the minimum; cold: context released, bare idle), the same for every policy that scales.
-Every decision uses the same predictors and `plan_iteration` as the iterations themselves.
+Every decision uses the same predictors and `choose_operating_point` as the iterations themselves.
 """
 
 from __future__ import annotations

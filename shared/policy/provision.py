@@ -1,7 +1,7 @@
 """Provisioning for one window: how many attention and FFN GPUs serve, in which pools.
 
 For the load of the coming window (arrival rate, mean prompt and output lengths, times a headroom),
-every candidate pool size is evaluated with the predictors and the same `plan_iteration` the
+every candidate pool size is evaluated with the predictors and the same `choose_operating_point` the
 iterations use:
 
 - decode pool (a attention, f FFN): batch B from Little's law (B = token rate × iteration time,
@@ -23,7 +23,7 @@ from dataclasses import dataclass, replace
 
 from shared.gpu.emulated import GPUProfile
 from shared.perf import Predictor
-from shared.policy.clocks import BatchStats, ClockRule, OperatingPoint, PoolShape, plan_iteration
+from shared.policy.clocks import BatchStats, ClockRule, OperatingPoint, PoolShape, choose_operating_point
 
 
 @dataclass(frozen=True)
@@ -93,7 +93,7 @@ def decode_point(pred: Predictor, shape: PoolShape, load: WindowLoad, spec: Clus
     for _ in range(3):
         b = max(1.0, rate * t)
         stats = BatchStats("decode", b, b * per_seq_ctx, b * per_seq_ctx, b)
-        op = plan_iteration(pred, shape, stats, spec.tpot_budget_s, rule)
+        op = choose_operating_point(pred, shape, stats, spec.tpot_budget_s, rule)
         t = op.time_s
     assert op is not None
     b = max(1.0, rate * t)
@@ -116,7 +116,7 @@ def long_prompt_time(pred: Predictor, shape: PoolShape, prompt: float, rule: Clo
     pairs = prompt * prompt - prompt * (prompt - 1) / 2
     stats = BatchStats("prefill", prompt, prompt, pairs, 1, prompt, prompt, pairs)
     top = ClockRule(max_clock=True, depths=(1,))
-    return plan_iteration(pred, shape, stats, 0.0, top if rule is None else rule).time_s
+    return choose_operating_point(pred, shape, stats, 0.0, top if rule is None else rule).time_s
 
 
 def prefill_point(pred: Predictor, shape: PoolShape, load: WindowLoad, spec: ClusterSpec, rule: ClockRule,
@@ -138,7 +138,7 @@ def prefill_point(pred: Predictor, shape: PoolShape, load: WindowLoad, spec: Clu
         pq = q * q - q * (q - 1) / 2
         stats = BatchStats("prefill", chunk, chunk, seqs * pq, seqs, q, q, pq)
         budget = min(spec.ttft_budget_s / 2.0, max_utilisation * chunk / rate)
-        op = plan_iteration(pred, shape, stats, budget, rule)
+        op = choose_operating_point(pred, shape, stats, budget, rule)
         util = rate * op.time_s / chunk
         if not op.feasible:
             best = min(best, INFEASIBLE * max(1.0, op.time_s / budget))

@@ -1,8 +1,8 @@
 """Generates docs/protocol.md: every NATS subject, every control message's JSON Schema, the tensor frame format.
 
 The document is rendered from the code (shared/subjects.py, the pydantic models of shared/messages.py,
-shared/wire.py), so it cannot drift: `python -m services.protocol_doc` rewrites it, and
-`python -m services.protocol_doc --check` (run by the tests) exits 1 when the file is stale.
+shared/wire.py), so it cannot drift: `python -m tools.protocol_doc` rewrites it, and
+`python -m tools.protocol_doc --check` (run by the tests) exits 1 when the file is stale.
 What the code cannot say by itself (who publishes, who subscribes, ordering rules, error codes) is
 written down here, next to the tables that hold it.
 """
@@ -20,8 +20,10 @@ from typing import Any
 
 import orjson
 
-from services.scheduler.service import MAX_FAILURES, RETRY_AFTER_S
+from services.scheduler.admission import RETRY_AFTER_S
+from services.scheduler.recovery import MAX_FAILURES
 from shared import messages, subjects, wire
+from shared.error_types import ErrorType
 from shared.messages import Message
 from shared.settings import AttentionWorkerSettings, GatewaySettings, SchedulerSettings, WorkerSettings
 
@@ -120,8 +122,8 @@ def _sampling() -> messages.SamplingSpec:
 
 
 def _error() -> messages.ErrorBody:
-    return messages.ErrorBody(type="overloaded_error", message="the scheduler queue is full (256 waiting requests); "
-                              "retry later", code="429")
+    return messages.ErrorBody(type=ErrorType.OVERLOADED, message="the scheduler queue is full (256 waiting requests); "
+                              "retry later", code="queue_full")
 
 
 def _seq_work() -> messages.SeqWork:
@@ -208,54 +210,51 @@ def _anchor(name: str) -> str:
 
 # Error codes (ErrorBody.code / .type) as the code sets them: (code, type, where, meaning).
 ERROR_CODES: tuple[tuple[str, str, str, str], ...] = (
-    ("invalid_message", "invalid_request_error", "scheduler → `SubmitReply`",
+    ("invalid_message", ErrorType.INVALID_REQUEST, "scheduler → `SubmitReply`",
      "the submission is not a valid `SubmitRequest` (`request_id` is then empty)"),
-    ("invalid_request_id", "invalid_request_error", "scheduler → `SubmitReply`",
+    ("invalid_request_id", ErrorType.INVALID_REQUEST, "scheduler → `SubmitReply`",
      "`request_id` cannot be a subject token (empty, or holds `.`, `*`, `>` or whitespace); `param: request_id`"),
-    ("duplicate_request_id", "invalid_request_error", "scheduler → `SubmitReply`",
+    ("duplicate_request_id", ErrorType.INVALID_REQUEST, "scheduler → `SubmitReply`",
      "a request with this id is already running; `param: request_id`"),
-    ("503", "service_unavailable_error", "scheduler → `SubmitReply`",
+    ("no_workers_ready", ErrorType.SERVICE_UNAVAILABLE, "scheduler → `SubmitReply`",
      f"no attention and FFN workers are ready yet; `retry_after_s` = {RETRY_AFTER_S:g}"),
-    ("invalid_value", "invalid_request_error", "scheduler → `SubmitReply`",
+    ("invalid_value", ErrorType.INVALID_REQUEST, "scheduler → `SubmitReply`",
      "admission validation failed (context length, token ids, sampling); `param` names the field"),
-    ("429", "overloaded_error", "scheduler → `SubmitReply`",
+    ("queue_full", ErrorType.OVERLOADED, "scheduler → `SubmitReply`",
      f"the scheduler queue is full (`max_queue` waiting requests); `retry_after_s` = {RETRY_AFTER_S:g}"),
-    ("500", "server_error", "scheduler → `OutputDelta` (`finish_reason: error`)",
+    ("request_failed", ErrorType.SERVER_ERROR, "scheduler → `OutputDelta` (`finish_reason: error`)",
      f"the request failed `MAX_FAILURES` ({MAX_FAILURES}) times; the message carries the last reason"),
-    ("(none)", "invalid_request_error", "scheduler → `RegisterReply` (`ok: false`)",
+    ("(none)", ErrorType.INVALID_REQUEST, "scheduler → `RegisterReply` (`ok: false`)",
      "the registration is not a valid `Register`, or `worker_id` is not a valid subject token"),
-    ("invalid_descriptor", "invalid_request_error", "attention worker → `MicrobatchDone`",
+    ("invalid_descriptor", ErrorType.INVALID_REQUEST, "attention worker → `MicrobatchDone`",
      "the descriptor did not validate; answered only when it still names an `mb_id`"),
-    ("sequence_busy", "server_error", "attention worker → `MicrobatchDone`",
+    ("sequence_busy", ErrorType.SERVER_ERROR, "attention worker → `MicrobatchDone`",
      "the sequence is already in another in-flight microbatch"),
-    ("invalid_tokens", "invalid_request_error", "attention worker → `MicrobatchDone`",
+    ("invalid_tokens", ErrorType.INVALID_REQUEST, "attention worker → `MicrobatchDone`",
      "no token ids to feed, or a token id outside the vocabulary"),
-    ("context_length_exceeded", "invalid_request_error", "attention worker → `MicrobatchDone`; gateway (HTTP 400)",
+    ("context_length_exceeded", ErrorType.INVALID_REQUEST, "attention worker → `MicrobatchDone`; gateway (HTTP 400)",
      "more tokens than the model's context"),
-    ("start_pos_mismatch", "server_error", "attention worker → `MicrobatchDone`",
+    ("start_pos_mismatch", ErrorType.SERVER_ERROR, "attention worker → `MicrobatchDone`",
      "`start_pos` disagrees with the KV the worker holds (resend from 0 with `sampling` and `generated_ids`)"),
-    ("missing_sampling", "invalid_request_error", "attention worker → `MicrobatchDone`",
+    ("missing_sampling", ErrorType.INVALID_REQUEST, "attention worker → `MicrobatchDone`",
      "a sequence's first pass on this worker did not carry `sampling`"),
-    ("invalid_sampling", "invalid_request_error", "attention worker → `MicrobatchDone`",
+    ("invalid_sampling", ErrorType.INVALID_REQUEST, "attention worker → `MicrobatchDone`",
      "the sampling parameters are out of range"),
-    ("kv_cache_exhausted", "overloaded_error", "attention worker → `MicrobatchDone`",
+    ("kv_cache_exhausted", ErrorType.OVERLOADED, "attention worker → `MicrobatchDone`",
      "no KV blocks left for the sequence; the scheduler re-routes it"),
-    ("microbatch_failed", "server_error", "attention worker → `MicrobatchDone`",
+    ("microbatch_failed", ErrorType.SERVER_ERROR, "attention worker → `MicrobatchDone`",
      "the whole microbatch failed: an FFN error frame, no FFN reply within "
      f"{AttentionWorkerSettings().ffn_reply_timeout_s:g} s (`ffn_reply_timeout_s`, env "
      "`AFLEX_FFN_REPLY_TIMEOUT_S`), a wrong reply shape, the worker "
      "shutting down, or an exception"),
-    ("scheduler_unavailable", "service_unavailable_error", "gateway (HTTP 503)",
+    ("scheduler_unavailable", ErrorType.SERVICE_UNAVAILABLE, "gateway (HTTP 503)",
      f"no responders on `{subjects.REQ_SUBMIT}`, no answer within `submit_timeout_s` "
      f"({_default(GatewaySettings, 'submit_timeout_s')} by default), or the bus is down"),
-    ("timeout", "timeout_error", "gateway (HTTP 504)", "no `OutputDelta` within `request_timeout_s` "
+    ("timeout", ErrorType.TIMEOUT, "gateway (HTTP 504)", "no `OutputDelta` within `request_timeout_s` "
      f"({_default(GatewaySettings, 'request_timeout_s')} by default); the request is cancelled"),
 )
 
-_HTTP_STATUS = (
-    ("invalid_request_error", "400"), ("not_found_error", "404"), ("rate_limit_error", "429"),
-    ("overloaded_error", "429"), ("service_unavailable_error", "503"), ("timeout_error", "504"),
-)
+_HTTP_STATUS = tuple((str(t), str(t.http_status)) for t in ErrorType)
 
 _FRAME_FIELDS: tuple[tuple[str, str, str], ...] = (
     ("mb_id", "string", "the microbatch (`MicrobatchDescriptor.mb_id`)"),
@@ -287,7 +286,7 @@ def _intro() -> list[str]:
     return [
         "# AFlex wire protocol (`aflex.v1`)",
         "",
-        "<!-- Generated by `python -m services.protocol_doc` from shared/subjects.py, shared/messages.py and "
+        "<!-- Generated by `python -m tools.protocol_doc` from shared/subjects.py, shared/messages.py and "
         "shared/wire.py. Do not edit by hand: the tests fail when this file and the code disagree. -->",
         "",
         "The mesh (gateway, scheduler, attention workers, FFN workers) talks over NATS only. This page lists every "
@@ -533,9 +532,10 @@ def _errors() -> list[str]:
     lines += [f"| `{t}` | {s} |" for t, s in _HTTP_STATUS]
     lines += [
         "",
-        "Any other type falls back to a numeric `code` between 400 and 599 (so the scheduler's "
-        "`service_unavailable` / `503` answers 503), and to 500 otherwise; 429 and 503 carry `Retry-After` from "
-        "`retry_after_s`. A request that ends with `finish_reason: error` is HTTP 500, and an invalid reply from "
+        "The types and their statuses are one enum, `shared.error_types.ErrorType`, which the scheduler, the "
+        "workers and the gateway all use; a `code` names the cause in words and never carries a status. Any other "
+        "type is 500; 429 and 503 carry `Retry-After` from `retry_after_s`. A request that ends with "
+        "`finish_reason: error` is HTTP 500, and an invalid reply from "
         "the scheduler is HTTP 502.",
         "",
     ]
@@ -553,7 +553,7 @@ def documented_subject_names() -> set[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m services.protocol_doc", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m tools.protocol_doc", description=__doc__.splitlines()[0])
     parser.add_argument("--check", action="store_true", help="exit 1 if docs/protocol.md differs from render()")
     parser.add_argument("--path", type=Path, default=DOC_PATH, help="where the document lives")
     args = parser.parse_args(argv)
@@ -561,7 +561,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.check:
         current = args.path.read_text(encoding="utf-8") if args.path.exists() else ""
         if current != text:
-            print(f"{args.path} is stale: run `python -m services.protocol_doc`", file=sys.stderr)
+            print(f"{args.path} is stale: run `python -m tools.protocol_doc`", file=sys.stderr)
             return 1
         return 0
     args.path.parent.mkdir(parents=True, exist_ok=True)

@@ -1,0 +1,143 @@
+"""Failure recovery: in-flight microbatches, lost workers, lost descriptors, and recompute.
+
+A request's token history lives in dispatch, a worker's KV is disposable. A sequence the worker
+refuses (`failed_seq_ids`, e.g. KV exhausted), a microbatch that errs or times out, and an attention
+worker that stops heartbeating or restarts all lead to the same thing: the sequence is taken off
+its worker and recomputed from its prompt + output tokens (`take_back`). After MAX_FAILURES errors
+(not KV refusals, not a dropped bus) a request ends with finish_reason "error".
+
+`InFlight` tracks every microbatch sent and not yet settled; the ways it can fail are typed:
+`WorkerLostError` (its worker stopped heartbeating or restarted), `MicrobatchLostError` (the worker
+is alive, its heartbeat does not list it: the descriptor or its `MicrobatchDone` was lost) and
+`BusLostError` (the scheduler's NATS connection dropped while it was out).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+
+from services.scheduler.registry import Worker
+from services.scheduler.state import RequestState
+from shared.error_types import ErrorType
+from shared.errors import AFlexError
+from shared.messages import ErrorBody, MicrobatchDone
+
+MAX_FAILURES = 3  # errored passes of one request before it ends with finish_reason "error"
+LOST_CONFIRM_S = 0.5  # how long a microbatch missing from a heartbeat has to turn up done before it is lost
+
+
+class WorkerLostError(AFlexError):
+    """The attention worker of an in-flight microbatch stopped heartbeating or restarted."""
+
+
+class MicrobatchLostError(AFlexError):
+    """A microbatch's descriptor or its MicrobatchDone was lost: its worker, alive, does not have it."""
+
+
+class BusLostError(AFlexError):
+    """The scheduler's NATS connection dropped while a microbatch was in flight: its result may be lost."""
+
+
+@dataclass(frozen=True)
+class Sent:
+    """A microbatch the scheduler sent and awaits."""
+
+    worker_id: str
+    done: asyncio.Future[MicrobatchDone]
+    sent_at: float  # time.monotonic() its descriptor was published
+
+
+class InFlight:
+    """Every microbatch sent and not yet settled, by id."""
+
+    def __init__(self) -> None:
+        self.sent: dict[str, Sent] = {}
+
+    def track(self, mb_id: str, worker_id: str, now: float) -> asyncio.Future[MicrobatchDone]:
+        fut: asyncio.Future[MicrobatchDone] = asyncio.get_running_loop().create_future()
+        self.sent[mb_id] = Sent(worker_id, fut, now)
+        return fut
+
+    def forget(self, mb_id: str) -> None:
+        self.sent.pop(mb_id, None)
+
+    def settle(self, done: MicrobatchDone) -> None:
+        entry = self.sent.get(done.mb_id)
+        if entry is not None and not entry.done.done():
+            entry.done.set_result(done)
+
+    def _fail(self, worker_id: str | None, make: type[AFlexError], why: str) -> None:
+        for mb_id, entry in list(self.sent.items()):
+            if (worker_id is None or entry.worker_id == worker_id) and not entry.done.done():
+                entry.done.set_exception(make(why.format(worker=entry.worker_id, mb_id=mb_id)))
+
+    def worker_lost(self, worker_id: str) -> None:
+        self._fail(worker_id, WorkerLostError, "attention worker {worker} lost while running {mb_id}")
+
+    def bus_lost(self) -> None:
+        """A `MicrobatchDone` (or the descriptor itself) may have gone with the connection: give every
+        in-flight microbatch up now instead of waiting `microbatch_timeout_s` for it."""
+        self._fail(None, BusLostError, "NATS connection lost while {worker} was running {mb_id}")
+
+    def check_heartbeat(self, worker_id: str, active: set[str], now: float, grace_s: float) -> None:
+        """Microbatches of `worker_id` sent over `grace_s` ago that its heartbeat does not list are
+        suspects; one still not done a moment later (a MicrobatchDone sent just before the heartbeat
+        may still be in the scheduler's queue) was lost and fails now, not at its timeout."""
+        suspects = [mb_id for mb_id, e in self.sent.items()
+                    if e.worker_id == worker_id and not e.done.done() and mb_id not in active
+                    and now - e.sent_at > grace_s]
+        if suspects:
+            asyncio.get_running_loop().call_later(LOST_CONFIRM_S, self._fail_lost, worker_id, suspects)
+
+    def _fail_lost(self, worker_id: str, mb_ids: list[str]) -> None:
+        for mb_id in mb_ids:
+            entry = self.sent.get(mb_id)
+            if entry is not None and not entry.done.done():
+                entry.done.set_exception(MicrobatchLostError(
+                    f"{worker_id} is alive but does not have microbatch {mb_id}: its descriptor or its "
+                    "MicrobatchDone was lost"))
+
+
+def lose(worker: Worker, in_flight: InFlight, *, restarted: bool) -> None:
+    """The worker's KV can no longer be trusted: fail its in-flight microbatches, let its loop evacuate."""
+    lane = worker.lane
+    lane.epoch += 1
+    in_flight.worker_lost(worker.worker_id)
+    if restarted:
+        lane.pending_release.clear()  # a restarted worker holds nothing to release
+    lane.wake.set()
+
+
+def take_back(worker: Worker, state: RequestState, *, failure: bool, reason: str) -> ErrorBody | None:
+    """Take `state` off `worker` for recomputation elsewhere (or there again). Returns None when it should
+    be routed again (at the front), or the error it ends with after MAX_FAILURES failures."""
+    lane = worker.lane
+    lane.detach(state)
+    if state.num_computed or state.first_pass_sent:
+        lane.pending_release.append(state.request_id)
+    state.reset_for_recompute()
+    if not failure:
+        state.preemptions += 1
+        return None
+    state.failures += 1
+    if state.failures < MAX_FAILURES:
+        return None
+    return ErrorBody(type=ErrorType.SERVER_ERROR, message=f"request failed {state.failures} times; last: {reason}",
+                     code="request_failed")
+
+
+def evacuate(worker: Worker) -> list[RequestState]:
+    """Take back everything a lost or restarted worker held or had queued (none of it their failure);
+    returns them, in order, to be routed again. If the worker is unhealthy, what it held is released
+    when it comes back without restarting (see `lose`)."""
+    lane = worker.lane
+    states = [*lane.running, *lane.waiting]
+    lane.reserved_blocks.clear()
+    moved = [s for s in states if s.worker_id == worker.worker_id and not s.finished]
+    for state in moved:
+        take_back(worker, state, failure=False, reason=f"worker {worker.worker_id} lost")
+    if not worker.healthy:
+        lane.pending_release.clear()
+        lane.pending_release.extend(s.request_id for s in states)
+    return moved

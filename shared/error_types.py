@@ -1,0 +1,47 @@
+"""The OpenAI error types every service answers with, and the HTTP status each one means.
+
+One vocabulary for the scheduler's rejections (`SubmitReply.error`), a request's final error
+(`OutputDelta.error`), the workers' `MicrobatchDone.error` and the gateway's HTTP bodies, so a type
+means the same status wherever it is read. An `ErrorBody.code` names what went wrong in words
+(`queue_full`, `no_workers_ready`); it never carries an HTTP status.
+"""
+
+from __future__ import annotations
+
+import enum
+
+
+class ErrorType(enum.StrEnum):
+    INVALID_REQUEST = "invalid_request_error"
+    AUTHENTICATION = "authentication_error"
+    NOT_FOUND = "not_found_error"
+    RATE_LIMIT = "rate_limit_error"
+    OVERLOADED = "overloaded_error"
+    SERVICE_UNAVAILABLE = "service_unavailable_error"
+    TIMEOUT = "timeout_error"
+    SERVER_ERROR = "server_error"
+
+    @property
+    def http_status(self) -> int:
+        return _HTTP_STATUS[self]
+
+    @classmethod
+    def status_of(cls, type_name: str) -> int:
+        """The HTTP status of an error type as it travels (a plain string); 500 for a type not listed."""
+        try:
+            return cls(type_name).http_status
+        except ValueError:
+            return 500
+
+
+_HTTP_STATUS = {
+    ErrorType.INVALID_REQUEST: 400,
+    ErrorType.AUTHENTICATION: 401,
+    ErrorType.NOT_FOUND: 404,
+    ErrorType.RATE_LIMIT: 429,
+    ErrorType.OVERLOADED: 429,
+    ErrorType.SERVICE_UNAVAILABLE: 503,
+    ErrorType.TIMEOUT: 504,
+    ErrorType.SERVER_ERROR: 500,
+}
+RETRY_STATUSES = frozenset({429, 503})  # the statuses that carry Retry-After
