@@ -84,36 +84,14 @@ def _run_generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _common_service_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--nats-url", help="NATS server URL (env AFLEX_NATS_URL)")
-    p.add_argument("--log-level", help="DEBUG, INFO, WARNING (env AFLEX_LOG_LEVEL)")
-
-
-def _worker_flags(p: argparse.ArgumentParser) -> None:
-    _common_service_flags(p)
-    p.add_argument("--worker-id", help="unique id; becomes a NATS subject token")
-    p.add_argument("--model", help="HF directory, .gguf file, or 'default' (env AFLEX_MODEL)")
-    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--quantize", choices=["none", "int8"],
-                   help="int8: W8A8 projections on the CPU (env AFLEX_QUANTIZE; default none)")
-    p.add_argument("--device", help="torch device, e.g. cpu or cuda:0")
-    p.add_argument("--gpu-control", dest="gpu_backend", choices=["auto", "nvml", "nvml-readonly", "emulated"],
-                   help="GPU backend: auto = nvml-readonly where NVML works, else emulated; nvml sets clocks "
-                        "(needs root or CAP_SYS_ADMIN) (env AFLEX_GPU_BACKEND)")
-    p.add_argument("--gpu-profile", help="emulated GPU profile: a800, a100, h100, h200, b200")
-    p.add_argument("--gpu-pace", action="store_true", default=None,
-                   help="emulated GPU: pace work to the modelled time, so a lower clock really slows the worker")
-    p.add_argument("--telemetry-hz", type=float, help="telemetry messages per second (default 10)")
-    p.add_argument("--torch-threads", type=int, help="CPU threads for torch (default: torch's own choice)")
-    p.add_argument("--seam-transport", choices=["lean", "nats-py"],
-                   help="seam frames on the worker's lean NATS link (default) or its nats-py connection "
-                        "(for TLS or NKey/JWT servers) (env AFLEX_SEAM_TRANSPORT)")
-
-
-def _settings(cls: type, args: argparse.Namespace, fields: tuple[str, ...]) -> object:
-    """Settings from the flags that were given; the rest from AFLEX_* env, then defaults."""
-    given = {name: getattr(args, name) for name in fields if getattr(args, name, None) is not None}
-    return cls(**given)
+SERVICES = {  # subcommand -> (settings class name in shared.settings, help)
+    "gateway": ("GatewaySettings", "the OpenAI-compatible HTTP API"),
+    "scheduler": ("SchedulerSettings", "admission, batching, microbatches, routing, clocks"),
+    "attention-worker": ("AttentionWorkerSettings", "the attention half and the KV cache"),
+    "ffn-worker": ("FFNWorkerSettings", "the FFN half"),
+}
+# option strings scripts and docs already use, beside the generated --field-name
+FLAG_ALIASES = {"gpu_backend": ("--gpu-control",), "merge_microbatches": ("--merge",)}
 
 
 def _setup_logging(settings: object) -> None:
@@ -128,36 +106,25 @@ def _run_service(args: argparse.Namespace) -> int:
     from collections.abc import Callable, Coroutine
     from typing import Any
 
+    from pydantic import ValidationError
+
     from shared import settings as s
+    from shared.settings_flags import from_flags
 
     entry: Callable[..., Coroutine[Any, Any, None]]
-    common = ("nats_url", "log_level")
-    worker = (*common, "worker_id", "model", "dtype", "quantize", "device", "gpu_backend", "gpu_profile", "gpu_pace",
-              "telemetry_hz", "torch_threads", "seam_transport")
-    settings: Any
     if args.command == "gateway":
-        from services.gateway.app import serve
-
-        entry = serve
-        settings = _settings(s.GatewaySettings, args, (*common, "host", "port", "model", "served_model_name",
-                                                       "api_key"))
+        from services.gateway.app import serve as entry
     elif args.command == "scheduler":
-        from services.scheduler.service import run as run_scheduler
-
-        entry = run_scheduler
-        settings = _settings(s.SchedulerSettings, args, (*common, "model", "max_queue", "max_batch_tokens",
-                                                         "max_num_seqs", "microbatch_depth", "batching",
-                                                         "freq_policy", "fixed_clocks", "ttft_slo_ms", "tpot_slo_ms"))
+        from services.scheduler.service import run as entry
     elif args.command == "attention-worker":
-        from services.attention_worker.worker import run as run_attention
-
-        entry = run_attention
-        settings = _settings(s.AttentionWorkerSettings, args, (*worker, "num_kv_blocks", "block_size"))
+        from services.attention_worker.worker import run as entry
     else:
-        from services.ffn_worker.worker import run as run_ffn
-
-        entry = run_ffn
-        settings = _settings(s.FFNWorkerSettings, args, (*worker, "merge_microbatches"))
+        from services.ffn_worker.worker import run as entry
+    try:
+        settings: Any = from_flags(getattr(s, SERVICES[args.command][0]), args)
+    except ValidationError as exc:  # a bad AFLEX_* value: say which, without a traceback
+        problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
+        raise AFlexError(f"invalid settings: {problems}") from None
     _setup_logging(settings)
     threads = getattr(settings, "torch_threads", None)
     if threads:
@@ -171,42 +138,14 @@ def _run_service(args: argparse.Namespace) -> int:
 
 
 def _add_services(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("gateway", help="the OpenAI-compatible HTTP API")
-    _common_service_flags(p)
-    p.add_argument("--host")
-    p.add_argument("--port", type=int)
-    p.add_argument("--model", help="whose tokenizer and id the gateway serves (env AFLEX_MODEL)")
-    p.add_argument("--served-model-name", help="the model id clients send (default: the checkpoint's)")
-    p.add_argument("--api-key", help="require `Authorization: Bearer KEY` (env AFLEX_API_KEY)")
-    p.set_defaults(func=_run_service)
+    """One subcommand per service, its flags generated from its settings class (shared/settings_flags.py)."""
+    from shared import settings as s
+    from shared.settings_flags import add_flags
 
-    p = sub.add_parser("scheduler", help="admission, batching, microbatches, routing")
-    _common_service_flags(p)
-    p.add_argument("--model", help="the model served (env AFLEX_MODEL): its context and EOS ids")
-    p.add_argument("--max-queue", type=int, help="waiting requests before 429")
-    p.add_argument("--max-batch-tokens", type=int, help="tokens per iteration per attention worker")
-    p.add_argument("--max-num-seqs", type=int, help="running sequences per attention worker")
-    p.add_argument("--microbatch-depth", choices=["auto", "1", "2", "3", "4"])
-    p.add_argument("--batching", choices=["aflex", "fcfs"],
-                   help="prefill order and cap: aflex (shortest first with aging, SLO-capped; the default) or fcfs")
-    p.add_argument("--freq-policy", choices=["aflex", "slo", "max", "fixed"],
-                   help="how the scheduler picks worker clocks (default aflex; env AFLEX_FREQ_POLICY)")
-    p.add_argument("--fixed-clocks", help="for --freq-policy fixed: e.g. attention.decode=900,ffn=1200")
-    p.add_argument("--ttft-slo-ms", type=float, help="P90 time-to-first-token SLO (default 400)")
-    p.add_argument("--tpot-slo-ms", type=float, help="P90 time-per-output-token SLO (default 120)")
-    p.set_defaults(func=_run_service)
-
-    p = sub.add_parser("attention-worker", help="the attention half and the KV cache")
-    _worker_flags(p)
-    p.add_argument("--num-kv-blocks", type=int)
-    p.add_argument("--block-size", type=int)
-    p.set_defaults(func=_run_service)
-
-    p = sub.add_parser("ffn-worker", help="the FFN half")
-    _worker_flags(p)
-    p.add_argument("--no-merge", dest="merge_microbatches", action="store_false", default=None,
-                   help="serve queued microbatches one by one instead of stacking them")
-    p.set_defaults(func=_run_service)
+    for command, (cls_name, help_text) in SERVICES.items():
+        p = sub.add_parser(command, help=help_text)
+        add_flags(p, getattr(s, cls_name), aliases=FLAG_ALIASES)
+        p.set_defaults(func=_run_service)
 
 
 def build_parser() -> argparse.ArgumentParser:

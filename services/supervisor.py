@@ -7,7 +7,8 @@ works there, and a worker that crashes or hangs cannot take the others down with
 What the supervisor does and does not do:
 - Starts an embedded nats-server unless `AFLEX_NATS_URL` names one, then the scheduler, the
   attention workers, the FFN workers and the gateway, in that order, each in its own process
-  group (Ctrl-C reaches only the supervisor, which then stops the children in a chosen order).
+  group (Ctrl-C reaches only the supervisor, which then stops the children in a chosen order),
+  each with its settings in `AFLEX_*` variables.
 - Prefixes every line a child writes (`[attn-0] ...`), keeping stdout and stderr apart.
 - Waits until the gateway's `GET /ready` answers 200, then prints one "AFlex is serving" line.
 - A child that dies is reported (`aflex up: attn-0 exited with status 1`) and never restarted:
@@ -39,6 +40,8 @@ from dataclasses import dataclass, field
 from typing import IO, Literal
 
 from shared.errors import AFlexError
+from shared.settings import SchedulerSettings, WorkerSettings
+from shared.settings_flags import add_flags, env_name, env_of
 
 Role = Literal["scheduler", "attention-worker", "ffn-worker", "gateway"]
 
@@ -68,7 +71,7 @@ class ReadinessTimeoutError(SupervisorError):
 
 @dataclass(frozen=True)
 class ChildSpec:
-    """One service to run: a display name (the output prefix), its role and the full argv."""
+    """One service to run: a display name (the output prefix), its role, its argv and its settings (env)."""
 
     name: str
     role: Role
@@ -91,16 +94,18 @@ ChildDeathHook = Callable[[ChildExit], None]
 CommandBuilder = Callable[[argparse.Namespace], list[ChildSpec]]
 
 WORKER_ROLES = frozenset({"attention-worker", "ffn-worker"})
+# the services' knobs `aflex up` takes itself and hands down (its flags are generated from these fields)
+SCHEDULER_KNOBS = ("microbatch_depth", "batching", "freq_policy")
+WORKER_KNOBS = ("dtype", "quantize", "torch_threads", "seam_transport", "gpu_backend", "gpu_profile", "gpu_pace")
 
 
 def describe_status(returncode: int) -> str:
-    if returncode < 0:
-        try:
-            signame = signal.Signals(-returncode).name
-        except ValueError:
-            signame = f"signal {-returncode}"
-        return f"exited with status {returncode} ({signame})"
-    return f"exited with status {returncode}"
+    if returncode >= 0:
+        return f"exited with status {returncode}"
+    try:
+        return f"exited with status {returncode} ({signal.Signals(-returncode).name})"
+    except ValueError:
+        return f"exited with status {returncode} (signal {-returncode})"
 
 
 def _load_prctl() -> Callable[..., int] | None:
@@ -115,7 +120,6 @@ def _load_prctl() -> Callable[..., int] | None:
 
 
 _PRCTL = _load_prctl()  # resolved here: between fork and exec the child should do as little as possible
-_PR_SET_PDEATHSIG = 1
 
 
 def _die_with_parent() -> None:
@@ -125,7 +129,7 @@ def _die_with_parent() -> None:
     them orphaned and holding GPUs and ports.
     """
     if _PRCTL is not None:
-        _PRCTL(_PR_SET_PDEATHSIG, signal.SIGTERM)
+        _PRCTL(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
 @dataclass
@@ -273,24 +277,9 @@ def add_up_arguments(parser: argparse.ArgumentParser) -> None:
                         help="port of the embedded nats-server (0 picks a free one); unused when AFLEX_NATS_URL is set")
     parser.add_argument("--attention-workers", type=_positive, default=1, metavar="N")
     parser.add_argument("--ffn-workers", type=_positive, default=1, metavar="M")
-    parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
-                        help="weights and activations of the workers (default: the workers' own)")
-    parser.add_argument("--quantize", choices=["none", "int8"], default=None,
-                        help="int8: the workers run W8A8 projections on the CPU (default: none, exact float)")
-    parser.add_argument("--microbatch-depth", choices=["auto", "1", "2", "3", "4"], default=None,
-                        help="microbatches in flight per attention worker (default: the scheduler's own)")
-    parser.add_argument("--torch-threads", type=int, default=None, metavar="N",
-                        help="CPU threads for each worker's torch (default: the cores split among the workers)")
-    parser.add_argument("--seam-transport", choices=["lean", "nats-py"], default=None,
-                        help="how workers carry seam frames: their lean NATS link (default) or nats-py")
-    parser.add_argument("--freq-policy", choices=["aflex", "slo", "max", "fixed"], default=None,
-                        help="how the scheduler picks worker clocks (default aflex)")
-    parser.add_argument("--gpu-control", choices=["auto", "nvml", "nvml-readonly", "emulated"], default=None,
-                        help="workers' GPU backend: auto = nvml-readonly where NVML works, else emulated; "
-                             "nvml sets clocks (root or CAP_SYS_ADMIN)")
-    parser.add_argument("--gpu-profile", default=None, help="emulated GPU profile: a800, a100, h100, h200, b200")
-    parser.add_argument("--gpu-pace", action="store_true", default=None,
-                        help="emulated GPUs pace work to the modelled time (a lower clock really slows the mesh)")
+    # the services' own knobs, declared once in shared/settings.py and handed down as AFLEX_* variables
+    add_flags(parser, SchedulerSettings, only=SCHEDULER_KNOBS)
+    add_flags(parser, WorkerSettings, only=WORKER_KNOBS, aliases={"gpu_backend": ("--gpu-control",)})
     parser.add_argument("--ready-timeout", type=float, default=300.0, metavar="SECONDS",
                         help="how long to wait for the gateway's /ready")
     parser.add_argument("--grace", type=float, default=10.0, metavar="SECONDS",
@@ -305,39 +294,27 @@ def _positive(text: str) -> int:
 
 
 def build_commands(args: argparse.Namespace) -> list[ChildSpec]:
-    """The real services, in start order: `python -m services.cli <subcommand> <flags>`.
-
-    NATS is passed by the `AFLEX_NATS_URL` environment variable, not by a flag.
-    """
+    """The real services, in start order: `python -m services.cli <subcommand>`, each with its settings
+    as `AFLEX_*` environment variables (a knob not given is left to the service: its env or default).
+    NATS travels the same way, in `AFLEX_NATS_URL` (set by `up`)."""
     cli = [sys.executable, "-m", "services.cli"]
-    model = ["--model", str(args.model)]
-    dtype = ["--dtype", args.dtype] if args.dtype else []
-    dtype += ["--quantize", args.quantize] if getattr(args, "quantize", None) else []
-    depth = ["--microbatch-depth", args.microbatch_depth] if args.microbatch_depth else []
-    depth += ["--freq-policy", args.freq_policy] if getattr(args, "freq_policy", None) else []
-    gpu_control = getattr(args, "gpu_control", None)
-    gpu = ["--gpu-control", gpu_control] if gpu_control else []
-    gpu += ["--gpu-profile", args.gpu_profile] if getattr(args, "gpu_profile", None) else []
-    gpu += ["--gpu-pace"] if getattr(args, "gpu_pace", None) else []
+    model = {"model": str(args.model)}
+    worker = {k: getattr(args, k, None) for k in WORKER_KNOBS}
     n_workers = args.attention_workers + args.ffn_workers
     # The workers share this machine's cores: give each its share, so that the two halves computing
     # at once (the ping-pong pipeline) do not oversubscribe them.
-    threads = getattr(args, "torch_threads", None) or max(1, (os.cpu_count() or 1) // n_workers)
-    gpu += ["--torch-threads", str(threads)]
-    gpu += ["--seam-transport", args.seam_transport] if getattr(args, "seam_transport", None) else []
-    real_gpus = gpu_control in (None, "auto", "nvml", "nvml-readonly")
+    worker["torch_threads"] = worker["torch_threads"] or max(1, (os.cpu_count() or 1) // n_workers)
+    real_gpus = worker["gpu_backend"] in (None, "auto", "nvml", "nvml-readonly")
     devices = worker_devices(n_workers) if real_gpus else [None] * n_workers
-    specs = [ChildSpec("scheduler", "scheduler", [*cli, "scheduler", *model, *depth])]
-    specs += [ChildSpec(f"attn-{i}", "attention-worker",
-                        [*cli, "attention-worker", "--worker-id", f"attn-{i}", *model, *dtype, *gpu],
-                        _device_env(devices[i]))
-              for i in range(args.attention_workers)]
-    specs += [ChildSpec(f"ffn-{i}", "ffn-worker",
-                        [*cli, "ffn-worker", "--worker-id", f"ffn-{i}", *model, *dtype, *gpu],
-                        _device_env(devices[args.attention_workers + i]))
-              for i in range(args.ffn_workers)]
-    specs.append(ChildSpec("gateway", "gateway",
-                           [*cli, "gateway", "--host", str(args.host), "--port", str(args.port), *model]))
+    scheduler = {k: getattr(args, k, None) for k in SCHEDULER_KNOBS}
+    specs = [ChildSpec("scheduler", "scheduler", [*cli, "scheduler"], env_of({**model, **scheduler}))]
+    names = [f"attn-{i}" for i in range(args.attention_workers)] + [f"ffn-{i}" for i in range(args.ffn_workers)]
+    for name, device in zip(names, devices, strict=True):
+        role: Role = "attention-worker" if name.startswith("attn") else "ffn-worker"
+        env = env_of({**model, **worker, "worker_id": name}) | _device_env(device)
+        specs.append(ChildSpec(name, role, [*cli, role], env))
+    specs.append(ChildSpec("gateway", "gateway", [*cli, "gateway"],
+                           env_of({**model, "host": args.host, "port": args.port})))
     return specs
 
 
@@ -380,7 +357,8 @@ def reset_clock_hook(specs: Sequence[ChildSpec]) -> ChildDeathHook:
 
     def reset(exit_: ChildExit) -> None:
         spec = by_name.get(exit_.name)
-        if spec is None or spec.role not in WORKER_ROLES or _flag(spec.argv, "--gpu-control") != "nvml":
+        backend = spec.env.get(env_name("gpu_backend"), os.environ.get(env_name("gpu_backend"), "")) if spec else ""
+        if spec is None or spec.role not in WORKER_ROLES or backend != "nvml":
             return  # only `--gpu-control nvml` sets clocks; nvml-readonly and emulated leave none behind
         from shared.gpu.base import GPUError
         from shared.gpu.nvml import NvmlGPU
@@ -397,10 +375,6 @@ def reset_clock_hook(specs: Sequence[ChildSpec]) -> ChildDeathHook:
             print(f"aflex up: could not reset the GPU clock of {exit_.name}: {exc}", file=sys.stderr, flush=True)
 
     return reset
-
-
-def _flag(argv: Sequence[str], flag: str) -> str:
-    return argv[argv.index(flag) + 1] if flag in argv[:-1] else ""
 
 
 def local_host(host: str) -> str:

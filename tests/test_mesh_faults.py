@@ -22,17 +22,18 @@ MAX_TOKENS = 160
 
 
 def _child_pid(mesh: Mesh, worker_id: str) -> int:
-    """The pid of `aflex up`'s child running `worker_id` (read from /proc, children of the supervisor)."""
+    """The pid of `aflex up`'s child running `worker_id` (read from /proc: children of the supervisor whose
+    environment names it)."""
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
         try:
             status = (entry / "status").read_text()
-            cmdline = (entry / "cmdline").read_bytes().split(b"\0")
+            environ = (entry / "environ").read_bytes().split(b"\0")  # `aflex up` hands settings down in env
         except OSError:
             continue
         ppid = next(int(line.split()[1]) for line in status.splitlines() if line.startswith("PPid:"))
-        if ppid == mesh.process.pid and worker_id.encode() in cmdline:
+        if ppid == mesh.process.pid and f"AFLEX_WORKER_ID={worker_id}".encode() in environ:
             return int(entry.name)
     raise AssertionError(f"no child {worker_id} of aflex up ({mesh.process.pid})")
 

@@ -90,7 +90,7 @@ def test_schemas_are_valid_and_strict_enough() -> None:
 def test_frame_headers_use_only_documented_fields() -> None:
     doc = protocol_doc.render()
     assert f"`{wire.MAGIC.decode()}`" in doc
-    documented = {name for name, _, _ in protocol_doc._FRAME_FIELDS}
+    documented = {name for name, _, _ in protocol_doc.FRAME_FIELDS}
     to_ffn = {"mb_id": "m-0", "layer": 3, "direction": "to_ffn", "reply_to": subjects.attn_mb("a0"),
               "worker_id": "a0"}  # as the attention worker sends it
     error_reply = {"mb_id": "m-0", "layer": 3, "direction": "to_attention", "worker_id": "f0", "error": "boom"}

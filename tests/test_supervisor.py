@@ -20,12 +20,21 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from unittest import mock
 
 import pytest
 
 from services import supervisor as sup
-from services.cli import build_parser
+from services.cli import build_parser, main
 from shared.nats_server import free_port
+from shared.settings import (
+    AttentionWorkerSettings,
+    FFNWorkerSettings,
+    GatewaySettings,
+    SchedulerSettings,
+    WorkerSettings,
+)
+from shared.settings_flags import from_env
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -126,29 +135,64 @@ def listening(port: int) -> bool:
 
 
 # -- the commands the real services get -----------------------------------------------------
-def test_build_commands_order_names_and_flags_parse_with_the_cli() -> None:
+def test_build_commands_order_names_and_settings_in_the_environment() -> None:
     args = up_args("--model", "/models/m.gguf", "--host", "0.0.0.0", "--port", "8123", "--attention-workers", "2",
-                   "--ffn-workers", "3", "--dtype", "bfloat16", "--microbatch-depth", "2")
+                   "--ffn-workers", "3", "--dtype", "bfloat16", "--microbatch-depth", "2", "--batching", "fcfs",
+                   "--gpu-pace")
     specs = sup.build_commands(args)
     assert [s.name for s in specs] == ["scheduler", "attn-0", "attn-1", "ffn-0", "ffn-1", "ffn-2", "gateway"]
     parser = build_parser()
-    for spec in specs:
-        assert spec.argv[:3] == [sys.executable, "-m", "services.cli"]
-    parsed = {s.name: parser.parse_args(s.argv[3:]) for s in specs}
-    for spec in specs:
-        assert parsed[spec.name].command == spec.role
-        assert parsed[spec.name].model == "/models/m.gguf"
-    assert parsed["scheduler"].microbatch_depth == "2"
-    assert parsed["attn-1"].worker_id == "attn-1" and parsed["attn-1"].dtype == "bfloat16"
-    assert parsed["ffn-2"].worker_id == "ffn-2" and parsed["ffn-2"].dtype == "bfloat16"
-    assert (parsed["gateway"].host, parsed["gateway"].port) == ("0.0.0.0", 8123)
+    for spec in specs:  # the argv names only the service; its settings travel as AFLEX_* variables
+        assert spec.argv == [sys.executable, "-m", "services.cli", spec.role]
+        assert parser.parse_args(spec.argv[3:]).command == spec.role
+    classes = {"scheduler": SchedulerSettings, "attention-worker": AttentionWorkerSettings,
+               "ffn-worker": FFNWorkerSettings, "gateway": GatewaySettings}
+    with mock.patch.dict(os.environ, {k: v for k, v in os.environ.items() if not k.startswith("AFLEX_")}, clear=True):
+        settings = {s.name: from_env(classes[s.role], s.env) for s in specs}
+    assert all(st.model == "/models/m.gguf" for st in settings.values())
+    sched = settings["scheduler"]
+    assert isinstance(sched, SchedulerSettings) and (sched.microbatch_depth, sched.batching) == ("2", "fcfs")
+    for name in ("attn-1", "ffn-2"):
+        worker = settings[name]
+        assert isinstance(worker, WorkerSettings)
+        assert (worker.worker_id, worker.dtype, worker.gpu_pace) == (name, "bfloat16", True)
+        assert worker.torch_threads is not None and worker.torch_threads >= 1  # the cores split among them
+    gateway = settings["gateway"]
+    assert isinstance(gateway, GatewaySettings) and (gateway.host, gateway.port) == ("0.0.0.0", 8123)
 
 
 def test_build_commands_leaves_unset_options_to_the_services() -> None:
     specs = sup.build_commands(up_args())
     for spec in specs:
-        assert "--dtype" not in spec.argv and "--microbatch-depth" not in spec.argv
-        assert "--nats-url" not in spec.argv  # NATS travels in AFLEX_NATS_URL
+        assert "AFLEX_DTYPE" not in spec.env and "AFLEX_MICROBATCH_DEPTH" not in spec.env
+        assert "AFLEX_NATS_URL" not in spec.env  # set once, by `up`, for every child
+
+
+def test_service_flags_come_from_the_settings_fields() -> None:
+    """Every settings field is a flag of its subcommand, and a flag's value reaches the settings."""
+    from services.cli import SERVICES
+    from shared import settings as shared_settings
+    from shared.settings_flags import flag_name, from_flags
+
+    parser = build_parser()
+    for command, (cls_name, _) in SERVICES.items():
+        cls = getattr(shared_settings, cls_name)
+        helps = parser._subparsers._group_actions[0].choices[command].format_help()  # type: ignore[union-attr]
+        for field in cls.model_fields:
+            assert flag_name(field) in helps and f"AFLEX_{field.upper()}" in helps, (command, field)
+    args = parser.parse_args(["scheduler", "--max-batch-tokens", "512", "--batching", "fcfs", "--no-freq-observe"])
+    got = from_flags(SchedulerSettings, args)
+    assert (got.max_batch_tokens, got.batching, got.freq_observe) == (512, "fcfs", False)
+    args = parser.parse_args(["ffn-worker", "--no-merge", "--gpu-control", "emulated"])
+    ffn = from_flags(FFNWorkerSettings, args)
+    assert ffn.merge_microbatches is False and ffn.gpu_backend == "emulated"
+
+
+def test_a_bad_environment_value_is_one_clear_line(capsys: pytest.CaptureFixture[str]) -> None:
+    with mock.patch.dict(os.environ, {"AFLEX_MAX_BATCH_TOKENS": "lots"}):
+        assert main(["scheduler"]) == 2
+    err = capsys.readouterr().err
+    assert "max_batch_tokens" in err and "Traceback" not in err
 
 
 def test_up_rejects_zero_workers() -> None:

@@ -23,7 +23,7 @@ def test_each_worker_gets_its_own_gpu_and_the_flags(nvml: FakeNvml) -> None:  # 
     workers = [s for s in specs if s.role in ("attention-worker", "ffn-worker")]
     assert [s.env.get("CUDA_VISIBLE_DEVICES") for s in workers] == ["0", "1", "2", "3"]
     for spec in workers:
-        assert spec.argv[spec.argv.index("--gpu-control") + 1] == "nvml"
+        assert spec.env["AFLEX_GPU_BACKEND"] == "nvml"
         build_parser().parse_args(spec.argv[3:])  # every command parses with the real CLI
 
 
@@ -37,9 +37,8 @@ def test_emulated_workers_are_not_pinned(nvml: FakeNvml) -> None:  # noqa: F811
     specs = build_commands(_args("--gpu-control", "emulated", "--gpu-profile", "h200", "--gpu-pace"))
     worker = next(s for s in specs if s.role == "attention-worker")
     assert "CUDA_VISIBLE_DEVICES" not in worker.env
-    assert worker.argv[worker.argv.index("--gpu-control") + 1] == "emulated"
-    assert worker.argv[worker.argv.index("--gpu-profile") + 1] == "h200"
-    assert "--gpu-pace" in worker.argv
+    assert (worker.env["AFLEX_GPU_BACKEND"], worker.env["AFLEX_GPU_PROFILE"]) == ("emulated", "h200")
+    assert worker.env["AFLEX_GPU_PACE"] == "true"
 
 
 @pytest.mark.parametrize(("control", "resets"), [("nvml", True), ("nvml-readonly", False), ("emulated", False)])

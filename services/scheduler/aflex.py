@@ -1,42 +1,11 @@
 """The live scheduler's `aflex` policy: shared/policy's clock selection and batching rules on its own load.
 
-Pure (no I/O, no clock of its own): the service feeds it what it saw and publishes what it answers.
-
-Every frequency window, for each attention worker (paired with the FFN workers it sends microbatches
-to) and each clock phase, `AflexPlanner.plan_pair` takes the iterations that worker ran in the window
-(batch tokens, context tokens, score pairs, sequences sampled: `IterationSample`), picks the one at the
-90th percentile of batch tokens as the load to plan for, and asks `shared.policy.choose_operating_point` (the
-simulator's own call, with the simulator's `aflex` rule: `ClockRule(objective="marginal-decode")`) for
-the (depth, attention clock, FFN clock) whose predicted iteration time meets the phase's budget at the
-least energy: above the pool's context-idle floor for decode-only iterations, in total for any with
-prefill:
-
-- decode: TPOT·(1 − margin), one token per sequence per iteration;
-- prefill (any prefill chunk in the iteration, mixed included): `shared.policy.ttft_budget` over the
-  worker's queue in serving order (`prefill_order`) and the window's longest prompt, with
-  TTFT·(1 − margin), and the TPOT budget too when decode sequences ride along.
-
-Batching (`BATCHING`, the simulator's `aflex` rule): waiting prompts are served shortest remaining
-first with aging (`shared.policy.prefill_order` at the scheduler's monotonic time: after `aging_s` a
-prompt ranks with the shortest, so none starves), and `prefill_tokens` caps an iteration's prefill
-tokens with `shared.policy.prefill_budget`: at the top clock, an iteration with decode sequences in
-it stays inside the TPOT budget and a prefill-only one inside `prefill_iter_frac` of the TTFT SLO,
-never below `min_chunk_tokens`.
-
-The predictors are `shared.perf`'s, fitted for the worker's GPU profile and the served model
-(`cached_predictor`, the simulator's construction), one per (profile, model); each planner keeps its
-own online correction on top of the shared fit. The margins are `SloMargin`s fed with the window's
-observed p90 and misses, so misses widen them and clocks rise. Pipeline slack is `choose_operating_point`'s:
-the side that is not the bottleneck slows until it nearly becomes it. An FFN worker serves every
-attention worker, so it runs at the highest FFN clock any pair asks for.
-
-Online correction: each `MicrobatchDone`'s `attention_s` and `ffn_compute_s` (or, for a lone
-microbatch of a worker that does not report it, `ffn_wait_s` less the modelled seam transfer) per
-layer is fed to `Predictor.observe` at the clock commanded for that worker and phase. One
-observation moves the correction ratio by at most `observe_band` either way and the ratio stays
-within [1/max_correction, max_correction], so a mesh whose time is not GPU time (an unpaced
-emulated worker on a CPU) cannot push every plan to the top clock; the SLO margin
-remains the safety net for what the predictors miss.
+Pure (no I/O, no clock of its own): the governor feeds it what the mesh ran and observed, and sends
+what it answers. Per window it plans each attention worker's (depth, attention clock, FFN clock) for
+each phase with `choose_operating_point` on the window's 90th-percentile iteration, under the SLO
+margins; it caps prefill tokens per iteration (`prefill_tokens`); it corrects its predictors online
+from `MicrobatchDone` timings, within a band. docs/architecture.md ("The aflex policy, live") has
+the budgets, the batching rule and the correction in full.
 """
 
 from __future__ import annotations

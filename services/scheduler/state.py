@@ -12,6 +12,7 @@ import time
 from dataclasses import dataclass, field
 
 from shared.messages import FinishReason, SamplingSpec
+from shared.token_history import TokenHistory
 
 
 class Status(enum.Enum):
@@ -21,7 +22,7 @@ class Status(enum.Enum):
 
 
 @dataclass(eq=False)
-class RequestState:
+class RequestState(TokenHistory):
     request_id: str
     prompt_ids: list[int]
     sampling: SamplingSpec
@@ -40,19 +41,6 @@ class RequestState:
     preemptions: int = 0  # passes refused for lack of KV (failed_seq_ids)
     next_index: int = 0  # index of the next OutputDelta
     in_flight: bool = False  # part of a microbatch whose MicrobatchDone has not come back
-
-    @property
-    def all_ids(self) -> list[int]:
-        return self.prompt_ids + self.output_ids
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.prompt_ids) + len(self.output_ids)
-
-    @property
-    def pending_tokens(self) -> int:
-        """Tokens not yet fed to the current worker (1 for a sequence in decode)."""
-        return self.num_tokens - self.num_computed
 
     @property
     def finished(self) -> bool:

@@ -29,13 +29,14 @@ from shared.model.kv_cache import BlockAllocator, BlockTables
 from shared.model.sampling import SamplingParams, SequenceSampler, StopStringMatcher, sample_next_tokens
 from shared.model.weights import load_attention_half, load_ffn_half
 from shared.policy.iteration import WorkItem, form_iteration, split_microbatches
+from shared.token_history import TokenHistory
 
 if TYPE_CHECKING:
     from shared.model.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
 @dataclass
-class Sequence:
+class Sequence(TokenHistory):
     """A request's whole state: enough to re-run it from scratch on another worker."""
 
     seq_id: str
@@ -49,13 +50,6 @@ class Sequence:
     detokenizer: IncrementalDetokenizer | None = None
     stop_matcher: StopStringMatcher | None = None
 
-    @property
-    def all_ids(self) -> list[int]:
-        return self.prompt_ids + self.output_ids
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.prompt_ids) + len(self.output_ids)
 
 
 @dataclass(frozen=True)
@@ -270,7 +264,7 @@ class Engine:
 
 
 def _item(seq: Sequence, waiting: bool) -> WorkItem[Sequence]:
-    return WorkItem(seq, seq.num_tokens - seq.num_computed, is_waiting=waiting)
+    return WorkItem(seq, seq.pending_tokens, is_waiting=waiting)
 
 
 @torch.inference_mode()

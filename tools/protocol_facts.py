@@ -1,0 +1,265 @@
+"""What docs/protocol.md says that the code cannot say by itself: who publishes and subscribes each
+subject, an example of every message, the error codes with their types and meanings, the frame header.
+
+tools/protocol_doc.py renders these tables (with the schemas it reads from the code) into the doc.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from services.scheduler.admission import RETRY_AFTER_S
+from services.scheduler.recovery import MAX_FAILURES
+from shared import messages, subjects, wire
+from shared.error_types import ErrorType
+from shared.messages import Message
+from shared.settings import AttentionWorkerSettings, GatewaySettings
+
+
+def default_s(settings: type[Any], name: str) -> str:
+    return f"{settings.model_fields[name].default:g} s"
+
+
+DOC_PATH = Path(__file__).resolve().parent.parent / "docs" / "protocol.md"
+
+
+@dataclass(frozen=True)
+class SubjectDoc:
+    """One row of the subject table."""
+
+    names: tuple[str, ...]  # the constants / functions of shared/subjects.py that build this subject
+    pattern: str
+    route: str  # from → to
+    kind: str  # publish, or request/reply
+    queue: str  # queue group, or "—"
+    payload: str  # message type(s), markdown
+    notes: str
+
+
+SUBJECTS: tuple[SubjectDoc, ...] = (
+    SubjectDoc(("REQ_SUBMIT", "SCHEDULER_QUEUE"), subjects.REQ_SUBMIT, "gateway → scheduler", "request/reply",
+               f"`{subjects.SCHEDULER_QUEUE}`", "[`SubmitRequest`](#submitrequest) → [`SubmitReply`](#submitreply)",
+               "The reply says accepted, or rejected with a typed `ErrorBody` (and `retry_after_s` on overload). "
+               "No responders means no scheduler is running."),
+    SubjectDoc(("req_out",), subjects.req_out("<rid>"), "scheduler → gateway", "publish", "—",
+               "[`OutputDelta`](#outputdelta)",
+               "Token deltas with a per-request `index` (0, 1, 2, …); the last one has `finish_reason` and `usage`."),
+    SubjectDoc(("req_cancel", "REQ_CANCEL_ALL"), subjects.req_cancel("<rid>"), "gateway → scheduler", "publish", "—",
+               "[`CancelRequest`](#cancelrequest)",
+               f"The scheduler subscribes to `{subjects.REQ_CANCEL_ALL}`. Reasons the gateway sends: "
+               "`client_disconnected`, `stop_string`, `timeout`, `submit_timeout`, `bad_submit_reply`."),
+    SubjectDoc(("attn_mb",), subjects.attn_mb("<wid>"), "scheduler → attention worker; FFN worker → attention worker",
+               "publish", "—",
+               "[`MicrobatchDescriptor`](#microbatchdescriptor) (JSON) or a [tensor frame](#tensor-frames) "
+               "(`direction: to_attention`)",
+               "One subject, two encodings: a payload starting with `AFX1` is a tensor frame, one starting with "
+               "`{` a descriptor. A descriptor with no `seqs` only releases KV blocks."),
+    SubjectDoc(("ffn_mb",), subjects.ffn_mb("<wid>"), "attention worker → FFN worker", "publish", "—",
+               "[tensor frame](#tensor-frames) (`direction: to_ffn`)",
+               "The frame's `reply_to` names the attention worker's `attn.<wid>.mb` subject; the answer goes there."),
+    SubjectDoc(("SCHED_DONE",), subjects.SCHED_DONE, "attention worker → scheduler", "publish", "—",
+               "[`MicrobatchDone`](#microbatchdone)",
+               "Exactly one per descriptor that carried sequences, whatever happened to it."),
+    SubjectDoc(("SCHED_STATUS",), subjects.SCHED_STATUS, "gateway (`/ready`), tools → scheduler", "request/reply",
+               "—", "any payload (ignored; the gateway sends `{}`) → [`SchedulerStatus`](#schedulerstatus)",
+               "Ready when at least one attention and one FFN worker are healthy."),
+    SubjectDoc(("CONTROL_REGISTER",), subjects.CONTROL_REGISTER, "attention / FFN worker → scheduler",
+               "request/reply", "—", "[`Register`](#register) → [`RegisterReply`](#registerreply)",
+               "Sent after the worker subscribed to its `.mb` subject; retried until a scheduler accepts it. "
+               "`ok: false` is a refusal and the worker gives up."),
+    SubjectDoc(("heartbeat", "CONTROL_HEARTBEAT_ALL"), subjects.heartbeat("<wid>"),
+               "attention / FFN worker → scheduler", "request (reply optional)", "—",
+               "[`Heartbeat`](#heartbeat) → optionally [`RegisterReply`](#registerreply)",
+               f"The scheduler subscribes to `{subjects.CONTROL_HEARTBEAT_ALL}` and does not answer today. "
+               "A worker that gets *no responders* (no scheduler) or a `RegisterReply` with `ok: false` registers "
+               "again; a timeout is the normal case."),
+    SubjectDoc(("freq",), subjects.freq("<wid>"), "scheduler → worker", "publish", "—",
+               "[`FrequencyCommand`](#frequencycommand)",
+               "The SM clock per phase for worker `<wid>`, valid until `valid_until_ts`; without a newer command "
+               "the worker then falls back to its default clock. Only the scheduler may publish here."),
+    SubjectDoc(("telemetry", "TELEMETRY_ALL"), subjects.telemetry("<role>", "<wid>"), "worker, scheduler → anyone",
+               "publish", "—",
+               "[`WorkerTelemetry`](#workertelemetry) (`<role>` = `attention`, `ffn`), "
+               "[`SchedulerTelemetry`](#schedulertelemetry) (`<role>` = `scheduler`)",
+               f"Power, energy, clock, latency, queue and KV use. Observers subscribe to `{subjects.TELEMETRY_ALL}`; "
+               "counters marked monotonic only grow while the publisher lives."),
+)
+
+# Models without a docstring of their own.
+DESCRIPTIONS = {
+    "SubmitReply": "`aflex.v1.req.submit` reply: accepted, or rejected with a typed error "
+                   "(`retry_after_s` set when the rejection is for overload or unavailability).",
+    "Usage": "Token counts of a finished request; `energy_j` is AFlex's extension (joules spent on it).",
+    "SeqResult": "One sequence's outcome in a microbatch: the sampled token, or null when the pass did not sample.",
+    "RegisterReply": "`aflex.v1.control.register` reply (and the optional heartbeat reply): `ok: false` refuses "
+                     "the worker, or, on a heartbeat, asks it to register again.",
+    "WorkerInfo": "One worker as the scheduler sees it, inside `SchedulerStatus`.",
+    "PhaseLatency": "Mean latency and count of one phase's work over the last telemetry period.",
+}
+
+
+def message_types() -> list[type[Message]]:
+    """Every Message subclass defined in shared/messages.py, in source order."""
+    return [obj for obj in vars(messages).values()
+            if isinstance(obj, type) and issubclass(obj, Message) and obj is not Message
+            and obj.__module__ == messages.__name__]
+
+
+def _sampling() -> messages.SamplingSpec:
+    return messages.SamplingSpec(temperature=0.7, top_p=0.95, seed=7, max_tokens=64, stop_token_ids=[2])
+
+
+def _error() -> messages.ErrorBody:
+    return messages.ErrorBody(type=ErrorType.OVERLOADED, message="the scheduler queue is full (256 waiting requests); "
+                              "retry later", code="queue_full")
+
+
+def _seq_work() -> messages.SeqWork:
+    return messages.SeqWork(seq_id="req-3f2a", token_ids=[1, 2593, 314, 253], start_pos=0, sample=True,
+                            sampling=_sampling())
+
+
+def _worker_info() -> messages.WorkerInfo:
+    return messages.WorkerInfo(worker_id="attn-0", role="attention", healthy=True, kv_free_blocks=480,
+                               kv_total_blocks=512, last_seen_s_ago=0.4)
+
+
+EXAMPLES: dict[str, Callable[[], Message]] = {
+    "ErrorBody": _error,
+    "SamplingSpec": _sampling,
+    "SubmitRequest": lambda: messages.SubmitRequest(request_id="req-3f2a", model="SmolLM2-135M-Instruct",
+                                                    prompt_ids=[1, 2593, 314, 253], sampling=_sampling(),
+                                                    arrival_ts=1767225600.25),
+    "SubmitReply": lambda: messages.SubmitReply(request_id="req-3f2a", accepted=False, error=_error(),
+                                                retry_after_s=1.0),
+    "Usage": lambda: messages.Usage(prompt_tokens=4, completion_tokens=12, total_tokens=16),
+    "OutputDelta": lambda: messages.OutputDelta(request_id="req-3f2a", index=11, token_ids=[2], finish_reason="stop",
+                                                usage=messages.Usage(prompt_tokens=4, completion_tokens=12,
+                                                                     total_tokens=16)),
+    "CancelRequest": lambda: messages.CancelRequest(request_id="req-3f2a", reason="stop_string"),
+    "SeqWork": _seq_work,
+    "MicrobatchDescriptor": lambda: messages.MicrobatchDescriptor(mb_id="9c1d04aa-attn-0-17-0", iteration=17,
+                                                                  phase="prefill", ffn_worker="ffn-0",
+                                                                  seqs=[_seq_work()], release=["req-1b07"]),
+    "SeqResult": lambda: messages.SeqResult(seq_id="req-3f2a", token_id=28),
+    "MicrobatchDone": lambda: messages.MicrobatchDone(mb_id="9c1d04aa-attn-0-17-0", worker_id="attn-0",
+                                                      results=[messages.SeqResult(seq_id="req-3f2a", token_id=28)],
+                                                      kv_free_blocks=480, kv_total_blocks=512, attention_s=0.012,
+                                                      ffn_wait_s=0.019, total_s=0.031),
+    "Register": lambda: messages.Register(worker_id="attn-0", role="attention", model_id="SmolLM2-135M-Instruct",
+                                          n_layers=30, kv_total_blocks=512, block_size=16, max_seq_len=8192,
+                                          pid=4242, started_ts=1767225590.0),
+    "RegisterReply": lambda: messages.RegisterReply(ok=True, scheduler_id="scheduler-0"),
+    "Heartbeat": lambda: messages.Heartbeat(worker_id="attn-0", role="attention", ts=1767225601.0,
+                                            kv_free_blocks=480, kv_total_blocks=512, queue_depth=2),
+    "WorkerInfo": _worker_info,
+    "SchedulerStatus": lambda: messages.SchedulerStatus(ready=True, scheduler_id="scheduler-0",
+                                                        model_id="SmolLM2-135M-Instruct", workers=[_worker_info()],
+                                                        queue_depth=0, running=3),
+    "FrequencyCommand": lambda: messages.FrequencyCommand(worker_id="ffn-0", clocks_mhz={"prefill": 1200,
+                                                                                          "decode": 570},
+                                                          valid_until_ts=1767225660.0, issued_ts=1767225600.0,
+                                                          reason="decode TPOT slack"),
+    "PhaseLatency": lambda: messages.PhaseLatency(mean_ms=4.2, count=120),
+    "WorkerTelemetry": lambda: messages.WorkerTelemetry(
+        worker_id="ffn-0", role="ffn", ts=1767225601.1, gpu_backend="emulated", gpu_name="A800-SXM4-80GB",
+        clock_mhz=570, target_clock_mhz=570, power_w=143.5, energy_j=51234.5, utilization=0.62,
+        latency_ms={"decode": messages.PhaseLatency(mean_ms=4.2, count=120)}, queue_depth=1, tokens_done=98304,
+        microbatches_done=4096),
+    "SchedulerTelemetry": lambda: messages.SchedulerTelemetry(
+        scheduler_id="scheduler-0", ts=1767225601.0, queue_depth=0, running=3, finished=812, slo_attainment=0.97,
+        ttft_p90_ms=212.0, tpot_p90_ms=61.5, clocks_mhz={"ffn-0": {"prefill": 1200, "decode": 570}}),
+}
+
+
+def example(cls: type[Message]) -> Message:
+    return EXAMPLES[cls.__name__]()
+
+
+def description(cls: type[Message]) -> str:
+    doc = cls.__dict__.get("__doc__")
+    return inspect.cleandoc(doc) if doc else DESCRIPTIONS[cls.__name__]
+
+
+def subject_of(cls: type[Message]) -> list[str]:
+    """Subject patterns whose row names `cls` as (part of) the payload."""
+    return [row.pattern for row in SUBJECTS if f"[`{cls.__name__}`]" in row.payload]
+
+
+def nested_in(cls: type[Message]) -> list[str]:
+    """Names of the other messages whose schema embeds `cls`."""
+    return [other.__name__ for other in message_types()
+            if other is not cls and cls.__name__ in other.model_json_schema().get("$defs", {})]
+
+
+def anchor(name: str) -> str:
+    return name.lower()
+
+
+# Error codes (ErrorBody.code / .type) as the code sets them: (code, type, where, meaning).
+ERROR_CODES: tuple[tuple[str, str, str, str], ...] = (
+    ("invalid_message", ErrorType.INVALID_REQUEST, "scheduler → `SubmitReply`",
+     "the submission is not a valid `SubmitRequest` (`request_id` is then empty)"),
+    ("invalid_request_id", ErrorType.INVALID_REQUEST, "scheduler → `SubmitReply`",
+     "`request_id` cannot be a subject token (empty, or holds `.`, `*`, `>` or whitespace); `param: request_id`"),
+    ("duplicate_request_id", ErrorType.INVALID_REQUEST, "scheduler → `SubmitReply`",
+     "a request with this id is already running; `param: request_id`"),
+    ("no_workers_ready", ErrorType.SERVICE_UNAVAILABLE, "scheduler → `SubmitReply`",
+     f"no attention and FFN workers are ready yet; `retry_after_s` = {RETRY_AFTER_S:g}"),
+    ("invalid_value", ErrorType.INVALID_REQUEST, "scheduler → `SubmitReply`",
+     "admission validation failed (context length, token ids, sampling); `param` names the field"),
+    ("queue_full", ErrorType.OVERLOADED, "scheduler → `SubmitReply`",
+     f"the scheduler queue is full (`max_queue` waiting requests); `retry_after_s` = {RETRY_AFTER_S:g}"),
+    ("request_failed", ErrorType.SERVER_ERROR, "scheduler → `OutputDelta` (`finish_reason: error`)",
+     f"the request failed `MAX_FAILURES` ({MAX_FAILURES}) times; the message carries the last reason"),
+    ("(none)", ErrorType.INVALID_REQUEST, "scheduler → `RegisterReply` (`ok: false`)",
+     "the registration is not a valid `Register`, or `worker_id` is not a valid subject token"),
+    ("invalid_descriptor", ErrorType.INVALID_REQUEST, "attention worker → `MicrobatchDone`",
+     "the descriptor did not validate; answered only when it still names an `mb_id`"),
+    ("sequence_busy", ErrorType.SERVER_ERROR, "attention worker → `MicrobatchDone`",
+     "the sequence is already in another in-flight microbatch"),
+    ("invalid_tokens", ErrorType.INVALID_REQUEST, "attention worker → `MicrobatchDone`",
+     "no token ids to feed, or a token id outside the vocabulary"),
+    ("context_length_exceeded", ErrorType.INVALID_REQUEST, "attention worker → `MicrobatchDone`; gateway (HTTP 400)",
+     "more tokens than the model's context"),
+    ("start_pos_mismatch", ErrorType.SERVER_ERROR, "attention worker → `MicrobatchDone`",
+     "`start_pos` disagrees with the KV the worker holds (resend from 0 with `sampling` and `generated_ids`)"),
+    ("missing_sampling", ErrorType.INVALID_REQUEST, "attention worker → `MicrobatchDone`",
+     "a sequence's first pass on this worker did not carry `sampling`"),
+    ("invalid_sampling", ErrorType.INVALID_REQUEST, "attention worker → `MicrobatchDone`",
+     "the sampling parameters are out of range"),
+    ("kv_cache_exhausted", ErrorType.OVERLOADED, "attention worker → `MicrobatchDone`",
+     "no KV blocks left for the sequence; the scheduler re-routes it"),
+    ("microbatch_failed", ErrorType.SERVER_ERROR, "attention worker → `MicrobatchDone`",
+     "the whole microbatch failed: an FFN error frame, no FFN reply within "
+     f"{AttentionWorkerSettings().ffn_reply_timeout_s:g} s (`ffn_reply_timeout_s`, env "
+     "`AFLEX_FFN_REPLY_TIMEOUT_S`), a wrong reply shape, the worker "
+     "shutting down, or an exception"),
+    ("scheduler_unavailable", ErrorType.SERVICE_UNAVAILABLE, "gateway (HTTP 503)",
+     f"no responders on `{subjects.REQ_SUBMIT}`, no answer within `submit_timeout_s` "
+     f"({default_s(GatewaySettings, 'submit_timeout_s')} by default), or the bus is down"),
+    ("timeout", ErrorType.TIMEOUT, "gateway (HTTP 504)", "no `OutputDelta` within `request_timeout_s` "
+     f"({default_s(GatewaySettings, 'request_timeout_s')} by default); the request is cancelled"),
+)
+
+HTTP_STATUS = tuple((str(t), str(t.http_status)) for t in ErrorType)
+
+FRAME_FIELDS: tuple[tuple[str, str, str], ...] = (
+    ("mb_id", "string", "the microbatch (`MicrobatchDescriptor.mb_id`)"),
+    ("layer", "int", "the layer index, 0 ≤ layer < n_layers"),
+    ("direction", '"to_ffn" \\| "to_attention"', "`to_ffn`: attention → FFN (`ffn_in`); `to_attention`: FFN → "
+     "attention (`ffn_out`)"),
+    ("reply_to", "string", "`to_ffn` only: the subject the FFN worker answers on (the sender's `attn.<wid>.mb`)"),
+    ("worker_id", "string", "the sending worker"),
+    ("error", "string", "`to_attention` only, on failure: why the FFN worker could not serve the frame; the "
+     "tensor is then empty (`shape: [0]`)"),
+    ("dtype", "string", f"one of {', '.join(f'`{d}`' for d in wire._DTYPES)}"),
+    ("shape", "int[]", "the whole tensor's shape: `[T, D]` (tokens of the microbatch, hidden size)"),
+    ("nbytes", "int", "bytes of the whole tensor (all chunks together)"),
+    ("chunk", "int", "index of this chunk, 0 ≤ chunk < chunks"),
+    ("chunks", "int", "how many frames carry this tensor"),
+)
