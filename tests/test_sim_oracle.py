@@ -12,9 +12,10 @@ import pytest
 from loadgen.sim.arrivals import synthetic
 from loadgen.sim.engine import SimConfig, Simulation
 from loadgen.sim.models import get_model
-from loadgen.sim.oracle import OracleConfig, clock_levels, search_oracle
+from loadgen.sim.oracle import OracleConfig, clock_levels, prefill_screen_j, search_oracle
 from shared.gpu.emulated import load_profile
 from shared.perf import cached_predictor
+from shared.policy import PoolShape
 
 PROFILE = load_profile("a800")
 MODEL = get_model("llama-3-8b")
@@ -53,10 +54,23 @@ def test_a_tighter_slo_rules_out_the_slow_configurations() -> None:
     assert tight.best.clocks_mhz != (slowest["clocks_mhz"]["PA"], slowest["clocks_mhz"]["PF"])
 
 
+def test_prefill_screening_is_scored_to_a_common_horizon() -> None:
+    """Two prefill clock pairs with the same busy energy score the same, although one shared its screening
+    replay with a slow decode pair that stretched the run (and the prefill pool's idle tail) by 100 s."""
+    shape = PoolShape(split=True, attention=2, ffn=2)
+    slow_pair, quick_pair = ((975.0, 975.0), (345.0, 345.0)), ((795.0, 795.0), (840.0, 840.0))
+    idle_w = 2 * PROFILE.context_idle_power_at(975.0) + 2 * PROFILE.context_idle_power_at(975.0)
+    stretched = {"config": OracleConfig(shape, shape, slow_pair),
+                 "result": {"makespan_s": 3700.0, "pool_energy_j": {"prefill": 5e5 + idle_w * 100.0}}}
+    on_time = {"config": OracleConfig(shape, shape, quick_pair),
+               "result": {"makespan_s": 3600.0, "pool_energy_j": {"prefill": 5e5}}}
+    horizon = min(r["result"]["makespan_s"] for r in (stretched, on_time))
+    assert prefill_screen_j(PROFILE, stretched, horizon) == pytest.approx(prefill_screen_j(PROFILE, on_time, horizon))
+    assert prefill_screen_j(PROFILE, stretched, horizon) < stretched["result"]["pool_energy_j"]["prefill"]
+
+
 def test_a_fixed_configuration_keeps_its_clocks_and_shapes() -> None:
     shape_args = {"split": True, "attention": 1, "ffn": 1}
-    from shared.policy import PoolShape
-
     conf = OracleConfig(PoolShape(**shape_args), PoolShape(**shape_args), ((885.0, 1020.0), (480.0, 525.0)))
     sim = Simulation(PROFILE, MODEL, ARRIVALS, conf.spec(), CFG, cached_predictor(PROFILE, MODEL))
     res = sim.run()

@@ -139,7 +139,7 @@ def _pool_idle_w(profile: GPUProfile, shape: PoolShape, clocks_mhz: tuple[float,
     return shape.gpus * profile.context_idle_power_at(fa)
 
 
-def _prefill_j(profile: GPUProfile, run: dict[str, Any], horizon_s: float) -> float:
+def prefill_screen_j(profile: GPUProfile, run: dict[str, Any], horizon_s: float) -> float:
     """A screening replay's prefill-pool energy to a common horizon: a slow decode choice in the same replay
     stretches the run, and the prefill pool's idle tail with it, which says nothing about the prefill clocks."""
     conf: OracleConfig = run["config"]
@@ -162,9 +162,9 @@ def _finals(profile: GPUProfile, runs: list[dict[str, Any]], shapes: Sequence[tu
             continue
         horizon_s = min(r["result"]["makespan_s"] for r in mine)
         pre: dict[tuple[float, float], float] = {}
-        for r in sorted(mine, key=lambda r: _prefill_j(profile, r, horizon_s)):
+        for r in sorted(mine, key=lambda r: prefill_screen_j(profile, r, horizon_s)):
             if _meets(r["result"], cfg, "ttft"):
-                pre.setdefault(r["config"].clocks_mhz[0], _prefill_j(profile, r, horizon_s))
+                pre.setdefault(r["config"].clocks_mhz[0], prefill_screen_j(profile, r, horizon_s))
         rest: dict[tuple[float, float], float] = {}
         for r in sorted(mine, key=_rest_j):
             if _meets(r["result"], cfg, "tpot"):
