@@ -8,15 +8,13 @@ through here: they are binary frames (wire.py) on the per-layer hot path.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Literal, TypeVar
+from typing import Literal, TypeVar
 
 import orjson
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from shared.errors import AFlexError
-
-if TYPE_CHECKING:
-    from shared.model.sampling import SamplingParams
+from shared.model.params import SamplingParams
 
 
 class ProtocolError(AFlexError):
@@ -50,24 +48,10 @@ class ErrorBody(Message):
     param: str | None = None
 
 
-class SamplingSpec(Message):
-    """Sampling parameters as they travel; stop strings stay at the gateway (it has the text)."""
-
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    max_tokens: int = 16
-    min_tokens: int = 0
-    stop_token_ids: list[int] = Field(default_factory=list)
-    ignore_eos: bool = False
-
-    def to_params(self) -> SamplingParams:
-        from shared.model.params import SamplingParams
-
-        return SamplingParams(**self.model_dump())  # the same fields; lists become tuples there
+# Sampling parameters travel as `shared.model.params.SamplingParams` itself (a frozen dataclass that pydantic
+# validates and serialises inside the messages): one declaration of the fields. Stop *strings* stay at the
+# gateway (it has the text), so `stop` travels empty.
+SamplingSpec = SamplingParams
 
 
 # -- gateway <-> scheduler ---------------------------------------------------------------------

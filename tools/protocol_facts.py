@@ -110,7 +110,7 @@ def message_types() -> list[type[Message]]:
 
 
 def _sampling() -> messages.SamplingSpec:
-    return messages.SamplingSpec(temperature=0.7, top_p=0.95, seed=7, max_tokens=64, stop_token_ids=[2])
+    return messages.SamplingSpec(temperature=0.7, top_p=0.95, seed=7, max_tokens=64, stop_token_ids=(2,))
 
 
 def _error() -> messages.ErrorBody:
@@ -130,7 +130,6 @@ def _worker_info() -> messages.WorkerInfo:
 
 EXAMPLES: dict[str, Callable[[], Message]] = {
     "ErrorBody": _error,
-    "SamplingSpec": _sampling,
     "SubmitRequest": lambda: messages.SubmitRequest(request_id="req-3f2a", model="SmolLM2-135M-Instruct",
                                                     prompt_ids=[1, 2593, 314, 253], sampling=_sampling(),
                                                     arrival_ts=1767225600.25),

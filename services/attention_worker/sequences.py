@@ -97,7 +97,7 @@ class SequenceTable:
             if work.sampling is None:
                 raise SequenceRefused("missing_sampling", f"sequence {work.seq_id}: its first pass on this "
                                       "worker must carry `sampling`", ErrorType.INVALID_REQUEST)
-            params = work.sampling.to_params()
+            params = work.sampling
             try:
                 params.validate()
             except AFlexError as exc:

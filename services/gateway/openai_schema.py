@@ -98,7 +98,7 @@ class _GenerationRequest(_Model):
             frequency_penalty=self.frequency_penalty or 0.0,
             max_tokens=max_tokens,
             min_tokens=self.min_tokens,
-            stop_token_ids=list(self.stop_token_ids or ()),
+            stop_token_ids=tuple(self.stop_token_ids or ()),
             ignore_eos=self.ignore_eos,
         )
 

@@ -59,7 +59,7 @@ def rejection(req: SubmitRequest, mesh: Mesh) -> tuple[ErrorBody, float | None] 
 
 def validate_sampling(spec: SamplingSpec) -> None:
     """The ranges of `SamplingParams.validate` (torch-free), on the spec as it travels."""
-    spec.to_params().validate()
+    spec.validate()
 
 
 def validate_request(req: SubmitRequest, *, context_limit: int, vocab_size: int | None = None) -> None:
