@@ -10,7 +10,7 @@ the publication's clock table) are given to every policy of the row alike, never
 
 Savings are positive percentages: 100 · (1 − E_policy / E_baseline). A figure lands when it is within
 `tolerance` of the published value (10 points for savings; for clocks, 10% of f_max) or of the published
-band. tests/test_calibration.py runs each row in a smaller setting (trace windows, fewer GPUs) with
+band. tests/loadgen/sim/test_calibration.py runs each row in a smaller setting (trace windows, fewer GPUs) with
 the same functions; the full-size figures are what docs/calibration.md quotes.
 """
 

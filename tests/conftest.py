@@ -8,6 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 
+REPO_ROOT = Path(__file__).resolve().parent.parent  # tests/ mirrors the package tree below it
+TEST_DATA = REPO_ROOT / "tests" / "data"
+
 TINY_CONFIGS: dict[str, dict] = {
     # untied embeddings, llama3 rope scaling
     "llama": dict(

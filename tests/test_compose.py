@@ -18,10 +18,11 @@ import pytest
 import yaml
 
 from services.cli import build_parser
+from tests.conftest import REPO_ROOT, TEST_DATA
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = REPO_ROOT
 COMPOSE = ROOT / "compose"
-SCHEMA = Path(__file__).parent / "data" / "compose-spec.json"
+SCHEMA = TEST_DATA / "compose-spec.json"
 BASE_FILE = COMPOSE / "compose.yaml"
 GPU_FILE = COMPOSE / "compose.gpu.yaml"
 AFLEX_SERVICES = ("scheduler", "attention-worker", "ffn-worker", "gateway")

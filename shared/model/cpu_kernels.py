@@ -7,7 +7,7 @@
 - `decode_attention`: one-token attention read straight from the paged float32 KV cache, instead
   of gathering every context into a padded copy and running a masked SDPA.
 
-Both are checked against the torch path by tests/test_cpu_kernels.py.
+Both are checked against the torch path by tests/shared/model/test_cpu_kernels.py.
 
 Why built at run time (torch.utils.cpp_extension, g++ and ninja, ~30 s on the first use, then
 cached under TORCH_EXTENSIONS_DIR or ~/.cache/torch_extensions): the wheel stays pure Python and

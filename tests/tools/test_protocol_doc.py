@@ -18,9 +18,10 @@ from shared import messages, subjects, wire
 from shared.error_types import ErrorType
 from shared.messages import Message, encode
 from shared.nats_server import EmbeddedNatsServer
+from tests.conftest import REPO_ROOT
 from tools import protocol_doc
 
-DOC = Path(__file__).resolve().parent.parent / "docs" / "protocol.md"
+DOC = REPO_ROOT / "docs" / "protocol.md"
 
 
 def public_subject_names() -> list[str]:
@@ -151,7 +152,7 @@ def test_schema_rejects_wrong_types(name: str) -> None:
 
 def test_documented_error_codes_exist_in_the_code() -> None:
     """Every documented code is set by a service, next to the documented type (an `ErrorType` member)."""
-    root = Path(__file__).resolve().parent.parent
+    root = REPO_ROOT
     source = "\n".join(p.read_text(encoding="utf-8") for p in sorted((root / "services").rglob("*.py")))
     for code, error_type, _, _ in protocol_doc.ERROR_CODES:
         name = ErrorType(error_type).name  # a documented type is one of the vocabulary's

@@ -9,7 +9,7 @@ import pytest
 
 from services.cli import build_parser
 from services.supervisor import ChildExit, add_up_arguments, build_commands, reset_clock_hook
-from tests.test_gpu_nvml import FakeNvml, nvml  # noqa: F401 - the fixture
+from tests.shared.gpu.test_gpu_nvml import FakeNvml, nvml  # noqa: F401 - the fixture
 
 
 def _args(*argv: str) -> argparse.Namespace:

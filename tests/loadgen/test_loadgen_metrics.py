@@ -23,8 +23,9 @@ from loadgen.client import _sse_messages
 from loadgen.energy import Sample, run_energy
 from loadgen.metrics import RequestResult, calculate_metrics, parse_goodput, peak_buckets
 from shared.nats_server import free_port
+from tests.conftest import TEST_DATA
 
-SLICE = Path(__file__).parent / "data" / "azure_conv_slice.csv"
+SLICE = TEST_DATA / "azure_conv_slice.csv"
 TTFT_S, ITL_S = 0.20, 0.05
 
 

@@ -42,7 +42,7 @@ from shared.messages import (
 from shared.perf import cached_predictor
 from shared.policy import BatchStats, ClockRule, PoolShape, choose_operating_point
 from shared.settings import SchedulerSettings
-from tests.test_scheduler import FakeAttention, heartbeat, wait_for
+from tests.services.scheduler.test_scheduler import FakeAttention, heartbeat, wait_for
 
 QWEN = get_model("qwen3-32b")
 AFLEX_RULE = ClockRule(objective="marginal-decode")  # the simulator's aflex clock rule (policy_spec("aflex"))

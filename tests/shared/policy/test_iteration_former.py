@@ -27,7 +27,7 @@ from shared.policy import (
     microbatch_depth,
     split_microbatches,
 )
-from tests.test_scheduler import plan_iteration
+from tests.services.scheduler.test_scheduler import plan_iteration
 
 SRPT = AFLEX_BATCHING
 

@@ -41,7 +41,7 @@ from shared.messages import (
     decode,
     encode,
 )
-from tests.test_scheduler import FakeAttention, Mesh, collect, heartbeat, mesh, wait_for
+from tests.services.scheduler.test_scheduler import FakeAttention, Mesh, collect, heartbeat, mesh, wait_for
 
 A100 = list(range(210, 1411, 15))  # 210..1410 MHz in 15 MHz steps
 COARSE = list(range(600, 1401, 100))  # 9 clocks: a few windows from max to min

@@ -9,9 +9,10 @@ import sys
 from pathlib import Path
 
 from shared.nats_server import free_port
+from tests.conftest import REPO_ROOT, TEST_DATA
 from tools.launch import aflex_up
 
-SLICE = Path(__file__).parent / "data" / "azure_conv_slice.csv"
+SLICE = TEST_DATA / "azure_conv_slice.csv"
 N = 6
 
 
@@ -26,14 +27,14 @@ def test_trace_replay_against_aflex_up(tiny_chat_checkpoint: Path, tmp_path: Pat
                "--max-output-len", "6", "--max-concurrency", "4", "--goodput", "ttft:60000", "tpot:60000",
                "--nats", f"nats://127.0.0.1:{nats_port}", "--json", str(out), "--save-detailed", "--no-progress",
                *(["--plots", str(tmp_path / "plots")] if plots else [])]
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=Path(__file__).parent.parent)
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=REPO_ROOT)
         assert proc.returncode == 0, proc.stdout + proc.stderr + mesh.output()
         # any OpenAI server: the chat endpoint with text prompts calibrated against the server's token counts
         chat_out = tmp_path / "chat.json"
         chat = [sys.executable, "-m", "loadgen", "--url", f"http://127.0.0.1:{mesh.port}", "--endpoint", "chat",
                 "--input-len", "80", "--output-len", "4", "--num-prompts", "3", "--rate", "50", "--json", str(chat_out),
                 "--no-progress", "--quiet"]
-        proc = subprocess.run(chat, capture_output=True, text=True, timeout=120, cwd=Path(__file__).parent.parent)
+        proc = subprocess.run(chat, capture_output=True, text=True, timeout=120, cwd=REPO_ROOT)
         assert proc.returncode == 0, proc.stdout + proc.stderr + mesh.output()
     result = json.loads(out.read_text())
     assert result["completed"] == N and result["failed"] == 0, result["errors_sample"]

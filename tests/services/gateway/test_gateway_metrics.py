@@ -21,7 +21,7 @@ from services.gateway.app import create_app
 from services.gateway.metrics import TelemetryCollector
 from shared import subjects
 from shared.messages import PhaseLatency, SchedulerTelemetry, WorkerTelemetry, encode
-from tests.test_gateway import ENERGY_J, MESSAGES, MODEL, Harness
+from tests.services.gateway.test_gateway import ENERGY_J, MESSAGES, MODEL, Harness
 
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 

@@ -16,7 +16,7 @@ from shared.model.checkpoint import open_checkpoint
 from shared.model.engine import Engine, forward_unsplit
 from shared.model.quant import Int8Linear, QuantizationError, check_quantization, hadamard, rotation_block
 from shared.model.sampling import SamplingParams
-from tests.conftest import ARCHITECTURES
+from tests.conftest import ARCHITECTURES, REPO_ROOT
 
 PROMPT = [5, 17, 33, 101, 7, 250, 11, 64, 3]
 OTHERS = [[1, 2, 3], [40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51, 52, 53], [200]]
@@ -125,7 +125,7 @@ def test_default_model_int8_answers_paris_and_tracks_float32() -> None:
     engine = Engine.from_checkpoint(checkpoint, quantize="int8", num_kv_blocks=64)
     exact = Engine.from_checkpoint(checkpoint, num_kv_blocks=64)
     assert engine.tokenizer is not None
-    text = engine.tokenizer.encode((Path(__file__).parents[1] / "docs" / "architecture.md").read_text())[:256]
+    text = engine.tokenizer.encode((REPO_ROOT / "docs" / "architecture.md").read_text())[:256]
     agreement = (forward_unsplit(engine.attention, engine.ffn, text).argmax(-1)
                  == forward_unsplit(exact.attention, exact.ffn, text).argmax(-1)).float().mean()
     assert agreement > 0.9, f"teacher-forced next-token agreement with float32 {agreement:.3f}"

@@ -20,8 +20,9 @@ from shared.model.cpu_kernels import kernel_status
 from shared.model.engine import Engine
 from shared.model.quant import Int8Linear
 from shared.model.sampling import SamplingParams
+from tests.conftest import REPO_ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = REPO_ROOT
 
 
 def _machine_can_run_kernel() -> bool:

@@ -19,8 +19,8 @@ from shared.perf import cached_predictor, causal_pairs
 from shared.policy import BatchStats, ClockRule, PoolShape, prefill_budget
 from shared.policy import choose_operating_point as plan_clocks
 from shared.policy.iteration import KvRoom
-from tests.test_scheduler import FakeAttention, mesh, plan_iteration, wait_for
-from tests.test_scheduler_policy import A800, QWEN, ProfiledAttention, live
+from tests.services.scheduler.test_scheduler import FakeAttention, mesh, plan_iteration, wait_for
+from tests.services.scheduler.test_scheduler_policy import A800, QWEN, ProfiledAttention, live
 
 
 def _state(rid: str, prompt_len: int, received: float, *, computed: int = 0, output: int = 0) -> RequestState:

@@ -16,6 +16,7 @@ from loadgen.sim.oracle import OracleConfig, clock_levels, prefill_screen_j, sea
 from shared.gpu.emulated import load_profile
 from shared.perf import cached_predictor
 from shared.policy import PoolShape
+from tests.conftest import REPO_ROOT
 
 PROFILE = load_profile("a800")
 MODEL = get_model("llama-3-8b")
@@ -85,7 +86,7 @@ def test_a_fixed_configuration_keeps_its_clocks_and_shapes() -> None:
 
 def _sim_cli(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "loadgen.sim.cli", *args], capture_output=True, text=True,
-                          timeout=300, cwd=Path(__file__).resolve().parents[1])
+                          timeout=300, cwd=REPO_ROOT)
 
 
 def test_the_load_sweep_and_both_accountings_on_the_command_line(tmp_path: Path) -> None:

@@ -35,8 +35,9 @@ from shared.settings import (
     WorkerSettings,
 )
 from shared.settings_flags import from_env
+from tests.conftest import REPO_ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = REPO_ROOT
 
 # A stand-in service: records start/stop in $DUMMY_LOG, writes one line to stdout and one to stderr,
 # then behaves per its mode: `serve` (sleep until SIGTERM), `crash CODE`, `stubborn` (ignores

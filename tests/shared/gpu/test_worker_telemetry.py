@@ -29,7 +29,7 @@ from shared.messages import (
     decode,
     encode,
 )
-from tests.test_workers import GREEDY, Mesh, mesh, run_async
+from tests.services.test_workers import GREEDY, Mesh, mesh, run_async
 
 HZ = 10.0
 PROMPT = [5, 17, 33, 101, 7, 250, 11, 64, 3]

@@ -12,7 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.conftest import REPO_ROOT
+
+ROOT = REPO_ROOT
 SCRIPT = ROOT / "benchmarks" / "gpu_check.py"
 SMALL = ["--device", "cpu", "--gpu-backend", "emulated", "--profile", "h200", "--context", "32",
          "--prefill-tokens", "32", "--repeats", "1", "--qwen3-layers", "1", "--qwen3-scale", "small",
