@@ -153,24 +153,20 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)
     _add_services(sub)
+    from loadgen.cli import add_bench_arguments, bench
+    from loadgen.sim.cli import add_sim_arguments, sim
     from services.supervisor import add_up_arguments, up
     from tools.top import add_top_arguments, top
 
-    p = sub.add_parser("up", help="the whole mesh: nats-server, scheduler, workers, gateway")
-    add_up_arguments(p)
-    p.set_defaults(func=up)
-    p = sub.add_parser("top", help="live view of the mesh's telemetry: clocks, power, energy per token")
-    add_top_arguments(p)
-    p.set_defaults(func=top)
-    from loadgen.cli import add_bench_arguments, bench
-    from loadgen.sim.cli import add_sim_arguments, sim
-
-    p = sub.add_parser("bench", help="replay a trace or synthetic load against an OpenAI-compatible server")
-    add_bench_arguments(p)
-    p.set_defaults(func=bench)
-    p = sub.add_parser("sim", help="replay a trace against a modelled cluster: AFlex and the baselines")
-    add_sim_arguments(p)
-    p.set_defaults(func=sim)
+    for name, help_text, add_arguments, run in (
+            ("up", "the whole mesh: nats-server, scheduler, workers, gateway", add_up_arguments, up),
+            ("top", "live view of the mesh's telemetry: clocks, power, energy per token", add_top_arguments, top),
+            ("bench", "replay a trace or synthetic load against an OpenAI-compatible server", add_bench_arguments,
+             bench),
+            ("sim", "replay a trace against a modelled cluster: AFlex and the baselines", add_sim_arguments, sim)):
+        p = sub.add_parser(name, help=help_text)
+        add_arguments(p)
+        p.set_defaults(func=run)
     return parser
 
 

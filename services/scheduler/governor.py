@@ -114,8 +114,9 @@ class Governor:
 
     def microbatch_done(self, worker: Worker, group: list[Pass], done: MicrobatchDone, ffn_id: str, *,
                         lone: bool) -> None:
-        """Correct the aflex predictors from one microbatch's timings at the clocks commanded for it."""
-        planner = self.aflex_clocks
+        """Correct the aflex predictors from one microbatch's timings at the clocks commanded for it (they
+        serve the prefill cap too, whatever picks the clocks)."""
+        planner = self.aflex
         if planner is None or not self.settings.freq_observe or done.error is not None or not group:
             return
         if done.attention_s <= 0 and done.ffn_wait_s <= 0 and done.ffn_compute_s <= 0:
