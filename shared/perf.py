@@ -26,6 +26,7 @@ import bisect
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import cache
+from typing import overload
 
 import numpy as np
 
@@ -55,12 +56,13 @@ def attention_core_work(args: ModelArgs, n_tokens: int, ctx_tokens: float, pairs
     return OperatorWork(flops=flops, bytes_moved=moved, kind=f"attention.{phase}.core")
 
 
-def attention_projections(args: ModelArgs, n_tokens: int, dtype_bytes: int = 2,
-                          phase: str = "decode") -> tuple[OperatorWork, OperatorWork]:
-    """The QKV and output projections of `attention_work_agg`."""
+def attention_projections(args: ModelArgs, n_tokens: int, dtype_bytes: int = 2, phase: str = "decode") -> ComposedWork:
+    """The QKV and output projections of `attention_work_agg`: the part that depends on the tokens alone."""
     kind = f"attention.{phase}"
-    return (_gemm(f"{kind}.qkv", n_tokens, args.dim, args.q_dim + 2 * args.kv_dim, dtype_bytes),
-            _gemm(f"{kind}.o", n_tokens, args.q_dim, args.dim, dtype_bytes))
+    parts = (_gemm(f"{kind}.qkv", n_tokens, args.dim, args.q_dim + 2 * args.kv_dim, dtype_bytes),
+             _gemm(f"{kind}.o", n_tokens, args.q_dim, args.dim, dtype_bytes))
+    return ComposedWork(flops=sum(p.flops for p in parts), bytes_moved=sum(p.bytes_moved for p in parts),
+                        kind=f"{kind}.projections", parts=parts)
 
 
 def attention_work_agg(args: ModelArgs, n_tokens: float, ctx_tokens: float, pairs: float,
@@ -70,16 +72,22 @@ def attention_work_agg(args: ModelArgs, n_tokens: float, ctx_tokens: float, pair
     Equal to attention_work(args, n, contexts) when ctx = sum(contexts) and pairs = the sum of the
     causal pairs of each sequence's chunk (tests check it)."""
     n = max(1, round(n_tokens))
-    qkv, out = attention_projections(args, n, dtype_bytes, phase)
+    qkv, out = attention_projections(args, n, dtype_bytes, phase).parts
     parts = (qkv, attention_core_work(args, n, ctx_tokens, pairs, dtype_bytes, phase), out)
     return ComposedWork(flops=sum(p.flops for p in parts), bytes_moved=sum(p.bytes_moved for p in parts),
                         kind=f"attention.{phase}", parts=parts)
 
 
-def shard_work(work: ComposedWork, shard: int) -> ComposedWork:
-    """The per-GPU share of `work` split over `shard` GPUs (tensor parallel)."""
+@overload
+def shard_work(work: ComposedWork, shard: int) -> ComposedWork: ...
+@overload
+def shard_work(work: OperatorWork, shard: int) -> OperatorWork: ...
+def shard_work(work: OperatorWork, shard: int) -> OperatorWork:
+    """The per-GPU share of `work` split over `shard` GPUs (tensor parallel), each part divided."""
     if shard <= 1:
         return work
+    if not isinstance(work, ComposedWork):
+        return OperatorWork(work.flops / shard, work.bytes_moved / shard, work.kind)
     parts = tuple(OperatorWork(p.flops / shard, p.bytes_moved / shard, p.kind) for p in (work.parts or (work,)))
     return ComposedWork(flops=work.flops / shard, bytes_moved=work.bytes_moved / shard, kind=work.kind, parts=parts)
 

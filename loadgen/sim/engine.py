@@ -36,9 +36,7 @@ from loadgen.sim.models import attention_weight_bytes, ffn_weight_bytes, kv_byte
 from loadgen.sim.planning import SimPlanner
 from loadgen.sim.policies import PolicySpec
 from loadgen.sim.results import sim_results
-from shared.gpu.base import OperatorWork
 from shared.gpu.emulated import GPUProfile, operator_cost
-from shared.gpu.workload import ComposedWork
 from shared.model.config import ModelArgs
 from shared.perf import Predictor, attention_core_work, attention_projections, causal_pairs, op_work, shard_work
 from shared.policy import (
@@ -149,7 +147,7 @@ class Simulation:
     def _truth(self, shape: PoolShape, s: BatchStats, depth: int, fa: float, ff: float) -> tuple[float, float]:
         """True (time, energy) from the emulated GPU at the chosen clocks (the same pipeline formulas).
 
-        Plain floats throughout, and the token-only operators (FFN, LM head) looked up once per
+        Plain floats throughout, and the token-only operators (FFN, LM head, attention projections) looked up once per
         (phase, tokens, shard, clock): the same figures, without the per-iteration cost of rebuilding them."""
         a, p, memo = self.args, self.p, self._token_costs
         fa, ff = float(fa), float(ff)  # clocks may come from a numpy table
@@ -159,22 +157,15 @@ class Simulation:
             # one operator run one after another, so their times and energies add
             n_int = max(1, round(n))
             t_proj, e_proj = tokens_only("attention", n, shard, fa)
-            core = attention_core_work(a, n_int, ctx, pairs, phase=s.phase)
-            if shard > 1:
-                core = OperatorWork(core.flops / shard, core.bytes_moved / shard, core.kind)
-            c = operator_cost(p, core, fa)
+            c = operator_cost(p, shard_work(attention_core_work(a, n_int, ctx, pairs, phase=s.phase), shard), fa)
             return t_proj + c.time_s, e_proj + c.time_s * c.power_w
 
         def tokens_only(op: str, n: float, shard: int, clock_mhz: float) -> tuple[float, float]:
             key = (op, s.phase, max(1, round(n)), shard, clock_mhz)
             hit = memo.get(key)
             if hit is None:
-                if op == "attention":  # its projections only (`att` adds the core)
-                    parts = attention_projections(a, key[2], phase=s.phase)
-                    work = shard_work(ComposedWork(sum(x.flops for x in parts), sum(x.bytes_moved for x in parts),
-                                                   "attention.projections", parts), shard)
-                else:
-                    work = op_work(a, op, s.phase, n, 0, 0, shard)
+                work = shard_work(attention_projections(a, key[2], phase=s.phase), shard) if op == "attention" \
+                    else op_work(a, op, s.phase, n, 0, 0, shard)  # attention: its projections (`att` adds the core)
                 c = operator_cost(p, work, clock_mhz)
                 hit = memo[key] = (c.time_s, c.time_s * c.power_w)
             return hit

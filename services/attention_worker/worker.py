@@ -29,15 +29,14 @@ import functools
 import gc
 import logging
 import time
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Sequence
 
 import orjson
 import torch
 from nats.aio.client import Client
 from torch import Tensor
 
-from services.attention_worker.ffn_watch import FFNWatch
+from services.attention_worker.ffn_hops import FFNHops
 from services.attention_worker.sequences import Admitted, SequenceRefused, SequenceTable
 from services.worker_common import (
     Presence,
@@ -78,10 +77,6 @@ SHUTDOWN_GRACE_S = 10.0  # how long a stopping worker lets in-flight microbatche
 _DONE_FIELDS = frozenset(MicrobatchDone.model_fields)  # energy fields are filled where the schema has them
 
 
-class FFNReplyError(AFlexError):
-    """The FFN worker answered a seam frame with an error, a wrong shape, or not at all."""
-
-
 class _Failures:
     """Sequences refused in one microbatch, folded into the Done's single `error`."""
 
@@ -119,9 +114,7 @@ class AttentionWorker:
         self._busy: set[str] = set()  # sequences in an in-flight microbatch
         self._release_later: set[str] = set()  # released while busy: freed when their microbatch ends
         self._active_mbs: set[str] = set()
-        self._replies: dict[tuple[str, int], asyncio.Future[tuple[Tensor, float, float]]] = {}
-        self._ffn_watch = FFNWatch(settings.ffn_silence_s, self._ffn_silent)
-        self._assembler = wire.FrameAssembler()
+        self.hops = FFNHops(self.worker_id, self.subject, self.ffn_reply_timeout_s, settings.ffn_silence_s)
         self._gpu_arg = gpu  # None: the backend the settings select, built when the worker starts
         self.gpu: WorkerGPU | None = None
 
@@ -155,11 +148,12 @@ class AttentionWorker:
                 self.gpu = gpu = WorkerGPU(self.settings, self.worker_id, "attention", self._gpu_arg)
                 gpu.meter.kv(0, self.sequences.total_blocks)
                 await gpu.start(nc)
-                await self._ffn_watch.start(nc)
-                self.seam = seam = await open_seam_port(self.settings.seam_transport, self.settings.nats_url,
-                                                        f"aflex-attention-{self.worker_id}", nc)
+                await self.hops.watch.start(nc)
+                seam = await open_seam_port(self.settings.seam_transport, self.settings.nats_url,
+                                            f"aflex-attention-{self.worker_id}", nc)
+                self.seam = self.hops.seam = seam
                 await seam.subscribe(self.subject, self._on_payload)
-                seam.on_disconnect(self._seam_lost)
+                seam.on_disconnect(self.hops.seam_lost)
                 self._accepting = True
                 args = self.model.args
                 presence = Presence(
@@ -177,7 +171,7 @@ class AttentionWorker:
                 self._accepting = False
                 await self._finish_in_flight()
                 await stop_presence(heartbeat_task)
-                await self._ffn_watch.stop()
+                await self.hops.watch.stop()
                 if seam is not None:
                     await seam.close()
                 if gpu is not None:
@@ -207,7 +201,7 @@ class AttentionWorker:
         a descriptor starts its microbatch's task."""
         try:
             if data[:4] == wire.MAGIC:
-                self._on_frame(data)
+                self.hops.on_frame(data)
             elif data.lstrip()[:1] == b"{":
                 self._on_descriptor(bytes(data))
             else:
@@ -243,24 +237,6 @@ class AttentionWorker:
         task = asyncio.create_task(self._publish_done(done))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
-
-    def _on_frame(self, data: bytearray) -> None:
-        got = self._assembler.add(data)
-        if got is None:
-            return  # more chunks to come
-        header, tensor = got
-        key = (header.get("mb_id"), header.get("layer"))
-        future = self._replies.get(key)  # type: ignore[arg-type]
-        if header.get("direction") != "to_attention" or future is None or future.done():
-            log.debug("dropped a seam frame nobody waits for: mb %s layer %s", *key)
-            return
-        if header.get("error"):
-            future.set_exception(FFNReplyError(f"FFN worker {header.get('worker_id')} failed layer "
-                                               f"{key[1]} of microbatch {key[0]}: {header['error']}"))
-        else:
-            energy, compute = header.get("energy_j"), header.get("compute_s")
-            future.set_result((tensor, float(energy) if isinstance(energy, int | float) else 0.0,
-                               float(compute) if isinstance(compute, int | float) else 0.0))
 
     # -- one microbatch -------------------------------------------------------------------------
 
@@ -414,7 +390,7 @@ class AttentionWorker:
             t = time.perf_counter()
             # the layer's accounting runs once ffn_in is on its way, while the FFN works
             account = functools.partial(self._account_attention, phase, layer_work, attend_s, energy0, timing)
-            ffn_out, ffn_energy, ffn_compute_s = await self._ffn_round_trip(desc, layer, ffn_in, account)
+            ffn_out, ffn_energy, ffn_compute_s = await self.hops.round_trip(desc, layer, ffn_in, account)
             wait_s = time.perf_counter() - t
             timing["attention_s"] += attend_s
             timing["ffn_wait_s"] += wait_s
@@ -448,57 +424,6 @@ class AttentionWorker:
         worker_gpu.meter.op(phase, attend_s, gpu.run(work, attend_s))
         timing["attention_energy_j"] += gpu.total_energy_j() - energy0_j
 
-    async def _ffn_round_trip(self, desc: MicrobatchDescriptor, layer: int, ffn_in: Tensor,
-                              while_waiting: Callable[[], None] | None = None) -> tuple[Tensor, float, float]:
-        """Send layer `layer`'s ffn_in to the FFN worker and await its ffn_out (keyed by mb_id and layer),
-        the energy of its share of the FFN forward, and that forward's compute time. `while_waiting` runs
-        between the send and the wait: work that need not delay the frame."""
-        seam = self.seam
-        assert seam is not None
-        key = (desc.mb_id, layer)
-        loop = asyncio.get_running_loop()
-        future: asyncio.Future[tuple[Tensor, float, float]] = loop.create_future()
-        self._replies[key] = future
-        self._ffn_watch.track(key, desc.ffn_worker)
-        # A timer on the future itself rather than `asyncio.wait_for`, which wakes this task through
-        # an extra callback (one more turn of the event loop on every hop).
-        timer = loop.call_later(self.ffn_reply_timeout_s, self._expire_hop, future, desc, layer)
-        try:
-            header: dict[str, Any] = {"mb_id": desc.mb_id, "layer": layer, "direction": "to_ffn",
-                                      "reply_to": self.subject, "worker_id": self.worker_id,
-                                      "phase": clock_phase(desc.phase)}
-            for frame in wire.encode_frames(header, ffn_in, seam.max_payload):
-                seam.publish(subjects.ffn_mb(desc.ffn_worker), frame)
-            if while_waiting is not None:
-                while_waiting()
-            out, energy_j, compute_s = await future
-        finally:
-            timer.cancel()
-            self._replies.pop(key, None)
-            self._ffn_watch.untrack(key)
-        if tuple(out.shape) != tuple(ffn_in.shape):
-            raise FFNReplyError(f"FFN worker {desc.ffn_worker} returned shape {list(out.shape)} for layer {layer} "
-                                f"of microbatch {desc.mb_id}, expected {list(ffn_in.shape)}")
-        return out.to(device=ffn_in.device, dtype=ffn_in.dtype), energy_j, compute_s
-
-    def _ffn_silent(self, key: tuple[str, int], ffn_worker: str, silent_s: float) -> None:
-        future = self._replies.get(key)
-        if future is not None and not future.done():
-            future.set_exception(FFNReplyError(f"FFN worker {ffn_worker} has sent no heartbeat for {silent_s:.1f} s: "
-                                               f"presumed lost with layer {key[1]} of microbatch {key[0]}"))
-
-    def _seam_lost(self) -> None:
-        """The seam's connection dropped: frames in flight either way may be gone, so every hop waiting
-        for an answer fails now (its microbatch is reported failed and recomputed), not at its timeout."""
-        for (mb_id, layer), future in list(self._replies.items()):
-            if not future.done():
-                future.set_exception(FFNReplyError(f"the seam's NATS connection dropped while layer {layer} of "
-                                                   f"microbatch {mb_id} was at the FFN worker"))
-
-    def _expire_hop(self, future: asyncio.Future[Any], desc: MicrobatchDescriptor, layer: int) -> None:
-        if not future.done():
-            future.set_exception(FFNReplyError(f"FFN worker {desc.ffn_worker} did not answer layer {layer} of "
-                                               f"microbatch {desc.mb_id} within {self.ffn_reply_timeout_s:.0f} s"))
 
 
 async def run(settings: AttentionWorkerSettings, *, stop: asyncio.Event | None = None) -> None:

@@ -160,7 +160,7 @@ def idle_floor_w(pred: Predictor, shape: PoolShape) -> np.ndarray:
 
 
 def choose_operating_point(pred: Predictor, shape: PoolShape, stats: BatchStats, budget_s: float, rule: ClockRule,
-                   current: OperatingPoint | None = None) -> OperatingPoint:
+                           current: OperatingPoint | None = None) -> OperatingPoint:
     """The least-energy (depth, clock_a, clock_f) whose predicted time meets `budget_s`."""
     args = pred.args
     clocks = pred.clocks

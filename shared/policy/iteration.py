@@ -206,10 +206,6 @@ class IterationPlan(Generic[K]):
     phase: IterationPhase
     admitted: tuple[K, ...]  # the waiting items it admits, in order
 
-    @property
-    def feeds(self) -> tuple[Feed[K], ...]:
-        return tuple(f for g in self.groups for f in g)
-
 
 def phase_of(feeds: Sequence[Feed[K]]) -> IterationPhase:
     """"decode" when every feed is one decode step, "prefill" when none is, else "mixed"."""
