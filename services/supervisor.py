@@ -96,7 +96,8 @@ CommandBuilder = Callable[[argparse.Namespace], list[ChildSpec]]
 WORKER_ROLES = frozenset({"attention-worker", "ffn-worker"})
 # the services' knobs `aflex up` takes itself and hands down (its flags are generated from these fields)
 SCHEDULER_KNOBS = ("microbatch_depth", "batching", "freq_policy")
-WORKER_KNOBS = ("dtype", "quantize", "torch_threads", "seam_transport", "gpu_backend", "gpu_profile", "gpu_pace")
+WORKER_KNOBS = ("device", "dtype", "quantize", "torch_threads", "seam_transport", "gpu_backend", "gpu_profile",
+                "gpu_pace")
 
 
 def describe_status(returncode: int) -> str:
@@ -406,7 +407,7 @@ def served_model_id(base_url: str, fallback: str) -> str:
 def up(args: argparse.Namespace, *, command_builder: CommandBuilder = build_commands,
        on_child_death: Iterable[ChildDeathHook] = ()) -> int:
     """Run the mesh until SIGINT/SIGTERM (exit 0) or until the gateway or the scheduler dies (exit 1)."""
-    from shared.nats_server import EmbeddedNatsServer
+    from shared.transport.nats_server import EmbeddedNatsServer
 
     stop = threading.Event()
     previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}

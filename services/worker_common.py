@@ -25,11 +25,12 @@ from typing import TYPE_CHECKING, Literal
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 
-from shared import bus, subjects
+from shared import subjects
 from shared.errors import AFlexError
 from shared.gpu.controller import DVFSController
 from shared.gpu.telemetry import WorkerMeter, publish_loop
 from shared.messages import FrequencyCommand, Heartbeat, ProtocolError, Register, RegisterReply, decode, encode
+from shared.transport import bus
 
 if TYPE_CHECKING:
     import torch
@@ -98,14 +99,15 @@ async def wait_stop(stop: asyncio.Event, timeout_s: float) -> bool:
 
 def registration(worker_id: str, role: Literal["attention", "ffn"], model_id: str, n_layers: int, *,
                  kv_total_blocks: int = 0, block_size: int = 0, max_seq_len: int = 0,
-                 gpu: GPU | None = None) -> Register:
+                 gpu: GPU | None = None, seam_address: str = "") -> Register:
     return Register(worker_id=worker_id, role=role, model_id=model_id, n_layers=n_layers,
                     kv_total_blocks=kv_total_blocks, block_size=block_size, max_seq_len=max_seq_len,
                     pid=os.getpid(), started_ts=time.time(),
                     gpu_backend=gpu.backend if gpu is not None else "",
                     gpu_name=gpu.name if gpu is not None else "",
                     gpu_profile=str(getattr(getattr(gpu, "profile", None), "key", "")),
-                    supported_clocks_mhz=list(gpu.supported_sm_clocks_mhz()) if gpu is not None else [])
+                    supported_clocks_mhz=list(gpu.supported_sm_clocks_mhz()) if gpu is not None else [],
+                    seam_address=seam_address)
 
 
 def clock_phase(phase: str) -> Literal["prefill", "decode"]:

@@ -45,3 +45,8 @@ _HTTP_STATUS = {
     ErrorType.SERVER_ERROR: 500,
 }
 RETRY_STATUSES = frozenset({429, 503})  # the statuses that carry Retry-After
+
+# The one `ErrorBody.code` whose meaning another service acts on: a microbatch failed because its FFN
+# worker could not be reached (seam broken, silent). The scheduler then routes around that worker
+# until it is heard from again, and does not count the failure against the sequences.
+FFN_UNREACHABLE = "ffn_unreachable"

@@ -175,6 +175,9 @@ class Register(Message):
     gpu_name: str = ""
     gpu_profile: str = ""  # the GPU profile key (emulated: the one it runs; else guessed from the name)
     supported_clocks_mhz: list[int] = Field(default_factory=list)
+    # where this worker's seam takes frames: "gloo://host:port[?gpu=<uuid>]" (torch seam: a TCPStore to
+    # rendezvous at) or a NATS subject (nats seam); "" for a worker that is never sent to first
+    seam_address: str = ""
 
 
 class RegisterReply(Message):
@@ -195,6 +198,7 @@ class Heartbeat(Message):
     # attention workers: the microbatches running now. A microbatch the scheduler sent a while ago that
     # is neither here nor done was lost on the way (its descriptor or its MicrobatchDone); None: not reported
     active_mb_ids: list[str] | None = None
+    seam_address: str = ""  # as in `Register`: attention workers open their seam to an FFN worker here
 
 
 class WorkerInfo(Message):

@@ -13,7 +13,7 @@ from typing import Literal
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from shared.bus import DEFAULT_NATS_URL
+from shared.transport.bus import DEFAULT_NATS_URL
 
 
 class ServiceSettings(BaseSettings):
@@ -88,9 +88,12 @@ class WorkerSettings(ServiceSettings):
     min_hold_s: float = Field(default=0.2, description="and at most once per this many seconds")
     torch_threads: int | None = Field(
         default=None, description="CPU threads for torch (default: torch's own; `aflex up` splits the cores)")
-    seam_transport: Literal["lean", "nats-py"] = Field(
-        default="lean", description="seam frames on the worker's lean NATS link (shared/seam_link.py) or its nats-py "
-                            "connection (for TLS or NKey/JWT servers)")
+    seam_transport: Literal["torch", "nats"] = Field(
+        default="torch", description="how seam tensors travel: torch.distributed point-to-point (gloo on CPU, NCCL "
+                             "between GPUs) or NATS messages (for workers that reach each other only through NATS)")
+    seam_host: str = Field(
+        default="", description="the address an FFN worker advertises for its torch seam (default: this machine's "
+                        "address on the route to the NATS server)")
 
 
 class AttentionWorkerSettings(WorkerSettings):

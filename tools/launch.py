@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from shared.nats_server import free_port
+from shared.transport.nats_server import free_port
 
 
 class Mesh:

@@ -14,10 +14,11 @@ from typing import Any
 
 from services.scheduler.admission import RETRY_AFTER_S
 from services.scheduler.recovery import MAX_FAILURES
-from shared import messages, subjects, wire
-from shared.error_types import ErrorType
+from shared import messages, subjects
+from shared.error_types import FFN_UNREACHABLE, ErrorType
 from shared.messages import Message
 from shared.settings import AttentionWorkerSettings, GatewaySettings
+from shared.transport import header as seam_header
 
 
 def default_s(settings: type[Any], name: str) -> str:
@@ -52,15 +53,13 @@ SUBJECTS: tuple[SubjectDoc, ...] = (
                "[`CancelRequest`](#cancelrequest)",
                f"The scheduler subscribes to `{subjects.REQ_CANCEL_ALL}`. Reasons the gateway sends: "
                "`client_disconnected`, `stop_string`, `timeout`, `submit_timeout`, `bad_submit_reply`."),
-    SubjectDoc(("attn_mb",), subjects.attn_mb("<wid>"), "scheduler → attention worker; FFN worker → attention worker",
-               "publish", "—",
-               "[`MicrobatchDescriptor`](#microbatchdescriptor) (JSON) or a [tensor frame](#tensor-frames) "
-               "(`direction: to_attention`)",
-               "One subject, two encodings: a payload starting with `AFX1` is a tensor frame, one starting with "
-               "`{` a descriptor. A descriptor with no `seqs` only releases KV blocks."),
-    SubjectDoc(("ffn_mb",), subjects.ffn_mb("<wid>"), "attention worker → FFN worker", "publish", "—",
-               "[tensor frame](#tensor-frames) (`direction: to_ffn`)",
-               "The frame's `reply_to` names the attention worker's `attn.<wid>.mb` subject; the answer goes there."),
+    SubjectDoc(("attn_mb",), subjects.attn_mb("<wid>"), "scheduler → attention worker", "publish", "—",
+               "[`MicrobatchDescriptor`](#microbatchdescriptor)",
+               "A descriptor with no `seqs` only releases KV blocks. Seam tensors never travel here."),
+    SubjectDoc(("seam",), subjects.seam("<wid>"), "attention worker ↔ FFN worker (`nats` seam only)", "publish",
+               "—", "[seam frame](#seam-frames)",
+               "Only with `seam_transport: nats`: each worker takes frames on its own subject, and a frame's reply "
+               "subject is the sender's. On the default `torch` seam frames go over torch.distributed instead."),
     SubjectDoc(("SCHED_DONE",), subjects.SCHED_DONE, "attention worker → scheduler", "publish", "—",
                "[`MicrobatchDone`](#microbatchdone)",
                "Exactly one per descriptor that carried sequences, whatever happened to it."),
@@ -234,10 +233,13 @@ ERROR_CODES: tuple[tuple[str, str, str, str], ...] = (
     ("kv_cache_exhausted", ErrorType.OVERLOADED, "attention worker → `MicrobatchDone`",
      "no KV blocks left for the sequence; the scheduler re-routes it"),
     ("microbatch_failed", ErrorType.SERVER_ERROR, "attention worker → `MicrobatchDone`",
-     "the whole microbatch failed: an FFN error frame, no FFN reply within "
-     f"{AttentionWorkerSettings().ffn_reply_timeout_s:g} s (`ffn_reply_timeout_s`, env "
-     "`AFLEX_FFN_REPLY_TIMEOUT_S`), a wrong reply shape, the worker "
-     "shutting down, or an exception"),
+     "the whole microbatch failed: an FFN error frame, a wrong reply shape, the worker shutting down, or an "
+     "exception"),
+    (FFN_UNREACHABLE, ErrorType.SERVER_ERROR, "attention worker → `MicrobatchDone`",
+     "the whole microbatch failed because its FFN worker could not be reached: its seam broke, it sent no "
+     "heartbeat for `ffn_silence_s`, or no reply came within "
+     f"{AttentionWorkerSettings().ffn_reply_timeout_s:g} s (`ffn_reply_timeout_s`). The scheduler routes around "
+     "that FFN worker until its next heartbeat and recomputes the sequences without counting it against them"),
     ("scheduler_unavailable", ErrorType.SERVICE_UNAVAILABLE, "gateway (HTTP 503)",
      f"no responders on `{subjects.REQ_SUBMIT}`, no answer within `submit_timeout_s` "
      f"({default_s(GatewaySettings, 'submit_timeout_s')} by default), or the bus is down"),
@@ -248,17 +250,26 @@ ERROR_CODES: tuple[tuple[str, str, str, str], ...] = (
 HTTP_STATUS = tuple((str(t), str(t.http_status)) for t in ErrorType)
 
 FRAME_FIELDS: tuple[tuple[str, str, str], ...] = (
-    ("mb_id", "string", "the microbatch (`MicrobatchDescriptor.mb_id`)"),
-    ("layer", "int", "the layer index, 0 ≤ layer < n_layers"),
-    ("direction", '"to_ffn" \\| "to_attention"', "`to_ffn`: attention → FFN (`ffn_in`); `to_attention`: FFN → "
-     "attention (`ffn_out`)"),
-    ("reply_to", "string", "`to_ffn` only: the subject the FFN worker answers on (the sender's `attn.<wid>.mb`)"),
-    ("worker_id", "string", "the sending worker"),
-    ("error", "string", "`to_attention` only, on failure: why the FFN worker could not serve the frame; the "
-     "tensor is then empty (`shape: [0]`)"),
-    ("dtype", "string", f"one of {', '.join(f'`{d}`' for d in wire._DTYPES)}"),
-    ("shape", "int[]", "the whole tensor's shape: `[T, D]` (tokens of the microbatch, hidden size)"),
-    ("nbytes", "int", "bytes of the whole tensor (all chunks together)"),
-    ("chunk", "int", "index of this chunk, 0 ≤ chunk < chunks"),
-    ("chunks", "int", "how many frames carry this tensor"),
+    ("magic", "4 bytes", f"`{seam_header.MAGIC.decode()}`"),
+    ("kind", "u8", "0 `to_ffn` (attention → FFN, `ffn_in`), 1 `to_attention` (FFN → attention, `ffn_out`), "
+     "2 `error` (FFN → attention: the payload is the reason, utf-8)"),
+    ("phase", "u8", "0 decode, 1 prefill: the clock phase the FFN worker runs the forward at"),
+    ("dtype", "u8", "index into " + ", ".join(f"`{str(d).removeprefix('torch.')}`" for d in seam_header._DTYPES)),
+    ("ndim", "u8", f"how many of the {seam_header.MAX_DIMS} dims are used"),
+    ("on_device", "u8", "1: the payload follows GPU to GPU on the pair's NCCL group, not after the header"),
+    ("(pad)", "3 bytes", "zero"),
+    ("layer", "i32", "the layer index, 0 ≤ layer < n_layers"),
+    ("reply_tag", "u32", "a request: the tag its reply is sent on (the requester's posted receive); a reply: its "
+     "request's"),
+    ("device_seq", "u32", "`on_device` only: the payload's place in the pair's NCCL order, one count per "
+     "direction (NCCL matches by order, so the receiver posts its receives in it)"),
+    ("shape", f"{seam_header.MAX_DIMS} × u64", "the tensor's shape, `[T, D]` for seam tensors (unused dims 0)"),
+    ("nbytes", "u64", "the payload's length; must equal the shape's elements × the dtype's size"),
+    ("energy_j", "f64", "`to_attention`: this frame's share (by rows) of the FFN forward's GPU energy"),
+    ("compute_s", "f64", "`to_attention`: that forward's compute time"),
+    ("mb_id length", "u16", f"bytes of `mb_id` used, at most {seam_header.MB_ID_MAX_BYTES}"),
+    ("mb_id", f"{seam_header.MB_ID_MAX_BYTES} bytes", "the microbatch (`MicrobatchDescriptor.mb_id`), utf-8, "
+     "zero padded"),
+    ("(end pad)", f"{seam_header.END_PAD_BYTES} bytes", "zero: the header is a multiple of 16 bytes, so a payload "
+     "right after it can be viewed as any dtype in place"),
 )

@@ -31,10 +31,10 @@ from rich.table import Table
 from rich.text import Text
 
 from shared import subjects
-from shared.bus import DEFAULT_NATS_URL
 from shared.errors import AFlexError
 from shared.lifecycle import stop_on_signals
 from shared.messages import ProtocolError, SchedulerTelemetry, WorkerTelemetry, decode
+from shared.transport.bus import DEFAULT_NATS_URL
 
 STALE_AFTER_S = 5.0  # a worker silent this long is shown dimmed, marked "stale"
 CONNECT_TIMEOUT_S = 3.0

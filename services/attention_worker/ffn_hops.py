@@ -1,109 +1,125 @@
 """The attention worker's side of the seam: each layer's ffn_in out to an FFN worker, its ffn_out back.
 
-One `FFNHops` per attention worker keeps every hop in flight, keyed by (microbatch, layer), as a
-future that the reply frame resolves (inside the socket read that completed it), or that fails: the
-FFN worker answered with an error or a wrong shape, it went silent (`FFNWatch`, from its heartbeats),
-the seam's connection dropped, or no reply came within `reply_timeout_s`. A failed hop fails its
-microbatch, whose sequences the scheduler recomputes.
+A hop is one seam `request`. It fails, and with it its microbatch (whose sequences the scheduler
+recomputes), when the FFN worker answers with an error frame or a wrong shape, its seam breaks, it
+goes silent (`FFNWatch`, from its heartbeats: the seam to it is then dropped, so nothing waits on a
+hung peer), or no reply comes within `reply_timeout_s`. The FFN worker's seam address comes from
+its heartbeats; the seam to it opens on the first hop, and again after it broke only once the
+worker has been heard from since (a restarted worker has a new address).
+
+A hop may wait for its reply on the event loop's own thread (`block`): one thread hand-off less
+per hop, for the short waits of decode microbatches when no other microbatch could run meanwhile.
+It then waits at most `silence_s` (the FFN watch cannot run while the loop waits).
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
+import time
 from collections.abc import Callable
-from typing import Any
 
 from torch import Tensor
 
 from services.attention_worker.ffn_watch import FFNWatch
 from services.worker_common import clock_phase
-from shared import subjects, wire
+from shared.error_types import FFN_UNREACHABLE, ErrorType
 from shared.errors import AFlexError
 from shared.messages import MicrobatchDescriptor
-from shared.seam_port import SeamPort
+from shared.transport.header import error_text, header_for
+from shared.transport.seam import Peer, Seam, SeamError
 
 log = logging.getLogger("aflex.attention_worker")
 
 
+FFN_FAILED = "microbatch_failed"  # it answered, wrongly: an error frame or a wrong shape
+
+
 class FFNReplyError(AFlexError):
-    """The FFN worker answered a seam frame with an error, a wrong shape, or not at all."""
+    """The FFN worker answered a seam frame with an error, a wrong shape, or not at all (`code` says which)."""
+
+    error_type = ErrorType.SERVER_ERROR  # how its microbatch's `MicrobatchDone.error` is typed
+
+    def __init__(self, message: str, code: str = FFN_UNREACHABLE) -> None:
+        super().__init__(message)
+        self.code = code
 
 
 class FFNHops:
-    def __init__(self, worker_id: str, reply_subject: str, reply_timeout_s: float, silence_s: float) -> None:
-        self.worker_id, self.subject, self.reply_timeout_s = worker_id, reply_subject, reply_timeout_s
-        self.seam: SeamPort | None = None  # set when the worker has opened its seam
-        self._replies: dict[tuple[str, int], asyncio.Future[tuple[Tensor, float, float]]] = {}
+    def __init__(self, worker_id: str, reply_timeout_s: float, silence_s: float) -> None:
+        self.worker_id, self.reply_timeout_s, self.silence_s = worker_id, reply_timeout_s, silence_s
+        self.seam: Seam | None = None  # set when the worker has opened its seam
         self.watch = FFNWatch(silence_s, self._silent)
-        self._assembler = wire.FrameAssembler()
+        self._address_wait_s = max(silence_s, 5.0)
+        self._lost_at: dict[str, float] = {}  # FFN worker -> time.monotonic() its seam broke
 
-    def on_frame(self, data: bytearray) -> None:
-        got = self._assembler.add(data)
-        if got is None:
-            return  # more chunks to come
-        header, tensor = got
-        key = (header.get("mb_id"), header.get("layer"))
-        future = self._replies.get(key)  # type: ignore[arg-type]
-        if header.get("direction") != "to_attention" or future is None or future.done():
-            log.debug("dropped a seam frame nobody waits for: mb %s layer %s", *key)
-            return
-        if header.get("error"):
-            future.set_exception(FFNReplyError(f"FFN worker {header.get('worker_id')} failed layer "
-                                               f"{key[1]} of microbatch {key[0]}: {header['error']}"))
-        else:
-            energy, compute = header.get("energy_j"), header.get("compute_s")
-            future.set_result((tensor, float(energy) if isinstance(energy, int | float) else 0.0,
-                               float(compute) if isinstance(compute, int | float) else 0.0))
-
-    async def round_trip(self, desc: MicrobatchDescriptor, layer: int, ffn_in: Tensor,
-                         while_waiting: Callable[[], None] | None = None) -> tuple[Tensor, float, float]:
-        """Send layer `layer`'s ffn_in to the FFN worker and await its ffn_out (keyed by mb_id and layer),
-        the energy of its share of the FFN forward, and that forward's compute time. `while_waiting` runs
-        between the send and the wait: work that need not delay the frame."""
+    async def peer(self, ffn_worker: str) -> Peer:
+        """The seam peer for `ffn_worker`, connected (opened on first use)."""
         seam = self.seam
         assert seam is not None
-        key = (desc.mb_id, layer)
-        loop = asyncio.get_running_loop()
-        future: asyncio.Future[tuple[Tensor, float, float]] = loop.create_future()
-        self._replies[key] = future
-        self.watch.track(key, desc.ffn_worker)
-        # A timer on the future itself rather than `asyncio.wait_for`, which wakes this task through
-        # an extra callback (one more turn of the event loop on every hop).
-        timer = loop.call_later(self.reply_timeout_s, self._expire, future, desc, layer)
+        lost_at = self._lost_at.get(ffn_worker)
+        if lost_at is not None:
+            if (self.watch.last_heard(ffn_worker) or 0.0) <= lost_at:
+                raise FFNReplyError(f"the seam to FFN worker {ffn_worker} broke {time.monotonic() - lost_at:.1f} s "
+                                    f"ago and it has not been heard from since")
+            del self._lost_at[ffn_worker]  # alive again (restarted: a new address), so a new seam may open
+        address = self.watch.addresses.get(ffn_worker) or await self.watch.address_of(ffn_worker,
+                                                                                       self._address_wait_s)
+        if not address:
+            raise FFNReplyError(f"FFN worker {ffn_worker} has advertised no seam address "
+                                f"(no heartbeat within {self._address_wait_s:.0f} s)")
+        peer = Peer(ffn_worker, address)
         try:
-            header: dict[str, Any] = {"mb_id": desc.mb_id, "layer": layer, "direction": "to_ffn",
-                                      "reply_to": self.subject, "worker_id": self.worker_id,
-                                      "phase": clock_phase(desc.phase)}
-            for frame in wire.encode_frames(header, ffn_in, seam.max_payload):
-                seam.publish(subjects.ffn_mb(desc.ffn_worker), frame)
-            if while_waiting is not None:
-                while_waiting()
-            out, energy_j, compute_s = await future
+            await seam.connect(peer)
+        except SeamError as exc:
+            raise FFNReplyError(str(exc)) from None
+        return peer
+
+    async def round_trip(self, desc: MicrobatchDescriptor, layer: int, ffn_in: Tensor,
+                         while_waiting: Callable[[], None] | None = None, *, block: bool = False
+                         ) -> tuple[Tensor, float, float]:
+        """Send layer `layer`'s ffn_in to the FFN worker and return its ffn_out, the energy of its share of
+        the FFN forward, and that forward's compute time. `while_waiting` runs between the send and the
+        wait: work that need not delay the frame."""
+        seam = self.seam
+        assert seam is not None
+        peer = await self.peer(desc.ffn_worker)
+        key = (desc.mb_id, layer)
+        header = header_for("to_ffn", desc.mb_id, layer, clock_phase(desc.phase), ffn_in)
+        timeout_s = min(self.reply_timeout_s, self.silence_s) if block and self.silence_s > 0 else self.reply_timeout_s
+        self.watch.track(key, desc.ffn_worker)
+        try:
+            reply = await seam.request(peer, header, ffn_in, timeout_s=timeout_s, block=block,
+                                       after_send=while_waiting)
+        except SeamError as exc:
+            raise FFNReplyError(f"layer {layer} of microbatch {desc.mb_id}: {exc}") from None
         finally:
-            timer.cancel()
-            self._replies.pop(key, None)
             self.watch.untrack(key)
-        if tuple(out.shape) != tuple(ffn_in.shape):
-            raise FFNReplyError(f"FFN worker {desc.ffn_worker} returned shape {list(out.shape)} for layer {layer} "
-                                f"of microbatch {desc.mb_id}, expected {list(ffn_in.shape)}")
-        return out.to(device=ffn_in.device, dtype=ffn_in.dtype), energy_j, compute_s
+        if reply.header.kind == "error":
+            raise FFNReplyError(f"FFN worker {desc.ffn_worker} failed layer {layer} of microbatch {desc.mb_id}: "
+                                f"{error_text(reply.tensor)}", FFN_FAILED)
+        out = reply.tensor
+        if tuple(out.shape) != tuple(ffn_in.shape) or (reply.header.mb_id, reply.header.layer) != key:
+            raise FFNReplyError(f"FFN worker {desc.ffn_worker} answered layer {layer} of microbatch {desc.mb_id} "
+                                f"with {list(out.shape)} for {reply.header.mb_id!r} layer {reply.header.layer}, "
+                                f"expected {list(ffn_in.shape)}", FFN_FAILED)
+        return out.to(device=ffn_in.device, dtype=ffn_in.dtype), reply.header.energy_j, reply.header.compute_s
+
+    def peer_lost(self, peer: Peer, reason: str) -> None:
+        """The seam to an FFN worker broke: the hops waiting on it fail in their own requests, and no new
+        seam opens to it until it is heard from again (a dead worker's address would only time out)."""
+        self._lost_at[peer.worker_id] = time.monotonic()
+        log.info("attention worker %s: seam to %s lost (%s)", self.worker_id, peer.worker_id, reason)
+
+    def connection_dropped(self) -> None:
+        """The NATS connection dropped (the `nats` seam): frames in flight either way may be gone, so the
+        seam to every FFN worker with a hop in flight is dropped (those hops fail now)."""
+        if self.seam is not None:
+            for ffn_worker in self.watch.ffn_workers_in_flight():
+                self.seam.drop(Peer(ffn_worker, self.watch.addresses.get(ffn_worker, "")),
+                               "the NATS connection dropped")
 
     def _silent(self, key: tuple[str, int], ffn_worker: str, silent_s: float) -> None:
-        future = self._replies.get(key)
-        if future is not None and not future.done():
-            future.set_exception(FFNReplyError(f"FFN worker {ffn_worker} has sent no heartbeat for {silent_s:.1f} s: "
-                                               f"presumed lost with layer {key[1]} of microbatch {key[0]}"))
-
-    def seam_lost(self) -> None:
-        """The seam's connection dropped: frames in flight either way may be gone, so every hop waiting
-        for an answer fails now (its microbatch is reported failed and recomputed), not at its timeout."""
-        for (mb_id, layer), future in list(self._replies.items()):
-            if not future.done():
-                future.set_exception(FFNReplyError(f"the seam's NATS connection dropped while layer {layer} of "
-                                                   f"microbatch {mb_id} was at the FFN worker"))
-
-    def _expire(self, future: asyncio.Future[Any], desc: MicrobatchDescriptor, layer: int) -> None:
-        if not future.done():
-            future.set_exception(FFNReplyError(f"FFN worker {desc.ffn_worker} did not answer layer {layer} of "
-                                               f"microbatch {desc.mb_id} within {self.reply_timeout_s:.0f} s"))
+        """A hop's FFN worker has sent no heartbeat for `silent_s`: presumed lost, its seam dropped."""
+        if self.seam is not None:
+            self.seam.drop(Peer(ffn_worker, self.watch.addresses.get(ffn_worker, "")),
+                           f"no heartbeat for {silent_s:.1f} s")

@@ -1,4 +1,5 @@
-"""Which FFN workers are alive, from their heartbeats, so that a hop waiting on a dead one fails early.
+"""Which FFN workers are alive, and where their seams are, from their heartbeats: a hop waiting on a
+dead one fails early, and a hop to a new one knows the seam address to open.
 
 An FFN worker that dies takes the seam frames it was serving with it, and nothing tells the attention
 worker: without this, each waiting hop would sit until `ffn_reply_timeout_s` (30 s by default, long
@@ -35,15 +36,16 @@ class FFNWatch:
         self.on_silent = on_silent  # (hop key, FFN worker, seconds silent): fail that hop
         self.check_s = max(0.05, min(0.5, silence_s / 4))
         self._seen: dict[str, float] = {}  # FFN worker -> time.monotonic() of its last heartbeat
+        self.addresses: dict[str, str] = {}  # FFN worker -> the seam address of its last heartbeat
+        self._address_known: dict[str, asyncio.Event] = {}
         self._hops: dict[tuple[str, int], tuple[str, float]] = {}  # (mb_id, layer) -> (FFN worker, sent)
         self._sub: Subscription | None = None
         self._task: asyncio.Task[None] | None = None
 
     async def start(self, nc: Client) -> None:
-        if self.silence_s <= 0:
-            return  # switched off: hops wait for their reply timeout
         self._sub = await nc.subscribe(subjects.CONTROL_HEARTBEAT_ALL, cb=self._on_heartbeat)
-        self._task = asyncio.create_task(self._check_loop(), name="ffn-watch")
+        if self.silence_s > 0:  # else switched off: hops wait for their reply timeout
+            self._task = asyncio.create_task(self._check_loop(), name="ffn-watch")
 
     async def stop(self) -> None:
         if self._task is not None:
@@ -62,17 +64,36 @@ class FFNWatch:
     def untrack(self, key: tuple[str, int]) -> None:
         self._hops.pop(key, None)
 
+    def last_heard(self, ffn_worker: str) -> float | None:
+        """time.monotonic() of the FFN worker's last heartbeat, None if never heard."""
+        return self._seen.get(ffn_worker)
+
+    def ffn_workers_in_flight(self) -> set[str]:
+        return {ffn_worker for ffn_worker, _ in self._hops.values()}
+
     async def _on_heartbeat(self, msg: Msg) -> None:
         try:
             beat = decode(Heartbeat, msg.data)
         except ProtocolError:
             return  # not ours to judge; the scheduler logs bad heartbeats
-        self.heard(beat.worker_id, beat.role, time.monotonic())
+        self.heard(beat.worker_id, beat.role, time.monotonic(), beat.seam_address)
 
-    def heard(self, worker_id: str, role: str, now: float) -> None:
+    def heard(self, worker_id: str, role: str, now: float, seam_address: str = "") -> None:
         """A heartbeat from `worker_id` at `now` (time.monotonic()); only FFN workers' count."""
-        if role == "ffn":
-            self._seen[worker_id] = now
+        if role != "ffn":
+            return
+        self._seen[worker_id] = now
+        if seam_address:
+            self.addresses[worker_id] = seam_address
+            self._address_known.setdefault(worker_id, asyncio.Event()).set()
+
+    async def address_of(self, ffn_worker: str, timeout_s: float) -> str:
+        """The FFN worker's seam address, waiting up to `timeout_s` for its first heartbeat."""
+        if ffn_worker not in self.addresses:
+            known = self._address_known.setdefault(ffn_worker, asyncio.Event())
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(known.wait(), timeout_s)
+        return self.addresses.get(ffn_worker, "")
 
     async def _check_loop(self) -> None:
         while True:

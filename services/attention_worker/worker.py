@@ -1,14 +1,13 @@
 """The attention worker: runs microbatches through every layer, ping-ponging with an FFN worker.
 
-One subject, `attn.<wid>.mb`, carries two kinds of message: JSON `MicrobatchDescriptor`s from the
-scheduler and binary seam frames (`wire.MAGIC`) coming back from FFN workers. Both arrive, and the
-seam frames leave, through the worker's seam port (`shared/seam_port.py`: the lean seam link by
-default); registration, heartbeats and `MicrobatchDone` go on the ordinary nats-py connection.
-Each descriptor runs as its own asyncio task: it computes inline on the event loop and awaits the
-FFN's reply for each layer, and those awaits are where microbatches interleave (the A/F ping-pong
-pipeline: while the FFN works on one microbatch's layer l, this worker computes another's attention).
-A hop fails early, and with it its microbatch, when the seam's connection drops or its FFN worker's
-heartbeats stop (`ffn_watch.py`).
+`MicrobatchDescriptor`s from the scheduler arrive on `attn.<wid>.mb`; registration, heartbeats and
+`MicrobatchDone` go on the same NATS connection. The seam tensors do not: they go through the
+worker's seam (`shared/transport/`: torch.distributed by default), opened to each FFN worker on its
+first hop (`ffn_hops.py`). Each descriptor runs as its own asyncio task: it computes inline on the
+event loop and awaits the FFN's reply for each layer, and those awaits are where microbatches
+interleave (the A/F ping-pong pipeline: while the FFN works on one microbatch's layer l, this worker
+computes another's attention). A hop fails early, and with it its microbatch, when the seam to its
+FFN worker breaks or that worker's heartbeats stop (`ffn_watch.py`).
 
 Before each compute section (a layer's attention, the lm_head) the worker asks its DVFS controller
 for the clock of the microbatch's phase ("decode" runs decode clocks, "prefill" and "mixed" prefill
@@ -34,9 +33,10 @@ from collections.abc import Sequence
 import orjson
 import torch
 from nats.aio.client import Client
+from nats.aio.msg import Msg
 from torch import Tensor
 
-from services.attention_worker.ffn_hops import FFNHops
+from services.attention_worker.ffn_hops import FFNHops, FFNReplyError
 from services.attention_worker.sequences import Admitted, SequenceRefused, SequenceTable
 from services.worker_common import (
     Presence,
@@ -47,7 +47,7 @@ from services.worker_common import (
     registration,
     stop_presence,
 )
-from shared import bus, subjects, wire
+from shared import subjects
 from shared.error_types import ErrorType
 from shared.errors import AFlexError
 from shared.gpu.base import GPU, OperatorWork
@@ -66,12 +66,15 @@ from shared.messages import (
 from shared.model.attention import AttentionHalf, AttentionMeta, PagedKVStore
 from shared.model.kv_cache import BlockAllocator, BlockTables
 from shared.model.sampling import sample_next_tokens
-from shared.seam_port import SeamPort, open_seam_port
 from shared.settings import AttentionWorkerSettings
+from shared.transport import bus
+from shared.transport.seam import Frame, Seam
+from shared.transport.seams import make_seam
 
 log = logging.getLogger("aflex.attention_worker")
 
 SHUTDOWN_GRACE_S = 10.0  # how long a stopping worker lets in-flight microbatches finish
+YIELD_EVERY_S = 0.02  # a microbatch whose hops wait on the loop's thread lets the loop run this often
 
 
 _DONE_FIELDS = frozenset(MicrobatchDone.model_fields)  # energy fields are filled where the schema has them
@@ -108,13 +111,13 @@ class AttentionWorker:
         self.kv: PagedKVStore | None = None
         self.sequences: SequenceTable | None = None
         self.nc: Client | None = None
-        self.seam: SeamPort | None = None
+        self.seam: Seam | None = None
         self._accepting = False
         self._tasks: set[asyncio.Task[None]] = set()
         self._busy: set[str] = set()  # sequences in an in-flight microbatch
         self._release_later: set[str] = set()  # released while busy: freed when their microbatch ends
         self._active_mbs: set[str] = set()
-        self.hops = FFNHops(self.worker_id, self.subject, self.ffn_reply_timeout_s, settings.ffn_silence_s)
+        self.hops = FFNHops(self.worker_id, self.ffn_reply_timeout_s, settings.ffn_silence_s)
         self._gpu_arg = gpu  # None: the backend the settings select, built when the worker starts
         self.gpu: WorkerGPU | None = None
 
@@ -140,27 +143,31 @@ class AttentionWorker:
                 await asyncio.to_thread(self.load)
             gc.freeze()  # see the FFN worker: no full collection walks the model's objects mid-microbatch
             assert self.model is not None and self.sequences is not None
-            self.nc = nc = await bus.connect(self.settings.nats_url, name=f"aflex-attention-{self.worker_id}")
+            s = self.settings
+            on_drop = self.hops.connection_dropped if s.seam_transport == "nats" else None
+            self.nc = nc = await bus.connect(s.nats_url, name=f"aflex-attention-{self.worker_id}",
+                                             on_disconnect=on_drop)
             heartbeat_task: asyncio.Task[None] | None = None
-            seam: SeamPort | None = None
+            seam: Seam | None = None
             gpu: WorkerGPU | None = None
             try:
-                self.gpu = gpu = WorkerGPU(self.settings, self.worker_id, "attention", self._gpu_arg)
+                self.gpu = gpu = WorkerGPU(s, self.worker_id, "attention", self._gpu_arg)
                 gpu.meter.kv(0, self.sequences.total_blocks)
                 await gpu.start(nc)
                 await self.hops.watch.start(nc)
-                seam = await open_seam_port(self.settings.seam_transport, self.settings.nats_url,
-                                            f"aflex-attention-{self.worker_id}", nc)
+                seam = make_seam(s.seam_transport, self.worker_id, nc, self._stray_frame, self.hops.peer_lost,
+                                 listen=False, nats_url=s.nats_url, device=s.device, host=s.seam_host)
+                await seam.start()
                 self.seam = self.hops.seam = seam
-                await seam.subscribe(self.subject, self._on_payload)
-                seam.on_disconnect(self.hops.seam_lost)
+                await nc.subscribe(self.subject, cb=self._on_descriptor_msg)
+                await nc.flush()
                 self._accepting = True
                 args = self.model.args
                 presence = Presence(
                     nc, registration(self.worker_id, "attention", self.model_id, args.n_layers,
                                      kv_total_blocks=self.sequences.total_blocks,
                                      block_size=self.settings.block_size, max_seq_len=args.max_seq_len,
-                                     gpu=gpu.gpu),
+                                     gpu=gpu.gpu, seam_address=seam.address),
                     self._heartbeat, period_s=self.settings.heartbeat_period_s,
                     register_timeout_s=self.settings.register_timeout_s)
                 if await presence.register(stop) is not None:
@@ -196,19 +203,15 @@ class AttentionWorker:
 
     # -- dispatch -------------------------------------------------------------------------------
 
-    def _on_payload(self, subject: str, data: bytearray) -> None:
-        """A message on `attn.<wid>.mb`, inside the socket read: a seam frame resolves its hop's future,
-        a descriptor starts its microbatch's task."""
+    async def _on_descriptor_msg(self, msg: Msg) -> None:
         try:
-            if data[:4] == wire.MAGIC:
-                self.hops.on_frame(data)
-            elif data.lstrip()[:1] == b"{":
-                self._on_descriptor(bytes(data))
-            else:
-                log.warning("dropped a message on %s that is neither a descriptor nor a seam frame (%d bytes)",
-                            self.subject, len(data))
+            self._on_descriptor(msg.data)
         except Exception:  # a bad message must never take the subscription down
             log.exception("dropped a malformed message on %s", self.subject)
+
+    def _stray_frame(self, frame: Frame) -> None:
+        log.warning("dropped a seam frame nobody asked for (from %s, microbatch %s layer %d)", frame.peer.worker_id,
+                    frame.header.mb_id, frame.header.layer)
 
     def _on_descriptor(self, data: bytes) -> None:
         try:
@@ -292,7 +295,10 @@ class AttentionWorker:
             raise
         except Exception as exc:
             log.warning("microbatch %s failed: %s", desc.mb_id, exc, exc_info=not isinstance(exc, AFlexError))
-            self._fail_all(desc, admitted, failures, str(exc))
+            if isinstance(exc, FFNReplyError):
+                self._fail_all(desc, admitted, failures, str(exc), exc.code, exc.error_type)
+            else:
+                self._fail_all(desc, admitted, failures, str(exc))
             results = []
         finally:
             if owns_mb_id:
@@ -311,13 +317,14 @@ class AttentionWorker:
         await self._publish_done(self._finish(desc, results, failures, timing, started))
 
     def _fail_all(self, desc: MicrobatchDescriptor, admitted: list[Admitted], failures: _Failures,
-                  message: str) -> None:
+                  message: str, code: str | None = None, error_type: str = ErrorType.SERVER_ERROR) -> None:
         """Every sequence of the microbatch failed; new ones are forgotten, old ones keep their KV as it was."""
         assert self.sequences is not None
         for item in admitted:
             if item.is_new:
                 self.sequences.free(item.work.seq_id)
-        failures.errors.insert(0, (ErrorType.SERVER_ERROR, "microbatch_failed", f"microbatch {desc.mb_id}: {message}"))
+        failures.errors.insert(0, (error_type, code or "microbatch_failed",
+                                   f"microbatch {desc.mb_id}: {message}"))
         for work in desc.seqs:
             if work.seq_id not in failures.seq_ids:
                 failures.seq_ids.append(work.seq_id)
@@ -352,9 +359,7 @@ class AttentionWorker:
     async def _publish_done(self, done: MicrobatchDone) -> None:
         assert self.nc is not None
         try:
-            # At once: with another microbatch in flight, its attention would otherwise run first and
-            # the scheduler would hear of this one (and send its next step) only afterwards.
-            await bus.publish_now(self.nc, subjects.SCHED_DONE, encode(done))
+            await self.nc.publish(subjects.SCHED_DONE, encode(done))
         except Exception as exc:
             log.error("could not publish the result of microbatch %s: %s", done.mb_id, exc)
 
@@ -380,7 +385,14 @@ class AttentionWorker:
         timing["attention_s"] += time.perf_counter() - t
         layer_work = attention_work(model.args, meta.n_tokens, [a.end for a in admitted], dtype_bytes=dtype_bytes)
         ffn_out: Tensor | None = None
+        yielded = time.perf_counter()
         for layer in range(model.args.n_layers):
+            # Alone, a decode microbatch waits for its FFN replies on this thread (no hand-off), and gives
+            # the loop a turn every YIELD_EVERY_S (heartbeats, commands, a new descriptor).
+            block = phase == "decode" and len(self._active_mbs) == 1
+            if block and time.perf_counter() - yielded > YIELD_EVERY_S:
+                await asyncio.sleep(0)
+                yielded = time.perf_counter()
             controller.before_microbatch(phase)
             energy0 = gpu.total_energy_j()
             t = time.perf_counter()
@@ -390,7 +402,7 @@ class AttentionWorker:
             t = time.perf_counter()
             # the layer's accounting runs once ffn_in is on its way, while the FFN works
             account = functools.partial(self._account_attention, phase, layer_work, attend_s, energy0, timing)
-            ffn_out, ffn_energy, ffn_compute_s = await self.hops.round_trip(desc, layer, ffn_in, account)
+            ffn_out, ffn_energy, ffn_compute_s = await self.hops.round_trip(desc, layer, ffn_in, account, block=block)
             wait_s = time.perf_counter() - t
             timing["attention_s"] += attend_s
             timing["ffn_wait_s"] += wait_s

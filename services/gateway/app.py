@@ -38,13 +38,14 @@ from services.gateway.errors import (
 from services.gateway.generation import Generation
 from services.gateway.openai_schema import ChatCompletionRequest, CompletionRequest, _GenerationRequest
 from services.gateway.streaming import SSE_HEADERS, ResponseShape, collect, stream
-from shared import bus, subjects
+from shared import subjects
 from shared.errors import InvalidRequestError, TokenizerError
 from shared.lifecycle import stop_on_signals
 from shared.messages import ProtocolError, SchedulerStatus, decode
 from shared.model.checkpoint import ModelCard, open_model_card
 from shared.model.tokenizer import Tokenizer
 from shared.settings import GatewaySettings
+from shared.transport import bus
 
 log = logging.getLogger("aflex.gateway")
 

@@ -26,7 +26,6 @@ from services.gateway.errors import (
     retry_after_headers,
 )
 from shared import subjects
-from shared.bus import BusError, BusTimeoutError, NoRespondersBusError, request
 from shared.messages import (
     CancelRequest,
     OutputDelta,
@@ -40,6 +39,7 @@ from shared.messages import (
 )
 from shared.model.params import StopStringMatcher
 from shared.model.tokenizer import IncrementalDetokenizer, Tokenizer
+from shared.transport.bus import BusError, BusTimeoutError, NoRespondersBusError, request
 
 if TYPE_CHECKING:
     from services.gateway.metrics import GatewayMetrics

@@ -10,6 +10,7 @@ no lane.
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 import time
 from collections import deque
@@ -18,6 +19,8 @@ from dataclasses import dataclass, field
 from services.scheduler.state import RequestState
 from shared.messages import Heartbeat, Register, Role, WorkerInfo
 from shared.policy.iteration import KvRoom
+
+log = logging.getLogger("aflex.scheduler")
 
 
 @dataclass(eq=False)
@@ -146,6 +149,13 @@ class Registry:
         if msg.kv_total_blocks:
             worker.report_kv(msg.kv_free_blocks, msg.kv_total_blocks)
         return worker, revived
+
+    def suspect(self, worker_id: str, why: str) -> None:
+        """A worker others could not reach: unhealthy (routed around) until its next heartbeat."""
+        worker = self.workers.get(worker_id)
+        if worker is not None and worker.healthy:
+            worker.healthy = False
+            log.warning("worker %s unreachable, routed around until heard from: %s", worker_id, why)
 
     def expire(self, now: float, timeout_s: float) -> list[Worker]:
         """Mark workers silent for longer than `timeout_s` unhealthy; returns the newly unhealthy."""

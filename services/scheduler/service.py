@@ -33,8 +33,8 @@ from services.scheduler.model_info import ModelInfo, load_model_info
 from services.scheduler.recovery import BusLostError, InFlight
 from services.scheduler.registry import Registry, Worker
 from services.scheduler.state import RequestState, Status
-from shared import bus, subjects
-from shared.error_types import ErrorType
+from shared import subjects
+from shared.error_types import FFN_UNREACHABLE, ErrorType
 from shared.messages import (
     CancelRequest,
     ErrorBody,
@@ -54,6 +54,7 @@ from shared.messages import (
     encode,
 )
 from shared.settings import SchedulerSettings
+from shared.transport import bus
 
 log = logging.getLogger("aflex.scheduler")
 
@@ -286,8 +287,11 @@ class Scheduler:
         for mb_id, group, fut in sent:
             self.in_flight.forget(mb_id)
             if fut.done() and fut.exception() is None:
-                self.governor.microbatch_done(worker, group, fut.result(), ffn_of[mb_id], lone=len(sent) == 1)
-                await self._apply(worker, group, fut.result())
+                done = fut.result()
+                if done.error is not None and done.error.code == FFN_UNREACHABLE:
+                    self.registry.suspect(ffn_of[mb_id], done.error.message)
+                self.governor.microbatch_done(worker, group, done, ffn_of[mb_id], lone=len(sent) == 1)
+                await self._apply(worker, group, done)
                 continue
             reason = str(fut.exception()) if fut.done() else f"no MicrobatchDone for {mb_id} within " \
                 f"{self.settings.microbatch_timeout_s:.1f} s"
@@ -322,7 +326,8 @@ class Scheduler:
                 continue  # cancelled, or moved elsewhere, while in flight
             if state.request_id in failed:
                 reason = done.error.message if done.error else "the worker refused it (KV cache exhausted)"
-                await self._requeue(worker, state, failure=done.error is not None, reason=reason)
+                blameless = done.error is None or done.error.code == FFN_UNREACHABLE  # not the sequence's fault
+                await self._requeue(worker, state, failure=not blameless, reason=reason)
                 continue
             state.num_computed += p.n_new
             if not p.samples:

@@ -11,17 +11,15 @@ attention worker adds `ffn_out[l]` to it and applies layer l+1's input norm in o
 Keeping the residual home halves the bytes on the wire compared with shipping
 (hidden, residual) both ways, and leaves the FFN half stateless: it can serve any attention
 worker and merge microbatches of the same layer. The wire protocol carries these tensors only,
-with a descriptor (`SeamTensor`) saying which microbatch, layer and rows they belong to.
+with a header (`shared/transport/header.py`, `SeamHeader`) saying which microbatch, layer and rows
+they belong to.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Literal, Protocol
+from typing import Protocol
 
 from torch import Tensor
-
-Direction = Literal["to_ffn", "to_attention"]
 
 
 class _Norm(Protocol):
@@ -32,17 +30,3 @@ def add_rms_norm(residual: Tensor, delta: Tensor, norm: _Norm) -> tuple[Tensor, 
     """residual += delta, then normalise: returns (new residual, normed input of the next op)."""
     residual = residual + delta
     return residual, norm(residual)
-
-
-@dataclass(frozen=True)
-class SeamTensor:
-    """One crossing of the seam: the microbatch, layer, direction and the hidden states."""
-
-    microbatch_id: str
-    layer: int
-    direction: Direction
-    hidden: Tensor  # [T, D] ffn_in (to_ffn) or ffn_out (to_attention)
-
-    def __post_init__(self) -> None:
-        if self.hidden.dim() != 2:
-            raise ValueError(f"seam hidden states must be [tokens, dim], got {list(self.hidden.shape)}")

@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from shared.nats_server import free_port
+from shared.transport.nats_server import free_port
 from tests.conftest import REPO_ROOT, TEST_DATA
 from tools.launch import aflex_up
 

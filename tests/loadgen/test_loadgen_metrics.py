@@ -22,7 +22,7 @@ from loadgen.cli import build_parser, run_bench
 from loadgen.client import _sse_messages
 from loadgen.energy import Sample, run_energy
 from loadgen.metrics import RequestResult, calculate_metrics, parse_goodput, peak_buckets
-from shared.nats_server import free_port
+from shared.transport.nats_server import free_port
 from tests.conftest import TEST_DATA
 
 SLICE = TEST_DATA / "azure_conv_slice.csv"

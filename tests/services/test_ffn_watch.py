@@ -7,7 +7,9 @@ import time
 from types import SimpleNamespace
 
 from services.attention_worker.ffn_watch import FFNWatch
+from shared import subjects
 from shared.messages import Heartbeat, encode
+from shared.transport import bus
 
 
 def test_only_hops_on_a_silent_ffn_worker_fail_once() -> None:
@@ -42,10 +44,20 @@ def test_heartbeats_are_read_from_the_wire_and_answered_hops_forgotten() -> None
     assert failed == []
 
 
-def test_zero_switches_it_off() -> None:
+def test_zero_switches_the_silence_checks_off_but_addresses_are_still_learnt(nats_url: str) -> None:
     async def main() -> None:
+        nc = await bus.connect(nats_url, name="watch-test")
         off = FFNWatch(0.0, lambda *_: None)
-        await off.start(None)  # type: ignore[arg-type]  # never touches the connection
-        await off.stop()
+        await off.start(nc)
+        try:
+            assert off._task is None  # no silence checks
+            beat = Heartbeat(worker_id="ffn-9", role="ffn", ts=time.time(), seam_address="gloo://10.0.0.9:4000")
+            waiting = asyncio.ensure_future(off.address_of("ffn-9", 10.0))
+            await nc.publish(subjects.heartbeat("ffn-9"), encode(beat))
+            assert await asyncio.wait_for(waiting, 10.0) == "gloo://10.0.0.9:4000"
+            assert await off.address_of("ffn-unknown", 0.05) == ""  # never heard of: empty, not a hang
+        finally:
+            await off.stop()
+            await bus.close(nc)
 
     asyncio.run(main())

@@ -26,7 +26,6 @@ import pytest
 
 from services import supervisor as sup
 from services.cli import build_parser, main
-from shared.nats_server import free_port
 from shared.settings import (
     AttentionWorkerSettings,
     FFNWorkerSettings,
@@ -35,6 +34,7 @@ from shared.settings import (
     WorkerSettings,
 )
 from shared.settings_flags import from_env
+from shared.transport.nats_server import free_port
 from tests.conftest import REPO_ROOT
 
 ROOT = REPO_ROOT

@@ -24,7 +24,7 @@ from nats.aio.msg import Msg
 
 from services.attention_worker import AttentionWorker
 from services.ffn_worker import FFNWorker
-from shared import bus, subjects, wire
+from shared import subjects
 from shared.gpu.base import GPU
 from shared.messages import (
     MicrobatchDescriptor,
@@ -42,6 +42,10 @@ from shared.model.ffn import FFNHalf
 from shared.model.sampling import SamplingParams
 from shared.model.weights import load_ffn_half
 from shared.settings import AttentionWorkerSettings, FFNWorkerSettings
+from shared.transport import bus
+from shared.transport.header import error_text, header_for
+from shared.transport.seam import Frame, Peer, Seam
+from shared.transport.seams import make_seam
 
 PROMPT_A = [5, 17, 33, 101, 7, 250, 11, 64, 3]
 PROMPT_B = [9, 8, 200, 31, 4, 77]
@@ -194,18 +198,31 @@ def test_greedy_tokens_match_engine(arch: str, nats_url: str, tiny_checkpoints: 
 # -- 2: the FFN worker merges queued frames of one layer from different attention workers ----------
 
 
-def _publish_from_thread(url: str, messages: list[tuple[str, bytes]]) -> None:
-    """Publish with another thread's loop, while the test's loop (and so both workers) is blocked."""
-    async def send() -> None:
-        nc = await bus.connect(url, name="test-publisher")
-        for subject, payload in messages:
-            await nc.publish(subject, payload)
-        await nc.flush()
-        await nc.close()
+async def _fake_attention_seam(m: Mesh, name: str) -> tuple[Seam, Peer]:
+    """A seam of the test's own, as an attention worker opens it, connected to the mesh's FFN worker."""
+    assert m.ffn.seam is not None
+    seam = make_seam("torch", f"{name}-{uuid.uuid4().hex[:6]}", m.nc, lambda frame: None, lambda peer, why: None,
+                     listen=False, nats_url=m.nc.connected_url.geturl() if m.nc.connected_url else "")
+    await seam.start()
+    peer = Peer(m.ffn.worker_id, m.ffn.seam.address)
+    await seam.connect(peer)
+    return seam, peer
 
-    thread = threading.Thread(target=asyncio.run, args=(send(),))
-    thread.start()
-    thread.join()
+
+class GatedFFN:
+    """The FFN half, with its first forward held until `open` is set: frames queue up behind it."""
+
+    def __init__(self, model: FFNHalf) -> None:
+        self.model, self.open, self.calls = model, threading.Event(), 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.model, name)
+
+    def __call__(self, layer: int, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        if self.calls == 1:
+            assert self.open.wait(10), "the test never opened the gate"
+        return self.model(layer, x)
 
 
 def test_ffn_worker_merges_frames_of_one_layer(nats_url: str, tiny_checkpoints: dict[str, Path]) -> None:
@@ -216,47 +233,52 @@ def test_ffn_worker_merges_frames_of_one_layer(nats_url: str, tiny_checkpoints: 
     reference = load_ffn_half(checkpoint.args, checkpoint.tensors)
     assert isinstance(reference, FFNHalf)
     torch.manual_seed(0)
-    inputs = {f"m{i}": torch.randn(rows, 64) for i, rows in enumerate([3, 1, 5, 2])}
-    layers = {"m0": 1, "m1": 1, "m2": 1, "m3": 2}
+    # three attention workers; m2 is over the seam's inline size (header and payload travel apart)
+    rows = {"m0": 3, "m1": 1, "m2": 5000, "m3": 2, "m4": 4}
+    inputs = {mb_id: torch.randn(n, 64) for mb_id, n in rows.items()}
+    layers = {"m0": 1, "m1": 1, "m2": 1, "m3": 2, "m4": 1}
+    sender = {"m0": 0, "m1": 1, "m2": 2, "m3": 1, "m4": 1}
 
     async def body() -> None:
         async with mesh(nats_url, path) as m:
-            inboxes = [f"test.replies.{uuid.uuid4().hex}" for _ in range(2)]  # two attention workers
-            sender = {"m0": inboxes[0], "m1": inboxes[1], "m2": inboxes[0], "m3": inboxes[1]}
-            replies: asyncio.Queue[tuple[dict[str, Any], torch.Tensor]] = asyncio.Queue()
-            assembler = wire.FrameAssembler()
+            assert isinstance(m.ffn.model, FFNHalf)
+            gate = GatedFFN(m.ffn.model)
+            m.ffn.model = gate  # type: ignore[assignment]
+            seams = [await _fake_attention_seam(m, f"attn{i}") for i in range(3)]
 
-            async def on_reply(msg: Msg) -> None:
-                got = assembler.add(msg.data)
-                if got is not None:
-                    replies.put_nowait(got)
+            def hop(mb_id: str) -> asyncio.Future[Frame]:
+                seam, peer = seams[sender[mb_id]]
+                x = inputs[mb_id]
+                return asyncio.ensure_future(seam.request(
+                    peer, header_for("to_ffn", mb_id, layers[mb_id], "decode", x), x, timeout_s=20))
 
-            for inbox in inboxes:
-                await m.nc.subscribe(inbox, cb=on_reply)
-            await m.nc.flush()
-            frames = []
-            for mb_id, x in inputs.items():
-                header = {"mb_id": mb_id, "layer": layers[mb_id], "direction": "to_ffn", "reply_to": sender[mb_id]}
-                frames += [(subjects.ffn_mb(m.ffn.worker_id), f)
-                           for f in wire.encode_frames(header, x, 1400 if mb_id == "m2" else bus.MAX_PAYLOAD_BYTES)]
-            assert len(frames) > len(inputs)
-            forwards, served = m.ffn.forwards, m.ffn.frames_served
-            _publish_from_thread(nats_url, frames)
-            time.sleep(0.3)  # the server delivers everything while the workers' loop is still blocked
-            got = {}
-            for _ in inputs:
-                header, out = await asyncio.wait_for(replies.get(), 5)
-                assert header["direction"] == "to_attention" and "error" not in header
-                got[header["mb_id"]] = (header["layer"], out)
-            assert m.ffn.frames_served - served == 4
-            assert m.ffn.forwards - forwards == 3  # layer 1: m0 + m1 (two senders), then m2; layer 2: m3
+            replies = [hop("m0")]
+            await until(lambda: gate.calls == 1)  # m0's forward has started, and waits at the gate
+            for queued, mb_id in enumerate(("m1", "m2", "m3", "m4"), start=1):
+                replies.append(hop(mb_id))
+                await until(lambda n=queued: len(m.ffn.queue) == n)  # type: ignore[misc]  # queued in this order
+            gate.open.set()
+            got = [await asyncio.wait_for(r, 20) for r in replies]
+            # m0 alone; m1 (attn1) with m2 (attn2), layer 1; m3 (layer 2); m4 alone: attn1's m1 went first
+            assert m.ffn.forwards == 4 and m.ffn.frames_served == 5
             with torch.inference_mode():
-                for mb_id, x in inputs.items():
-                    layer, out = got[mb_id]
-                    assert layer == layers[mb_id]
-                    torch.testing.assert_close(out, reference(layer, x), rtol=1e-5, atol=1e-5)
+                for reply in got:
+                    mb_id = reply.header.mb_id
+                    assert reply.header.kind == "to_attention" and reply.header.layer == layers[mb_id]
+                    torch.testing.assert_close(reply.tensor, reference(layers[mb_id], inputs[mb_id]),
+                                               rtol=1e-5, atol=1e-5)
+            for seam, _ in seams:
+                await seam.close()
 
     run_async(body)
+
+
+async def until(condition: Callable[[], bool], timeout_s: float = 10.0) -> None:
+    """Wait (polling) for a condition the workers' threads bring about."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "condition not reached"
+        await asyncio.sleep(0.01)
 
 
 # -- 3: refused sequences, the worker keeps serving ------------------------------------------------
@@ -301,35 +323,24 @@ def test_malformed_messages_do_not_kill_workers(nats_url: str, tiny_checkpoints:
 
     async def body() -> None:
         async with mesh(nats_url, path) as m:
-            attn, ffn = subjects.attn_mb(m.attention.worker_id), subjects.ffn_mb(m.ffn.worker_id)
-            inbox = f"test.replies.{uuid.uuid4().hex}"
-            errors: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
-
-            async def on_reply(msg: Msg) -> None:
-                errors.put_nowait(wire.decode_frame(msg.data)[0])
-
-            await m.nc.subscribe(inbox, cb=on_reply)
+            attn = subjects.attn_mb(m.attention.worker_id)
             bad_invalid = m.expect("bad")
-            for payload in [b"hello", b"{not json", b'{"mb_id": "bad", "seqs": 5}', wire.MAGIC + b"\x00\x00",
-                            wire.MAGIC + b"\x00\x00\x00\x05junk!", b""]:
+            for payload in [b"hello", b"{not json", b'{"mb_id": "bad", "seqs": 5}', b"AFS1\x00\x00", b""]:
                 await m.nc.publish(attn, payload)
-                await m.nc.publish(ffn, payload)
-            # stray seam frames: an answer nobody waits for, and FFN frames it cannot serve
-            x = torch.zeros(2, 64)
-            await m.nc.publish(attn, wire.encode_frames({"mb_id": "zzz", "layer": 0, "direction": "to_attention"},
-                                                         x, 1 << 20)[0])
-            for header in [{"mb_id": "e1", "layer": 99, "direction": "to_ffn", "reply_to": inbox},
-                           {"mb_id": "e2", "layer": 0, "direction": "to_attention", "reply_to": inbox}]:
-                await m.nc.publish(ffn, wire.encode_frames(header, x, 1 << 20)[0])
-            await m.nc.publish(ffn, wire.encode_frames({"mb_id": "e3", "layer": 0, "direction": "to_ffn",
-                                                        "reply_to": inbox}, torch.zeros(2, 7), 1 << 20)[0])
+            # seam frames the FFN worker cannot serve come back as error frames, with the reason
+            seam, peer = await _fake_attention_seam(m, "stray")
+            x, bad_dim = torch.zeros(2, 64), torch.zeros(2, 7)
+            got: dict[str, str] = {}
+            for header, tensor in [(header_for("to_ffn", "e1", 99, "decode", x), x),
+                                   (header_for("to_attention", "e2", 0, "decode", x), x),
+                                   (header_for("to_ffn", "e3", 0, "decode", bad_dim), bad_dim)]:
+                frame = await seam.request(peer, header, tensor, timeout_s=5)
+                assert frame.header.kind == "error"
+                got[frame.header.mb_id] = error_text(frame.tensor)
             done = await asyncio.wait_for(bad_invalid, 5)
             assert done.error is not None and done.error.code == "invalid_descriptor"
-            got: dict[str, str] = {}
-            for _ in range(3):
-                error_header = await asyncio.wait_for(errors.get(), 5)
-                got[error_header["mb_id"]] = error_header["error"]
-            assert "layer 99" in got["e1"] and "direction" in got["e2"] and "[tokens, 64]" in got["e3"]
+            assert "layer 99" in got["e1"] and "'to_attention'" in got["e2"] and "[tokens, 64]" in got["e3"]
+            await seam.close()
             # both workers still serve
             done = await m.send(m.descriptor([SeqWork(seq_id="s", token_ids=PROMPT_B, start_pos=0, sample=True,
                                                       sampling=GREEDY)]))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import inspect
 import json
 import re
@@ -14,10 +15,11 @@ import nats
 import pytest
 import torch
 
-from shared import messages, subjects, wire
+from shared import error_types, messages, subjects
 from shared.error_types import ErrorType
 from shared.messages import Message, encode
-from shared.nats_server import EmbeddedNatsServer
+from shared.transport import header as seam_header
+from shared.transport.nats_server import EmbeddedNatsServer
 from tests.conftest import REPO_ROOT
 from tools import protocol_doc
 
@@ -88,19 +90,25 @@ def test_schemas_are_valid_and_strict_enough() -> None:
             assert not validator.is_valid(broken), f"{cls.__name__} without {field} validated"
 
 
-def test_frame_headers_use_only_documented_fields() -> None:
+def test_the_seam_header_layout_is_the_documented_one() -> None:
+    """The documented fields, in order, add up to the header's real size, and each packs as documented."""
     doc = protocol_doc.render()
-    assert f"`{wire.MAGIC.decode()}`" in doc
-    documented = {name for name, _, _ in protocol_doc.FRAME_FIELDS}
-    to_ffn = {"mb_id": "m-0", "layer": 3, "direction": "to_ffn", "reply_to": subjects.attn_mb("a0"),
-              "worker_id": "a0"}  # as the attention worker sends it
-    error_reply = {"mb_id": "m-0", "layer": 3, "direction": "to_attention", "worker_id": "f0", "error": "boom"}
-    for header, tensor in ((to_ffn, torch.zeros(700, 64)), (error_reply, torch.empty(0))):
-        frames = wire.encode_frames(header, tensor, max_payload=64 * 1024)
-        for frame in frames:
-            got, _ = wire.decode_frame(frame)
-            assert set(got) <= documented, set(got) - documented
-    assert len(wire.encode_frames(to_ffn, torch.zeros(700, 64), max_payload=64 * 1024)) > 1  # chunked
+    assert f"`{seam_header.MAGIC.decode()}`" in doc and f"fixed {seam_header.HEADER_BYTES}-byte header" in doc
+    sizes = {"4 bytes": 4, "u8": 1, "3 bytes": 3, "i32": 4, "u32": 4, "u16": 2, "u64": 8, "f64": 8,
+             f"{seam_header.MAX_DIMS} × u64": 8 * seam_header.MAX_DIMS,
+             f"{seam_header.MB_ID_MAX_BYTES} bytes": seam_header.MB_ID_MAX_BYTES,
+             f"{seam_header.END_PAD_BYTES} bytes": seam_header.END_PAD_BYTES}
+    assert sum(sizes[kind] for _, kind, _ in protocol_doc.FRAME_FIELDS) == seam_header.HEADER_BYTES
+    header = dataclasses.replace(seam_header.header_for("to_attention", "m-0", 3, "prefill", torch.zeros(7, 64),
+                                                        energy_j=0.25), reply_tag=77)
+    packed = header.pack()
+    offset = {name: sum(sizes[k] for _, k, _ in protocol_doc.FRAME_FIELDS[:i])
+              for i, (name, _, _) in enumerate(protocol_doc.FRAME_FIELDS)}
+    assert packed[offset["kind"]] == 1 and packed[offset["phase"]] == 1 and packed[offset["ndim"]] == 2
+    assert int.from_bytes(packed[offset["layer"]:offset["layer"] + 4], "big") == 3
+    assert int.from_bytes(packed[offset["reply_tag"]:offset["reply_tag"] + 4], "big") == 77
+    assert int.from_bytes(packed[offset["nbytes"]:offset["nbytes"] + 8], "big") == 7 * 64 * 4
+    assert packed[offset["mb_id"]:offset["mb_id"] + 3] == b"m-0"
 
 
 def _subject_for(cls: type[Message]) -> str:
@@ -159,7 +167,9 @@ def test_documented_error_codes_exist_in_the_code() -> None:
         if code == "(none)":
             assert f"ErrorType.{name}" in source, f"error type {error_type} is documented but no service sets it"
             continue
-        spots = [m.start() for m in re.finditer(f'"{code}"', source)]
+        # a code is set as a literal, or through its name in shared/error_types.py
+        names = [f'"{code}"', *(re.escape(name) for name, value in vars(error_types).items() if value == code)]
+        spots = [m.start() for m in re.finditer("|".join(names), source)]
         assert spots, f"error code {code} is documented but no service sets it"
         near = [source[max(0, i - 300):i + 300] for i in spots]
         assert any(f"ErrorType.{name}" in w or f"type={name}" in w for w in near), \

@@ -11,8 +11,9 @@ from typing import Any
 import orjson
 import pytest
 
-from shared import bus, subjects
+from shared import subjects
 from shared.messages import PhaseLatency, SchedulerTelemetry, WorkerTelemetry, encode
+from shared.transport import bus
 from tools.top import TopState, clock_text, main, render, run_top
 
 
@@ -155,7 +156,7 @@ def test_json_lines(nats_url: str) -> None:
 
 
 def test_bad_url_is_one_line_and_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
-    from shared.nats_server import free_port
+    from shared.transport.nats_server import free_port
 
     assert main(["--nats", f"nats://127.0.0.1:{free_port()}", "--once"]) == 2
     captured = capsys.readouterr()

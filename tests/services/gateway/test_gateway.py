@@ -25,7 +25,7 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
 from services.gateway.app import create_app, serve
-from shared import bus, subjects
+from shared import subjects
 from shared.messages import (
     CancelRequest,
     ErrorBody,
@@ -39,8 +39,9 @@ from shared.messages import (
     encode,
 )
 from shared.model.checkpoint import ModelCard, open_model_card
-from shared.nats_server import EmbeddedNatsServer, free_port
 from shared.settings import GatewaySettings
+from shared.transport import bus
+from shared.transport.nats_server import EmbeddedNatsServer, free_port
 
 T = TypeVar("T")
 TEXT = "The capital of France is Paris."

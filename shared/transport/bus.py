@@ -90,27 +90,6 @@ async def request(nc: Client, subject: str, payload: bytes, timeout_s: float) ->
     return bytes(msg.data)
 
 
-async def publish_now(nc: Client, subject: str, payload: bytes) -> None:
-    """Publish, and have the bytes on the socket when this returns (while connected).
-
-    nats-py's `publish` only queues the message; its flusher task writes it on a later turn of the
-    event loop. A worker whose next step is compute (blocking its loop), or whose other ready tasks
-    run first, would hold the message back for that long: an attention worker at microbatch depth 2
-    kept one microbatch's seam frame or `MicrobatchDone` waiting behind the other microbatch's
-    attention. So this writes nats-py's queued bytes itself, all of them and in order (what the
-    flusher would write next; it then finds nothing to do). While disconnected, or if nats-py's
-    internals differ from what is expected here, the message stays queued as `publish` left it.
-    """
-    await nc.publish(subject, payload)
-    transport, pending = getattr(nc, "_transport", None), getattr(nc, "_pending", None)
-    if not pending or transport is None or not nc.is_connected or not hasattr(nc, "_pending_data_size"):
-        return
-    nc._pending = []
-    nc._pending_data_size = 0
-    transport.writelines(pending)  # the socket send happens here, or asyncio buffers what it could not send
-    await transport.drain()  # returns at once unless the socket is backed up (the flusher's backpressure)
-
-
 async def close(nc: Client) -> None:
     """Drain (deliver what is in flight, then close); fall back to close if draining fails."""
     if nc.is_closed:

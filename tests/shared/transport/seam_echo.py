@@ -1,0 +1,39 @@
+"""A seam echo peer for the transport tests: listens on a seam, answers each frame with its tensor.
+
+    python seam_echo.py torch|nats <nats_url> <worker_id>
+
+Prints its address on the first line, then echoes until stdin closes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import sys
+
+from shared.transport import bus
+from shared.transport.seam import Frame, Peer
+from shared.transport.seams import make_seam
+
+
+async def main(transport: str, nats_url: str, worker_id: str) -> None:
+    nc = await bus.connect(nats_url, name=f"echo-{worker_id}")
+    seam = None
+
+    def echo(frame: Frame) -> None:
+        assert seam is not None
+        seam.reply(frame, dataclasses.replace(frame.header, kind="to_attention", energy_j=1.5), frame.tensor)
+
+    def lost(peer: Peer, reason: str) -> None:
+        print(f"lost {peer.worker_id}", flush=True)
+
+    seam = make_seam(transport, worker_id, nc, echo, lost, listen=True, nats_url=nats_url)  # type: ignore[arg-type]
+    await seam.start()
+    print(seam.address, flush=True)
+    await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)
+    await seam.close()
+    await bus.close(nc)
+
+
+if __name__ == "__main__":
+    asyncio.run(main(*sys.argv[1:4]))
