@@ -20,7 +20,8 @@ the attention worker's wait for the FFN minus the FFN worker's own forward time,
 worker reports in each reply (so it is the transport and queueing, measured under the same load).
 The bare round trips carry the same payload (that tensor's bytes) between two processes on this
 machine: torch.distributed gloo send/recv in a loop (`BARE_GLOO`), and nats-py request/reply to an
-echo responder on our own nats-server (`ECHO_RESPONDER`).
+echo responder on our own nats-server (`ECHO_RESPONDER`); the seam round trip is the same tensor as
+a seam request to a seam echo (`SEAM_ECHO`): the transport with its framing, outside the mesh.
 
 M:N: 2 attention + 1 FFN and 1 attention + 2 FFN workers, float32, at each depth, mesh tokens/s
 beside the 1+1 figure (the engine's ratio is given for reference; it has the machine to itself).
@@ -35,6 +36,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import functools
+import os
 import statistics
 import subprocess
 import sys
@@ -51,6 +53,7 @@ from shared.messages import MicrobatchDone, decode
 from shared.model.checkpoint import open_checkpoint
 from shared.model.engine import Engine
 from shared.model.weights import load_ffn_half
+from shared.transport import bus
 from shared.transport.nats_server import EmbeddedNatsServer, free_port
 from tools.launch import aflex_up
 
@@ -76,6 +79,26 @@ for i in range(samples + 50):
     times.append(time.perf_counter() - t)
 if rank == 0:
     print(statistics.median(times[50:]), flush=True)
+"""
+
+SEAM_ECHO = """
+import asyncio, dataclasses, sys
+from shared.transport import bus
+from shared.transport.seams import make_seam
+
+async def main():
+    nc = await bus.connect(sys.argv[1], name="bench-seam-echo")
+    seam = None
+    def echo(frame):
+        seam.reply(frame, dataclasses.replace(frame.header, kind="to_attention"), frame.tensor)
+    seam = make_seam("torch", "bench-ffn", nc, echo, lambda peer, why: None, listen=True, nats_url=sys.argv[1])
+    await seam.start()
+    print(seam.address, flush=True)
+    await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)
+    await seam.close()
+    await bus.close(nc)
+
+asyncio.run(main())
 """
 
 ECHO_RESPONDER = """
@@ -205,6 +228,42 @@ def bare_gloo_round_trip_s(nbytes: int, samples: int) -> float:
     return float(out.strip())
 
 
+async def seam_round_trip_s(rows: int, hidden: int, samples: int) -> float:
+    """Median round trip of one [rows, hidden] float32 frame through the torch seam itself (request on
+    the waiting thread, as a decode hop does) to a seam echo in another process: the transport with
+    its framing, and no mesh around it."""
+    from shared.transport.header import header_for
+    from shared.transport.seam import Peer
+    from shared.transport.seams import make_seam
+
+    with EmbeddedNatsServer() as server:
+        echo = subprocess.Popen([sys.executable, "-c", SEAM_ECHO, server.url], stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE, text=True, cwd=ROOT,
+                                env={**os.environ, "PYTHONPATH": str(ROOT)})
+        try:
+            assert echo.stdout is not None
+            address = echo.stdout.readline().strip()
+            nc = await bus.connect(server.url, name="bench-seam")
+            seam = make_seam("torch", "bench-attn", nc, lambda frame: None, lambda peer, why: None, listen=False,
+                             nats_url=server.url)
+            await seam.start()
+            peer = Peer("bench-ffn", address)
+            await seam.connect(peer)
+            x = torch.randn(rows, hidden)
+            times = []
+            for _ in range(samples + 50):
+                t = time.perf_counter()
+                await seam.request(peer, header_for("to_ffn", "bench", 0, "decode", x), x, timeout_s=30, block=True)
+                times.append(time.perf_counter() - t)
+            await seam.close()
+            await bus.close(nc)
+        finally:
+            assert echo.stdin is not None
+            echo.stdin.close()
+            echo.wait(timeout=30)
+    return statistics.median(times[50:])
+
+
 async def bare_nats_round_trip_s(payload: bytes, samples: int) -> float:
     """Median nats-py request/reply time of `payload` to an echo responder (another process)."""
     import nats
@@ -276,11 +335,13 @@ def hop_report(args: argparse.Namespace, checkpoint: Any, decode_dones: list[tup
     ffn_s = ffn_layer_s(ffn, n_layers, rows, hidden)
     payload = bytes(torch.randn(rows, hidden).numpy().data)
     gloo_s = bare_gloo_round_trip_s(len(payload), args.hop_samples)
+    seam_s = asyncio.run(seam_round_trip_s(rows, hidden, args.hop_samples))
     nats_s = asyncio.run(bare_nats_round_trip_s(payload, args.hop_samples))
     hop_s = statistics.median((d.ffn_wait_s - d.ffn_compute_s) / n_layers for d in full)
     hop = {
         "payload_bytes": len(payload), "per_layer_ms": round(hop_s * 1e3, 3),
         "bare_gloo_rtt_ms": round(gloo_s * 1e3, 3), "bare_nats_rtt_ms": round(nats_s * 1e3, 3),
+        "seam_rtt_ms": round(seam_s * 1e3, 3), "seam_rtt_vs_bare_gloo": round(seam_s / gloo_s, 2),
         "per_layer_vs_bare_gloo": round(hop_s / gloo_s, 2), "per_layer_vs_bare_nats": round(hop_s / nats_s, 2),
         "decode_microbatches": len(full), "rows": rows, "n_layers": n_layers,
         "mean_attention_s": round(statistics.mean(d.attention_s for d in full), 5),
@@ -296,7 +357,8 @@ def hop_report(args: argparse.Namespace, checkpoint: Any, decode_dones: list[tup
     print(f"per layer: ffn wait {hop['ffn_wait_per_layer_ms']:.3f} ms - ffn compute "
           f"{hop['ffn_compute_per_layer_ms']:.3f} ms = hop {hop['per_layer_ms']:.3f} ms;   bare gloo round trip "
           f"({len(payload)} B) {hop['bare_gloo_rtt_ms']:.3f} ms ({hop['per_layer_vs_bare_gloo']:.2f}x);   bare NATS "
-          f"{hop['bare_nats_rtt_ms']:.3f} ms ({hop['per_layer_vs_bare_nats']:.2f}x)", flush=True)
+          f"{hop['bare_nats_rtt_ms']:.3f} ms ({hop['per_layer_vs_bare_nats']:.2f}x);   the seam alone (echo) "
+          f"{hop['seam_rtt_ms']:.3f} ms ({hop['seam_rtt_vs_bare_gloo']:.2f}x bare gloo)", flush=True)
     return hop
 
 

@@ -87,8 +87,9 @@ def _intro() -> list[str]:
         f"worker), `{subjects.SCHED_DONE}` (every microbatch's result and timing) or `{subjects.req_out('*')}` "
         f"(all token streams), and ask `{subjects.SCHED_STATUS}` (request/reply) for the mesh's state. Validate "
         "what arrives against the schemas below and ignore unknown fields. Do not publish on mesh subjects: a "
-        "stray descriptor, cancel or heartbeat changes what the mesh does. Payloads on `attn.<wid>.mb` may be "
-        "JSON or binary; check the first bytes (`AFX1`).",
+        "stray descriptor, cancel or heartbeat changes what the mesh does. Seam tensors are not on NATS (they go "
+        "over torch.distributed) unless the workers run `seam_transport: nats`; then they are binary frames on "
+        "`aflex.v1.seam.<wid>`.",
         "",
         "### Permissions by prefix",
         "",
@@ -97,8 +98,8 @@ def _intro() -> list[str]:
         "| prefix | publishers | subscribers |",
         "|---|---|---|",
         f"| `{p}.req.*` | gateway (`submit`, `<rid>.cancel`), scheduler (`<rid>.out`) | scheduler, gateway |",
-        f"| `{p}.attn.<wid>.mb` | scheduler, FFN workers | attention worker `<wid>` |",
-        f"| `{p}.ffn.<wid>.mb` | attention workers | FFN worker `<wid>` |",
+        f"| `{p}.attn.<wid>.mb` | scheduler | attention worker `<wid>` |",
+        f"| `{p}.seam.<wid>` | attention and FFN workers (`nats` seam only) | worker `<wid>` |",
         f"| `{p}.sched.*` | attention workers (`done`), gateway and tools (`status` requests) | scheduler |",
         f"| `{p}.freq.<wid>` | **the scheduler only** | worker `<wid>` |",
         f"| `{p}.telemetry.>` | workers, scheduler | anyone |",
@@ -116,11 +117,12 @@ def _intro() -> list[str]:
         f'                                    subscribe: ["{p}.req.submit", "{p}.req.*.cancel", "{p}.sched.>",',
         f'                                                "{p}.control.>"],',
         "                                    allow_responses: true}}",
-        f'    {{user: attention, permissions: {{publish: ["{p}.ffn.*.mb", "{p}.sched.done", "{p}.control.>",',
+        f'    {{user: attention, permissions: {{publish: ["{p}.seam.*", "{p}.sched.done", "{p}.control.>",',
         f'                                              "{p}.telemetry.attention.*"],',
-        f'                                    subscribe: ["{p}.attn.*.mb", "{p}.freq.*", "_INBOX.>"]}}}}',
-        f'    {{user: ffn, permissions: {{publish: ["{p}.attn.*.mb", "{p}.control.>", "{p}.telemetry.ffn.*"],',
-        f'                              subscribe: ["{p}.ffn.*.mb", "{p}.freq.*", "_INBOX.>"]}}}}',
+        f'                                    subscribe: ["{p}.attn.*.mb", "{p}.seam.*", "{p}.control.heartbeat.*",',
+        f'                                                "{p}.freq.*", "_INBOX.>"]}}}}',
+        f'    {{user: ffn, permissions: {{publish: ["{p}.seam.*", "{p}.control.>", "{p}.telemetry.ffn.*"],',
+        f'                              subscribe: ["{p}.seam.*", "{p}.freq.*", "_INBOX.>"]}}}}',
         f'    {{user: observer, permissions: {{publish: {{deny: ">"}}, subscribe: ["{p}.telemetry.>"]}}}}',
         "  ]",
         "}",

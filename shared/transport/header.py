@@ -72,21 +72,30 @@ class SeamHeader:
         return count * self.dtype.itemsize
 
     def pack(self) -> bytes:
+        buffer = bytearray(HEADER_BYTES)
+        self.pack_into(buffer)
+        return bytes(buffer)
+
+    def pack_into(self, buffer: bytearray | memoryview, *, reply_tag: int | None = None,
+                  device_seq: int | None = None, on_device: bool | None = None) -> None:
+        """Write the header at the start of `buffer` (a frame's own message buffer: no copy), with the
+        fields the transport decides given here."""
+        reply_tag = self.reply_tag if reply_tag is None else reply_tag
+        device_seq = self.device_seq if device_seq is None else device_seq
+        on_device = self.on_device if on_device is None else on_device
         mb_id = self.mb_id.encode()
         if len(mb_id) > MB_ID_MAX_BYTES:
             raise SeamFrameError(f"microbatch id {self.mb_id[:40]!r}... is over {MB_ID_MAX_BYTES} bytes")
-        if not (0 <= self.reply_tag < 1 << 32 and 0 <= self.device_seq < 1 << 32):
-            raise SeamFrameError(f"reply tag {self.reply_tag} or device seq {self.device_seq} is not a u32")
+        if not (0 <= reply_tag < 1 << 32 and 0 <= device_seq < 1 << 32):
+            raise SeamFrameError(f"reply tag {reply_tag} or device seq {device_seq} is not a u32")
         if len(self.shape) > MAX_DIMS or any(d < 0 for d in self.shape):
             raise SeamFrameError(f"a seam tensor has at most {MAX_DIMS} non-negative dims, got {list(self.shape)}")
         if self.dtype not in _DTYPES:
             raise SeamFrameError(f"unsupported seam dtype {self.dtype} (supported: {_names()})")
         dims = (*self.shape, *(0,) * (MAX_DIMS - len(self.shape)))
-        return _LAYOUT.pack(MAGIC, _KINDS.index(self.kind), _PHASES.index(self.phase), _DTYPES.index(self.dtype),
-                            len(self.shape), int(self.on_device), self.layer, self.reply_tag, self.device_seq,
-                            *dims, self.nbytes,
-                            self.energy_j,
-                            self.compute_s, len(mb_id), mb_id)
+        _LAYOUT.pack_into(buffer, 0, MAGIC, _KINDS.index(self.kind), _PHASES.index(self.phase),
+                          _DTYPES.index(self.dtype), len(self.shape), int(on_device), self.layer, reply_tag, device_seq,
+                          *dims, self.nbytes, self.energy_j, self.compute_s, len(mb_id), mb_id)
 
     @classmethod
     def unpack(cls, data: bytes | bytearray | memoryview) -> SeamHeader:

@@ -25,7 +25,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
-import dataclasses
 import logging
 import socket
 import threading
@@ -33,6 +32,7 @@ from datetime import timedelta
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
+import numpy as np
 import orjson
 import torch
 from torch import Tensor
@@ -122,13 +122,12 @@ class TorchSeam:
             raise SeamError(f"no seam open to {peer.worker_id} at {peer.address} (lost, or never connected)")
         tensor, on_device = self._placed(pair, tensor)
         tag = pair.next_reply_tag()
-        header = dataclasses.replace(header, reply_tag=tag, on_device=on_device)
         room = HEADER_BYTES + max(header.nbytes, ERROR_ROOM_BYTES)  # a reply has the request's shape, or is an error
-        buffer = torch.empty(room if room <= INLINE_BYTES else HEADER_BYTES + ERROR_ROOM_BYTES, dtype=torch.uint8)
+        buffer = np.empty(room if room <= INLINE_BYTES else HEADER_BYTES + ERROR_ROOM_BYTES, dtype=np.uint8)
         timeout = timedelta(seconds=timeout_s)
         try:
             work = pair.post_receive(buffer, tag)
-            pair.send(header, tensor, REQUEST_TAG)
+            pair.send(header, tensor, REQUEST_TAG, reply_tag=tag, on_device=on_device)
         except RuntimeError as exc:
             self._lose(pair, f"send failed: {exc}")
             raise SeamError(f"seam to {peer.worker_id} failed: {exc}") from None
@@ -140,7 +139,7 @@ class TorchSeam:
         return await self._loop.run_in_executor(self._waiters, self._await_reply, pair, buffer, work, tag, timeout,
                                                 False)
 
-    def _await_reply(self, pair: Pair, buffer: Tensor, work: Any, tag: int, timeout: timedelta, on_loop: bool
+    def _await_reply(self, pair: Pair, buffer: np.ndarray, work: Any, tag: int, timeout: timedelta, on_loop: bool
                      ) -> Frame:
         try:
             header, tensor = pair.finish_receive(buffer, work, tag, timeout, copy=False)
@@ -225,7 +224,7 @@ class TorchSeam:
 
     def _receive(self, pair: Pair) -> None:
         """A pair's receiver thread: each request to `on_frame`, here, until the pair fails or closes."""
-        buffer = torch.empty(INLINE_BYTES, dtype=torch.uint8)
+        buffer = np.empty(INLINE_BYTES, dtype=np.uint8)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         try:
@@ -247,7 +246,7 @@ class TorchSeam:
             return
         tensor, on_device = self._placed(pair, tensor)
         try:
-            pair.send(dataclasses.replace(header, on_device=on_device), tensor, request.header.reply_tag)
+            pair.send(header, tensor, request.header.reply_tag, on_device=on_device)
         except RuntimeError as exc:  # the receiver thread sees the broken pair too, and reports it
             log.warning("seam: reply to %s failed: %s", request.peer.worker_id, exc)
 
