@@ -74,7 +74,6 @@ from shared.transport.seams import make_seam
 log = logging.getLogger("aflex.attention_worker")
 
 SHUTDOWN_GRACE_S = 10.0  # how long a stopping worker lets in-flight microbatches finish
-YIELD_EVERY_S = 0.02  # a microbatch whose hops wait on the loop's thread lets the loop run this often
 
 
 _DONE_FIELDS = frozenset(MicrobatchDone.model_fields)  # energy fields are filled where the schema has them
@@ -385,14 +384,8 @@ class AttentionWorker:
         timing["attention_s"] += time.perf_counter() - t
         layer_work = attention_work(model.args, meta.n_tokens, [a.end for a in admitted], dtype_bytes=dtype_bytes)
         ffn_out: Tensor | None = None
-        yielded = time.perf_counter()
+        block = phase == "decode"  # short waits: on the loop's thread (see the torch seam)
         for layer in range(model.args.n_layers):
-            # Alone, a decode microbatch waits for its FFN replies on this thread (no hand-off), and gives
-            # the loop a turn every YIELD_EVERY_S (heartbeats, commands, a new descriptor).
-            block = phase == "decode" and len(self._active_mbs) == 1
-            if block and time.perf_counter() - yielded > YIELD_EVERY_S:
-                await asyncio.sleep(0)
-                yielded = time.perf_counter()
             controller.before_microbatch(phase)
             energy0 = gpu.total_energy_j()
             t = time.perf_counter()

@@ -14,20 +14,25 @@ Threads, and why: a hand-off between threads costs tens of microseconds on every
 are as few as the job allows. The FFN side has one receiver thread per pair, blocked in gloo's
 `recv` (GIL released), which calls `on_frame` itself: the FFN worker serves the frame on that
 thread and replies from it. The attention side has none: a `request` posts the receive for its
-reply (on a fresh tag) before it sends, then waits for it on the calling thread (`block`, for
-short waits) or on a pool thread that wakes the event loop. A peer that dies closes its TCP
-connection and every wait on it fails within a second; a peer that hangs is dropped by the worker
-(from heartbeats), which aborts the pair (`Pair.abort`).
+reply (on a fresh tag) before it sends, then waits for it on a pool thread that wakes the event
+loop, or, with `block` (short waits: decode), on the loop's own thread: once whatever else is
+ready has run (another microbatch's attention), the loop waits for the oldest outstanding reply
+(an FFN worker answers a pair's frames in order) and hands it to its request (`_drive`), so the
+ping-pong of two microbatches costs no thread hand-off.
+A peer that dies closes its TCP connection and every wait on it fails within a second; a peer that
+hangs is dropped by the worker (from heartbeats), which aborts the pair (`Pair.abort`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 import contextlib
 import logging
 import socket
 import threading
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
@@ -66,6 +71,19 @@ def local_host_towards(url: str) -> str:
             return "127.0.0.1"
 
 
+@dataclass
+class _Pending:
+    """A request waiting for its reply on the event loop's thread."""
+
+    pair: Pair
+    buffer: np.ndarray
+    work: Any
+    tag: int
+    timeout: timedelta
+    future: asyncio.Future[Frame]
+    counted: int = 0  # 1 while settled and its request has not run yet
+
+
 class TorchSeam:
     """The seam on torch.distributed. `listen=True` (the FFN worker) hosts a store and accepts pairs."""
 
@@ -83,6 +101,9 @@ class TorchSeam:
         self._closing = threading.Event()
         self._threads: list[threading.Thread] = []
         self._waiters = concurrent.futures.ThreadPoolExecutor(8, thread_name_prefix="seam-wait")
+        self._in_order: collections.deque[_Pending] = collections.deque()  # `block` requests, oldest first
+        self._settled = 0  # replies handed to their requests that have not run yet
+        self._drive_scheduled = False
         self._warned_host_copy = False
         self._next_join = 1  # the join number the acceptor waits for
 
@@ -133,11 +154,49 @@ class TorchSeam:
             raise SeamError(f"seam to {peer.worker_id} failed: {exc}") from None
         if after_send is not None:
             after_send()
-        if block:
-            return self._await_reply(pair, buffer, work, tag, timeout, on_loop=True)
-        assert self._loop is not None
-        return await self._loop.run_in_executor(self._waiters, self._await_reply, pair, buffer, work, tag, timeout,
-                                                False)
+        loop = self._loop
+        assert loop is not None
+        if not block:
+            return await loop.run_in_executor(self._waiters, self._await_reply, pair, buffer, work, tag, timeout,
+                                              False)
+        pending = _Pending(pair, buffer, work, tag, timeout, loop.create_future())
+        self._in_order.append(pending)
+        self._drive_later()  # whatever else is ready runs first (another microbatch's attention)
+        try:
+            return await pending.future
+        finally:
+            self._settled -= pending.counted
+            pending.counted = 0
+
+    def _settle(self, pending: _Pending) -> None:
+        """Wait (blocking) for one reply and hand it to its request (if that still waits)."""
+        try:
+            frame = self._await_reply(pending.pair, pending.buffer, pending.work, pending.tag, pending.timeout, True)
+        except SeamError as exc:
+            if not pending.future.done():
+                pending.future.set_exception(exc)
+                pending.counted = 1
+        else:
+            if not pending.future.done():
+                pending.future.set_result(frame)
+                pending.counted = 1
+        self._settled += pending.counted
+
+    def _drive_later(self) -> None:
+        if not self._drive_scheduled and self._loop is not None:
+            self._drive_scheduled = True
+            self._loop.call_soon(self._drive)
+
+    def _drive(self) -> None:
+        """Once whatever is ready has run: wait for the oldest outstanding reply, unless a request whose
+        reply is in has yet to run (then after it)."""
+        self._drive_scheduled = False
+        if not self._in_order:
+            return
+        if self._settled == 0:
+            self._settle(self._in_order.popleft())
+        if self._in_order:
+            self._drive_later()
 
     def _await_reply(self, pair: Pair, buffer: np.ndarray, work: Any, tag: int, timeout: timedelta, on_loop: bool
                      ) -> Frame:
