@@ -10,6 +10,7 @@ that names the tensor, the shapes and the file.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol
 
@@ -139,16 +140,22 @@ def load_module(module: nn.Module, tensors: TensorSource, name_of: dict[str, str
     module.eval()
 
 
+def _load_half(half: nn.Module, tensor_name: Callable[[str], str], tensors: TensorSource, dtype: torch.dtype,
+               device: torch.device | str, quantize: str) -> tuple[torch.device, str]:
+    """Fill a half built on the meta device with its checkpoint tensors; returns (device, quantization)."""
+    target = check_device(device)
+    mode = check_quantization(quantize, target)
+    load_module(half, tensors, {key: tensor_name(key) for key, _ in half.named_parameters()}, dtype, target)
+    return target, mode
+
+
 def load_attention_half(args: ModelArgs, tensors: TensorSource, dtype: torch.dtype = torch.float32,
                         device: torch.device | str = "cpu", quantize: str = "none") -> nn.Module:
     from shared.model.attention import AttentionHalf
 
-    target = check_device(device)
-    mode = check_quantization(quantize, target)
     with torch.device("meta"):
         half = AttentionHalf(args)
-    name_of = {key: attention_tensor_name(key) for key, _ in half.named_parameters()}
-    load_module(half, tensors, name_of, dtype, target)
+    _, mode = _load_half(half, attention_tensor_name, tensors, dtype, device, quantize)
     if mode == "int8":
         half.quantize_int8()
     return half
@@ -158,12 +165,9 @@ def load_ffn_half(args: ModelArgs, tensors: TensorSource, dtype: torch.dtype = t
                   device: torch.device | str = "cpu", quantize: str = "none") -> nn.Module:
     from shared.model.ffn import FFNHalf
 
-    target = check_device(device)
-    mode = check_quantization(quantize, target)
     with torch.device("meta"):
         half = FFNHalf(args)
-    name_of = {key: ffn_tensor_name(key, args) for key, _ in half.named_parameters()}
-    load_module(half, tensors, name_of, dtype, target)
+    target, mode = _load_half(half, lambda key: ffn_tensor_name(key, args), tensors, dtype, device, quantize)
     half.activation_dtype, half.device, half.weight_bytes = dtype, target, dtype.itemsize
     if mode == "int8":
         half.quantize_int8()
