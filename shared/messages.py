@@ -3,7 +3,7 @@
 Every control message is a pydantic model: it validates what arrives (a malformed message is a
 typed `ProtocolError`, never a crash deep in a service), and `model_json_schema()` gives the
 JSON Schemas that docs/protocol.md publishes for outside subscribers. Seam tensors do not go
-through here: they are binary frames (wire.py) on the per-layer hot path.
+through here: they are binary frames (`shared/transport/header.py`) on the seam, off NATS.
 """
 
 from __future__ import annotations
