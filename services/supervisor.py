@@ -94,10 +94,9 @@ ChildDeathHook = Callable[[ChildExit], None]
 CommandBuilder = Callable[[argparse.Namespace], list[ChildSpec]]
 
 WORKER_ROLES = frozenset({"attention-worker", "ffn-worker"})
-# the services' knobs `aflex up` takes itself and hands down (its flags are generated from these fields)
-SCHEDULER_KNOBS = ("microbatch_depth", "batching", "freq_policy")
+SCHEDULER_KNOBS = ("microbatch_depth", "batching", "freq_policy")  # what `aflex up` takes itself and hands down
 WORKER_KNOBS = ("device", "dtype", "quantize", "torch_threads", "seam_transport", "gpu_backend", "gpu_profile",
-                "gpu_pace")
+                "gpu_pace")  # (the flags of both are generated from these settings fields)
 
 
 def describe_status(returncode: int) -> str:

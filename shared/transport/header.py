@@ -124,6 +124,13 @@ def header_for(kind: FrameKind, mb_id: str, layer: int, phase: FramePhase, tenso
                       shape=tuple(tensor.shape), energy_j=energy_j, compute_s=compute_s)
 
 
+def as_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """A payload's bytes: the tensor's storage as flat uint8 (a view when it is contiguous)."""
+    if tensor.numel() == 0:
+        return torch.empty(0, dtype=torch.uint8, device=tensor.device)
+    return tensor.contiguous().view(-1).view(torch.uint8)
+
+
 def error_payload(message: str) -> torch.Tensor:
     """An error frame's payload: the message as utf-8 bytes ([n] uint8), at most ERROR_TEXT_MAX_BYTES."""
     data = message.encode()[:ERROR_TEXT_MAX_BYTES]

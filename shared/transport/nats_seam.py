@@ -28,7 +28,7 @@ from nats.aio.subscription import Subscription
 from torch import Tensor
 
 from shared import subjects
-from shared.transport.header import HEADER_BYTES, SeamFrameError, SeamHeader
+from shared.transport.header import HEADER_BYTES, SeamFrameError, SeamHeader, as_bytes
 from shared.transport.seam import Frame, OnFrame, OnPeerLost, Peer, SeamError
 
 log = logging.getLogger("aflex.seam")
@@ -38,13 +38,6 @@ log = logging.getLogger("aflex.seam")
 class _Partial:
     header: SeamHeader
     data: bytearray
-
-
-def _payload_bytes(tensor: Tensor) -> memoryview:
-    t = tensor.detach().cpu().contiguous()
-    if t.numel() == 0:
-        return memoryview(b"")
-    return t.view(-1).view(torch.uint8).numpy().data
 
 
 def _tensor(header: SeamHeader, data: bytearray | memoryview) -> Tensor:
@@ -109,7 +102,7 @@ class NatsSeam:
         """Queue the frame's messages (nats-py writes them on the loop's next turn, in order)."""
         if self.nc.is_closed:
             raise SeamError(f"seam to {peer.worker_id}: the NATS connection is closed")
-        payload = _payload_bytes(tensor)
+        payload = as_bytes(tensor.detach().cpu()).numpy().data
         room = self.nc.max_payload - HEADER_BYTES
         messages = [header.pack() + payload[:room]]
         step = self.nc.max_payload

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from shared.transport.header import ERROR_TEXT_MAX_BYTES, HEADER_BYTES, SeamFrameError, SeamHeader
+from shared.transport.header import ERROR_TEXT_MAX_BYTES, HEADER_BYTES, SeamFrameError, SeamHeader, as_bytes
 
 INLINE_BYTES = 1 << 20  # header + payload up to this go as one message (a decode hop always does)
 ERROR_ROOM_BYTES = ERROR_TEXT_MAX_BYTES  # a reply buffer is at least this big, so an error frame fits
@@ -34,13 +34,6 @@ FIRST_REPLY_TAG = 2
 LAST_REPLY_TAG = (1 << 30) - 1
 ABORT_TAG = 1 << 30  # never sent: a receive on it that times out is how a pair is aborted
 SENDS_KEPT = 64  # posted sends (and the tensors they read) kept before the oldest, long done, is reaped
-
-
-def as_bytes(tensor: Tensor) -> Tensor:
-    """The tensor's storage as flat uint8 (a view when it is contiguous)."""
-    if tensor.numel() == 0:
-        return torch.empty(0, dtype=torch.uint8, device=tensor.device)
-    return tensor.contiguous().view(-1).view(torch.uint8)
 
 
 class Pair:
