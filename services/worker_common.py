@@ -20,7 +20,7 @@ import logging
 import os
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Literal, TypeVar
 
 from nats.aio.client import Client
 from nats.aio.msg import Msg
@@ -43,6 +43,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("aflex.worker")
 
+HalfT = TypeVar("HalfT", bound="nn.Module")
+
 REGISTER_ATTEMPT_TIMEOUT_S = 2.0  # one registration request; retried until register_timeout_s
 REGISTER_RETRY_WAIT_S = 0.5  # pause after "no responders" (no scheduler subscribed yet)
 HEARTBEAT_REPLY_WAIT_S = 0.25  # how long a heartbeat waits for an (optional) scheduler reply
@@ -61,18 +63,20 @@ def torch_dtype(name: str) -> torch.dtype:
     return dtype
 
 
-def load_half(spec: str, half: Literal["attention", "ffn"], dtype: str, device: str, quantize: str = "none"
-              ) -> tuple[Checkpoint, nn.Module]:
-    """Open the checkpoint and load only one half's tensors (a worker never holds the other half).
+def load_half(settings: WorkerSettings, half: type[HalfT]) -> tuple[Checkpoint, HalfT]:
+    """Open the settings' checkpoint and load only `half`'s tensors (a worker never holds the other half).
 
     Blocking (reads weights): services call it through `asyncio.to_thread`.
     """
+    from shared.model.attention import AttentionHalf
     from shared.model.checkpoint import open_checkpoint
     from shared.model.weights import load_attention_half, load_ffn_half
 
-    checkpoint = open_checkpoint(spec)
-    load = load_attention_half if half == "attention" else load_ffn_half
-    module = load(checkpoint.args, checkpoint.tensors, torch_dtype(dtype), device, quantize)
+    checkpoint = open_checkpoint(settings.model)
+    load = load_attention_half if issubclass(half, AttentionHalf) else load_ffn_half
+    module = load(checkpoint.args, checkpoint.tensors, torch_dtype(settings.dtype), settings.device, settings.quantize)
+    if not isinstance(module, half):
+        raise TypeError(f"asked to load a {half.__name__}, got a {type(module).__name__}")
     return checkpoint, module
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import json
 import re
+import tomllib
 from pathlib import Path
 from typing import Any
 
@@ -123,8 +124,10 @@ def test_dockerfile_runs_aflex_as_non_root_with_cpu_torch() -> None:
     assert 'ENTRYPOINT ["aflex"]' in text and "EXPOSE 8000" in text
     users = re.findall(r"^USER\s+(\S+)", text, re.M)
     assert users and users[-1] != "root"
-    # every stage a service runs ends unprivileged
+    # every stage a service runs ends unprivileged (`FROM scratch` holds files and runs nothing)
     for stage in re.split(r"^FROM\s", text, flags=re.M)[1:]:
+        if stage.startswith("scratch "):
+            continue
         stage_users = re.findall(r"^USER\s+(\S+)", stage, re.M)
         assert stage_users and stage_users[-1] == "aflex", stage.splitlines()[0]
 
@@ -179,3 +182,11 @@ def test_gpu_override_reserves_one_gpu_per_worker_with_sys_admin() -> None:
     assert len(seen) == len(set(seen)), "two workers reserve the same GPU"
     for service in ("gateway", "scheduler"):
         assert "deploy" not in services[service] and services[service]["build"]["target"] == "cpu"
+
+
+def test_dockerfile_copies_every_package_pyproject_installs() -> None:
+    """A package pip finds in the repository but the image never got would install nothing, silently."""
+    include = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]["include"]
+    packages = {pattern.rstrip("*") for pattern in include}
+    copied = set(re.findall(r"^COPY\s+(\w+)\s+/src/\1$", (COMPOSE / "Dockerfile").read_text(), re.M))
+    assert packages and packages <= copied, packages - copied

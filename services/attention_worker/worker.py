@@ -124,13 +124,12 @@ class AttentionWorker:
 
     def load(self) -> None:
         """Load the attention half and allocate the KV cache (blocking)."""
-        s = self.settings
-        checkpoint, module = load_half(s.model, "attention", s.dtype, s.device, s.quantize)
-        assert isinstance(module, AttentionHalf)
+        checkpoint, module = load_half(self.settings, AttentionHalf)
         self.model, self.model_id = module, checkpoint.model_id
+        n_blocks, block_size = self.settings.num_kv_blocks, self.settings.block_size
         weight = module.embed_tokens.weight
-        self.kv = PagedKVStore(module.args, s.num_kv_blocks * s.block_size, weight.dtype, weight.device)
-        tables = BlockTables(BlockAllocator(s.num_kv_blocks, s.block_size))
+        self.kv = PagedKVStore(module.args, n_blocks * block_size, weight.dtype, weight.device)
+        tables = BlockTables(BlockAllocator(n_blocks, block_size))
         self.sequences = SequenceTable(tables, eos_token_ids(checkpoint), module.args.vocab_size,
                                        module.args.max_seq_len)
 

@@ -71,10 +71,8 @@ class FFNWorker:
     # -- lifecycle ------------------------------------------------------------------------------
 
     def load(self) -> None:
-        s = self.settings
-        checkpoint, module = load_half(s.model, "ffn", s.dtype, s.device, s.quantize)
-        assert isinstance(module, FFNHalf)
-        self.model, self.model_id = module, checkpoint.model_id
+        checkpoint, self.model = load_half(self.settings, FFNHalf)
+        self.model_id = checkpoint.model_id
 
     async def run(self, stop: asyncio.Event | None = None) -> None:
         """Serve until `stop` is set (or SIGTERM/SIGINT); then unsubscribe, serve what is queued, drain."""

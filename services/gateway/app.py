@@ -226,7 +226,7 @@ async def _generate(request: Request, gateway: Gateway, body: _GenerationRequest
         raise invalid(f"min_tokens must be at most max_tokens={max_tokens}, got {body.min_tokens}", "min_tokens")
     request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     generation = Generation(
-        gateway.nc, request_id=request_id, model_id=gateway.card.model_id, prompt_ids=prompt_ids,
+        nc=gateway.nc, request_id=request_id, model_id=gateway.card.model_id, prompt_ids=prompt_ids,
         sampling=body.sampling(max_tokens), stop=body.stop_strings(), tokenizer=gateway.tokenizer,
         submit_timeout_s=gateway.settings.submit_timeout_s, token_timeout_s=gateway.settings.request_timeout_s,
         metrics=request.app.state.metrics,

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import nats.errors
@@ -71,28 +71,26 @@ def unavailable(message: str) -> APIError:
                     headers=retry_after_headers(UNAVAILABLE_RETRY_AFTER_S))
 
 
+@dataclass(kw_only=True)
 class Generation:
     """A submitted request. Use `submit()`, then iterate `events()`, and always `release()` at the end."""
 
-    def __init__(self, nc: Client, *, request_id: str, model_id: str, prompt_ids: list[int],
-                 sampling: SamplingSpec, stop: tuple[str, ...], tokenizer: Tokenizer,
-                 submit_timeout_s: float, token_timeout_s: float, metrics: GatewayMetrics | None = None) -> None:
-        self.nc = nc
-        self.request_id = request_id
-        self.model_id = model_id
-        self.prompt_ids = prompt_ids
-        self.sampling = sampling
-        self.stop = stop
-        self.tokenizer = tokenizer
-        self.submit_timeout_s = submit_timeout_s
-        self.token_timeout_s = token_timeout_s
-        self.finished = False  # the scheduler is done with it (finished, failed, rejected or cancelled by us)
-        self._sub: Subscription | None = None
-        self._pending: dict[int, OutputDelta] = {}
-        self._next_index = 0
-        self.metrics = metrics
-        self._submitted_at = 0.0  # monotonic; TTFT and e2e latency are measured from here
-        self._first_token_at: float | None = None
+    nc: Client
+    request_id: str
+    model_id: str
+    prompt_ids: list[int]
+    sampling: SamplingSpec
+    stop: tuple[str, ...]
+    tokenizer: Tokenizer
+    submit_timeout_s: float
+    token_timeout_s: float
+    metrics: GatewayMetrics | None = None
+    finished: bool = field(default=False, init=False)  # the scheduler is done with it (or we cancelled it)
+    _sub: Subscription | None = field(default=None, init=False)
+    _pending: dict[int, OutputDelta] = field(default_factory=dict, init=False)
+    _next_index: int = field(default=0, init=False)
+    _submitted_at: float = field(default=0.0, init=False)  # monotonic; TTFT and e2e latency count from here
+    _first_token_at: float | None = field(default=None, init=False)
 
     async def submit(self) -> None:
         """Subscribe to the outputs, then submit; raise `APIError` when the scheduler does not take it."""
