@@ -1,25 +1,10 @@
 """`aflex up`: the whole mesh on one machine, each service a supervised subprocess.
 
-Why subprocesses and not tasks in one event loop: every service runs exactly as it does in
-compose (its own process, its own `aflex <service>` command, NATS in between), so what works here
-works there, and a worker that crashes or hangs cannot take the others down with it.
-
-What the supervisor does and does not do:
-- Starts an embedded nats-server unless `AFLEX_NATS_URL` names one, then the scheduler, the
-  attention workers, the FFN workers and the gateway, in that order, each in its own process
-  group (Ctrl-C reaches only the supervisor, which then stops the children in a chosen order),
-  each with its settings in `AFLEX_*` variables.
-- Prefixes every line a child writes (`[attn-0] ...`), keeping stdout and stderr apart.
-- Waits until the gateway's `GET /ready` answers 200, then prints one "AFlex is serving" line.
-- A child that dies is reported (`aflex up: attn-0 exited with status 1`) and never restarted:
-  a restart would hide the fault, and a worker's state (KV cache, GPU clock) is not recoverable
-  by starting it again blindly. The scheduler notices a missing worker by its heartbeats. When
-  the gateway or the scheduler dies, nothing can serve, so the supervisor stops everything and
-  exits 1; when a worker dies the others keep serving.
-- On SIGINT/SIGTERM: stops the gateway (no new requests), the scheduler, then the workers
-  (SIGTERM, then SIGKILL after a grace period), then the nats-server, and exits 0.
-- Calls the `on_child_death` hooks for every child that died on its own or had to be killed
-  (`aflex up` resets a dead worker's GPU clock there).
+Subprocesses, not tasks in one loop, so every service runs exactly as in compose and a worker that
+crashes or hangs cannot take the others down. It starts NATS, the scheduler, the workers and the
+gateway in order, prefixes their output, waits for `/ready`, reports a child that dies (never
+restarts it; the gateway or the scheduler dying stops everything), and stops all in order on
+SIGINT/SIGTERM. The behaviour in full: docs/architecture.md, "`aflex up`".
 """
 
 from __future__ import annotations

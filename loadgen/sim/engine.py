@@ -23,12 +23,12 @@ from __future__ import annotations
 import heapq
 import math
 from collections import deque
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from loadgen.sim.arrivals import Arrivals
+from loadgen.sim.config import ACCOUNTINGS, SimConfig
 from loadgen.sim.controller import Controller
 from loadgen.sim.fleet import Fleet, Pool
 from loadgen.sim.ledger import EnergyLedger
@@ -60,27 +60,7 @@ from shared.policy.placement import (
 )
 
 OPERATOR_KEYS = ("prefill-attention", "prefill-ffn", "decode-attention", "decode-ffn")
-ACCOUNTINGS = ("cluster", "active")
 AT_MAX = ClockRule(max_clock=True, depths=(1,))  # the prefill cap's "time at the top clock"
-
-
-@dataclass
-class SimConfig:
-    gpus: int = 16
-    ttft_slo_s: float = 0.4
-    tpot_slo_s: float = 0.12
-    link_bytes_s: float = 400e9  # A/F seam and TP all-reduce (NVLink); KV transfer P->D uses it too
-    switch_delay_s: float | None = None  # None: the profile's clock_switch_delay
-    window_s: float = 300.0
-    tick_s: float = 30.0
-    headroom: float = 1.3
-    parking: str = "auto"  # GPUs outside a scaling policy's plan: "warm", "cold", or "auto" (break-even)
-    accounting: str = "cluster"  # which accounting the top-level energy fields report (both are always in)
-    colocated_tp: int | None = None  # None: the smallest TP that holds the model and fits the p90 prompt
-    burst_subwindow_s: float = 30.0  # dynamic provisioning sizes for a quantile of these sub-window rates
-    burst_quantile: float = 0.9  # 0.5 ~ the window's mean rate; 1.0 its busiest sub-window
-    record_power: bool = False
-    seed: int = 0
 
 
 class Simulation:

@@ -1,25 +1,11 @@
 """`static-oracle`: the best fixed AFlex configuration for a trace, chosen in hindsight by replaying a grid.
 
-A configuration is AFlex's pipeline (A/F split prefill and decode pools, its batching and depth choice)
-with everything the controllers would otherwise change held fixed for the whole trace: the pool shapes
-and four clocks (prefill attention, prefill FFN, decode attention, decode FFN). The grid:
-
-- shapes: AFlex's own provisioner run once on the trace's busiest 5-minute window at each of
-  `HEADROOMS` (hindsight: it sees the whole trace), distinct plans only;
-- clocks: `levels` per operator, prefill levels from the knee to the top and decode levels around the
-  bandwidth-saturation clock (`clock_levels`).
-
-The search uses that the two pools do not share GPUs or SLOs: the prefill pool's energy and the TTFT
-depend only on the prefill clocks, the decode pool's energy and the TPOT only on the decode clocks
-(decode arrivals move a little with prefill clocks). So replay k runs prefill combination k beside
-decode combination k, and `levels²` replays per shape screen both full grids. Then each shape's
-`top_k` best prefill combinations (least prefill-pool energy to a common horizon, P90 TTFT inside
-the SLO) are paired with its `top_k` best decode combinations (least energy outside the prefill
-pool, P90 TPOT inside). A pair is replayed whole when its screened estimate (the sum) is within 1%
-of the least over all shapes: the run's length still couples the pools a little. The least-energy
-configuration that meets both SLOs wins. Cost: shapes × levels² screening replays plus a few joint
-ones, spread over `workers` processes. `exhaustive=True` replays every joint combination instead
-(levels⁴ per shape: the tests check the two agree on a small case).
+A configuration is AFlex's pipeline with the pool shapes and four clocks (prefill/decode × attention/
+FFN) held for the whole trace; shapes from AFlex's provisioner on the busiest window at each of
+`HEADROOMS`, clocks at `levels` per operator (`clock_levels`). The two pools share neither GPUs nor
+SLOs, so one replay screens a prefill and a decode combination side by side, and only the `top_k`
+best of each are paired and replayed whole; `exhaustive=True` replays every joint combination (the
+tests check the two agree on a small case). The search in full: docs/evaluation.md, "static-oracle".
 """
 
 from __future__ import annotations

@@ -1,24 +1,8 @@
 """The policies the simulator compares: the paper's baselines, our own reference points, AFlex and its ablations.
 
-Each changes only what its own design changes; all share one GPU profile, one model and one predictor.
-
-| policy | placement | scaling | clocks |
-|---|---|---|---|
-| `sglang` (alias `colocated-max`) | colocated instances | static | max |
-| `phase-dvfs` | colocated instances | static | per phase, lowest feasible per iteration |
-| `dynamollm` | colocated instances | count and TP per window, scaled-in GPUs parked | per phase, per iteration |
-| `distserve` | P/D instance pools, goodput-optimal placement fixed once | static | max |
-| `biscale` | P/D instance pools | GPUs per phase per window | per phase (phase-level DVFS) |
-| `af-max` | A/F split, P/D pools (MegaScale-Infer-style plan at peak) | static | max |
-| `aflex` | A/F split, P/D pools | per window | per operator and phase, per iteration |
-
-Ablations: `aflex-no-opfreq` (one clock for both halves), `aflex-fixed-depth` (depth 2 always),
-`aflex-no-adaptive-batch` (FCFS, fixed chunks), `aflex-global-only` (the global scheduler alone: pools
-and base clocks per window, no per-iteration DVFS); `dynamollm-no-dvfs` (instance scaling at the top
-clock: throttLL'eM's "autoscaling alone"; `phase-dvfs` is its "throttling alone").
-
-`static-oracle` is AFlex's pipeline with one fixed configuration (pool shapes and four clocks) chosen
-in hindsight by `loadgen.sim.oracle`; its spec is made there, with the configuration in it.
+Each changes only what its own design changes (placement, scaling, clocks); all share one GPU
+profile, one model and one predictor. The table of what each one is: docs/evaluation.md, "The
+policies". `static-oracle`'s spec is made in `loadgen.sim.oracle`, with its configuration in it.
 """
 
 from __future__ import annotations

@@ -8,12 +8,37 @@ Every figure here is modelled (the emulated GPU profile), never measured.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
 if TYPE_CHECKING:
-    from loadgen.sim.engine import Simulation
+    from loadgen.sim.arrivals import Arrivals
+    from loadgen.sim.config import SimConfig
+    from loadgen.sim.fleet import Pool
+    from loadgen.sim.ledger import EnergyLedger
+    from loadgen.sim.planning import SimPlanner
+    from shared.policy import SloMargin
+
+
+class FinishedRun(Protocol):
+    """What a finished `Simulation` holds that its figures are read from (so this module needs no engine)."""
+
+    arr: Arrivals
+    cfg: SimConfig
+    ledger: EnergyLedger
+    first: np.ndarray  # per request: first token time (s), NaN if none
+    finish: np.ndarray  # per request: finish time (s), NaN if unfinished
+    makespan: float
+    clock_time: dict[str, float]  # GPU-seconds busy per operator
+    clock_weighted: dict[str, float]  # the same weighted by clock (MHz·s)
+    pools: dict[str, Pool]
+    parking: str
+    rejoins: list[tuple[float, int, str, float]]
+    planner: SimPlanner
+    plans: list[tuple[float, dict[str, Any]]]
+    margin_ttft: SloMargin
+    margin_tpot: SloMargin
 
 
 def energy_figures(energy_j: float, gpu_s: float, span_s: float, prompt_tokens: float,
@@ -28,7 +53,7 @@ def energy_figures(energy_j: float, gpu_s: float, span_s: float, prompt_tokens: 
     }
 
 
-def sim_results(sim: Simulation) -> dict[str, Any]:
+def sim_results(sim: FinishedRun) -> dict[str, Any]:
     a, cfg, led = sim.arr, sim.cfg, sim.ledger
     ttft = (sim.first - a.time_s) * 1e3
     multi = a.output > 1

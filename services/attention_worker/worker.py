@@ -1,24 +1,10 @@
 """The attention worker: runs microbatches through every layer, ping-ponging with an FFN worker.
 
-`MicrobatchDescriptor`s from the scheduler arrive on `attn.<wid>.mb`; registration, heartbeats and
-`MicrobatchDone` go on the same NATS connection. The seam tensors do not: they go through the
-worker's seam (`shared/transport/`: torch.distributed by default), opened to each FFN worker on its
-first hop (`ffn_hops.py`). Each descriptor runs as its own asyncio task: it computes inline on the
-event loop and awaits the FFN's reply for each layer, and those awaits are where microbatches
-interleave (the A/F ping-pong pipeline: while the FFN works on one microbatch's layer l, this worker
-computes another's attention). A hop fails early, and with it its microbatch, when the seam to its
-FFN worker breaks or that worker's heartbeats stop (`ffn_watch.py`).
-
-Before each compute section (a layer's attention, the lm_head) the worker asks its DVFS controller
-for the clock of the microbatch's phase ("decode" runs decode clocks, "prefill" and "mixed" prefill
-clocks); every operator call is accounted on the GPU (`GPU.run`: modelled time, and with the
-emulated backend's pace a sleep), and the GPU's energy over those sections is the microbatch's
-attention energy. The seam frames carry the phase to the FFN worker, whose replies carry the energy
-of their share of each FFN forward; `MicrobatchDone` reports both.
-
-Every descriptor gets exactly one `MicrobatchDone` on `sched.done`, whatever happens: sequences
-that cannot run are listed in `failed_seq_ids` and the rest still run; an exception fails the
-whole microbatch (all its sequences) but never the worker.
+Descriptors come on NATS (`attn.<wid>.mb`), the seam tensors go through the worker's seam
+(`ffn_hops.py`). Each descriptor is its own asyncio task, computing inline and awaiting the FFN's
+reply per layer: those awaits are where microbatches interleave (the A/F pipeline). Every
+descriptor gets exactly one `MicrobatchDone`, with the energy of its attention and FFN work.
+In full: docs/architecture.md, "Inside the attention worker".
 """
 
 from __future__ import annotations

@@ -1,31 +1,10 @@
 """The worker's local DVFS controller: per-phase clocks from the scheduler, applied with hysteresis.
 
-The scheduler sends a `FrequencyCommand` per worker: one SM clock per phase (prefill, decode),
-valid until `valid_until_ts`. The worker asks the controller for its clock before it computes a
-microbatch's work (`before_microbatch(phase)`), and the controller decides whether to switch.
-
-Rules (pure logic; time comes from an injectable clock, so tests need neither GPU nor sleep):
-
-- **Clamp and snap.** Every commanded clock is clamped to the GPU's supported range and snapped
-  to the nearest supported clock when the command arrives.
-- **Desired clock.** While the command is valid (`now < valid_until_ts`) the desired clock of a
-  phase is the command's clock for that phase; a phase the command leaves out, or any phase once
-  the command expired, gets the default clock (`default_clock_mhz`, snapped; None means the GPU's
-  maximum clock, which is what the driver runs under load without a lock). A dead scheduler
-  therefore never leaves a GPU slow for longer than its commands' validity.
-- **Switch rule (no flapping).** The GPU is asked for a new clock only when the desired clock
-  differs from the current target by *more than* `hysteresis_mhz` *and* at least `min_hold_s`
-  have passed since the last switch. So between two phases whose clocks are within the band the
-  GPU stays where it is, and interleaved prefill/decode microbatches switch the clock at most once
-  per `min_hold_s`; a change that is deferred by the hold is made by the first check after the hold
-  (the worker's telemetry loop also calls `poll()`, so an idle worker still follows a new command or
-  an expiry). The first set after start (or after `reset()`) is always made.
-- **Readonly.** On `nvml-readonly` a set is recorded as not applied (`applied` False); the target is
-  still tracked so telemetry shows what was asked.
-- **Reset.** `reset()` gives the clock back to the driver; workers call it on exit (finally).
-
-The hot path (`before_microbatch`) is a clock read, a dict lookup and a few comparisons; the GPU is
-only called on a switch. On a real NVML GPU a set takes ~0.1–0.7 ms, once per `min_hold_s` at most.
+The scheduler commands one SM clock per phase, valid until a deadline; the worker asks for its clock
+before each microbatch's work (`before_microbatch(phase)`) and the controller decides whether to
+switch: clamped and snapped, the default clock once a command expires (a dead scheduler never leaves
+a GPU slow), and no switch within `hysteresis_mhz` or `min_hold_s` (no flapping between interleaved
+phases). Pure logic with an injectable clock; the rules in full: docs/gpu.md.
 """
 
 from __future__ import annotations

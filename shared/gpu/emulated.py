@@ -1,27 +1,10 @@
 """A modelled GPU for machines without one: clocks, time, power and energy from a profile.
 
-Time of one operator at SM clock f is a roofline per part (reference/gpu-control.md section 4.2):
-
-    t(f) = sum over parts of max(flops / (F_peak·e_c·f/f_max), bytes / BW(f)) + launch overhead
-    BW(f) = BW_peak·e_bw·min(1, f / f_bw_sat)
-
-Below `f_bw_sat` the SMs cannot issue loads fast enough to saturate HBM (a modelling choice), which is
-what makes energy per token U-shaped for memory-bound decode. Power while a part runs is
-
-    P(f) = P_idle(f) + P_mem·u_mem + u_sm·P_dyn·(f/f_max)·(V(f)/V_max)²,  P_dyn = TDP − P_idle(f_max) − P_mem
-    V(f) = V_min below the knee, linear up to V_max at f_max
-
-with u_mem the HBM utilisation (bytes per second moved over the achievable peak) and u_sm the SM
-activity ((t_compute + a·t_mem)/t, a = SM activity while streaming memory). Idle power depends on
-state (reference/energy-accounting.md): with a CUDA context resident it follows the DVFS state,
-
-    P_idle(f) = P_ctx·(floor + s_leak·V(f)/V_max + s_clk·(f/f_max)·(V(f)/V_max)²),  floor = 1 − s_leak − s_clk
-
-(P_ctx the context-resident idle at f_max; the shares are modelling choices), and a GPU that released
-its context draws the bare idle `idle_power_w`. Energy integrates busy time at P and the wall-clock
-gaps between calls (from the injected clock) at idle power for the clock in effect.
-A clock request takes effect `clock_switch_delay_ms` after it is made; an operator runs at the
-clock in effect when it starts.
+Time per operator is a roofline per part whose compute scales with the SM clock and whose bandwidth
+saturates above `f_bw_sat`; power is idle (state-dependent: with a context it follows the clock) plus
+an HBM term plus CMOS dynamic power f·V(f)²; energy integrates busy and idle time on the injected
+clock, and a clock request takes effect after `clock_switch_delay_ms`. The formulas and why: the
+"emulated GPU's model" section of docs/gpu.md; the numbers: profiles/SOURCES.md.
 """
 
 from __future__ import annotations

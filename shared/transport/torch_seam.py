@@ -1,26 +1,11 @@
 """The `torch` seam: frames on torch.distributed point-to-point, one 2-rank process group per pair.
 
-There is no world: each attention/FFN pair is its own process group, made when the attention
-worker first sends to that FFN worker and torn down when either side goes, so workers join and
-leave at any time. Rendezvous: the FFN worker hosts a `TCPStore` and advertises its address
-(`gloo://host:port`, plus `?gpu=<uuid>` on a GPU) in its registration and heartbeats; an attention
-worker takes a join number from the store (`aflex/joins`), writes who it is under
-`aflex/join/<n>`, and both build the group on the store prefix `aflex/pair/<n>` (attention rank 0,
-FFN rank 1). A prefix is never reused, so a restarted worker gets a fresh group. When both workers
-sit on different GPUs the pair also gets an NCCL group for CUDA payloads; on one shared GPU (NCCL
-cannot pair a device with itself) tensors go through host memory on gloo, as the log says.
-
-Threads, and why: a hand-off between threads costs tens of microseconds on every hop, so there
-are as few as the job allows. The FFN side has one receiver thread per pair, blocked in gloo's
-`recv` (GIL released), which calls `on_frame` itself: the FFN worker serves the frame on that
-thread and replies from it. The attention side has none: a `request` posts the receive for its
-reply (on a fresh tag) before it sends, then waits for it on a pool thread that wakes the event
-loop, or, with `block` (short waits: decode), on the loop's own thread: once whatever else is
-ready has run (another microbatch's attention), the loop waits for the oldest outstanding reply
-(an FFN worker answers a pair's frames in order) and hands it to its request (`_drive`), so the
-ping-pong of two microbatches costs no thread hand-off.
-A peer that dies closes its TCP connection and every wait on it fails within a second; a peer that
-hangs is dropped by the worker (from heartbeats), which aborts the pair (`Pair.abort`).
+No world: a pair's group is made through a `TCPStore` the FFN worker hosts and advertises (its
+`seam_address`) when the attention worker first sends to it, on a store prefix never reused, so
+workers join and leave at any time; NCCL joins gloo when the two sit on different GPUs. Few threads,
+because each hand-off costs tens of microseconds a hop: the FFN side's receiver thread per pair serves
+frames itself, and the attention side waits for decode replies on the event loop's own thread
+(`_drive`). Rendezvous, frames and threads in full: docs/architecture.md, "The torch seam".
 """
 
 from __future__ import annotations

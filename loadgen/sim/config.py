@@ -1,0 +1,26 @@
+"""The simulator's run settings: cluster size, SLOs, windows, parking and which accounting is reported."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+ACCOUNTINGS = ("cluster", "active")
+
+
+@dataclass
+class SimConfig:
+    gpus: int = 16
+    ttft_slo_s: float = 0.4
+    tpot_slo_s: float = 0.12
+    link_bytes_s: float = 400e9  # A/F seam and TP all-reduce (NVLink); KV transfer P->D uses it too
+    switch_delay_s: float | None = None  # None: the profile's clock_switch_delay
+    window_s: float = 300.0
+    tick_s: float = 30.0
+    headroom: float = 1.3
+    parking: str = "auto"  # GPUs outside a scaling policy's plan: "warm", "cold", or "auto" (break-even)
+    accounting: str = "cluster"  # which accounting the top-level energy fields report (both are always in)
+    colocated_tp: int | None = None  # None: the smallest TP that holds the model and fits the p90 prompt
+    burst_subwindow_s: float = 30.0  # dynamic provisioning sizes for a quantile of these sub-window rates
+    burst_quantile: float = 0.9  # 0.5 ~ the window's mean rate; 1.0 its busiest sub-window
+    record_power: bool = False
+    seed: int = 0
