@@ -25,6 +25,7 @@ __all__ = [
 ]
 
 _SEED_MASK_64 = (1 << 64) - 1
+_SEED_STRIDE = 0x9E3779B97F4A7C15  # the n-th token's seed: seed + n * stride (golden-ratio stride)
 
 
 class SequenceSampler:
@@ -48,17 +49,16 @@ class SequenceSampler:
         self._generator: torch.Generator | None = None
 
     def generator(self, device: torch.device) -> torch.Generator:
-        """The sequence's generator on `device`, created and seeded on first use there.
+        """The generator for the next token's draw, seeded from (seed, tokens generated so far).
 
-        If the logits ever move to another device the stream restarts from a seed mixed with the
-        number of tokens generated so far, so that it stays deterministic for a given history.
+        Counter-based, not one running stream: the noise of the n-th token depends only on the seed
+        and n, so a sequence rebuilt elsewhere from its tokens (a lost worker's recompute, a request
+        resubmitted to a new scheduler) draws what the first run would have drawn next.
         """
         gen = self._generator
         if gen is None or gen.device != device:
-            seed = self.seed if gen is None else self.seed + 0x9E3779B9 * (self.num_generated + 1)
-            gen = torch.Generator(device=device)
-            gen.manual_seed(seed & _SEED_MASK_64)
-            self._generator = gen
+            gen = self._generator = torch.Generator(device=device)
+        gen.manual_seed((self.seed + _SEED_STRIDE * self.num_generated) & _SEED_MASK_64)
         return gen
 
     @property

@@ -43,6 +43,7 @@ log = logging.getLogger("aflex.seam")
 
 STORE_CONNECT_TIMEOUT = timedelta(seconds=3)  # how long an attention worker tries to reach a peer's store
 IDLE_WAIT = timedelta(days=1)  # an FFN receiver's wait for the next frame (a timeout closes the pair)
+JOIN_WAIT = timedelta(seconds=2)  # a join number taken but not written for this long was abandoned
 
 
 def local_host_towards(url: str) -> str:
@@ -80,7 +81,7 @@ class TorchSeam:
         self.gpu_uuid = str(torch.cuda.get_device_properties(self.device).uuid) if self.device.type == "cuda" else ""
         self.timeout = timedelta(seconds=connect_timeout_s)
         self._pairs: dict[str, Pair] = {}  # by peer address (an accepted pair: "accepted/<n>")
-        self._connecting: dict[str, asyncio.Lock] = {}
+        self._connecting: dict[str, asyncio.Future[None]] = {}  # rendezvous under way, by peer address
         self._store: TCPStore | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._closing = threading.Event()
@@ -110,16 +111,23 @@ class TorchSeam:
     async def connect(self, peer: Peer) -> None:
         if peer.address in self._pairs:
             return
-        async with self._connecting.setdefault(peer.address, asyncio.Lock()):
-            if peer.address in self._pairs:
-                return
-            try:
-                pair = await asyncio.to_thread(self._join, peer)
-            except Exception as exc:  # refused, timed out, a half that went away mid-rendezvous
-                raise SeamError(f"cannot open the seam to {peer.worker_id} at {peer.address}: {exc}") from None
-            self._pairs[peer.address] = pair
-            log.info("seam to %s open at %s (%s)", peer.worker_id, peer.address,
-                     "gloo + nccl" if pair.nccl is not None else "gloo")
+        opening = self._connecting.get(peer.address)
+        if opening is None:  # one rendezvous per peer, however many microbatches wait for it
+            opening = self._connecting[peer.address] = asyncio.ensure_future(self._open(peer))
+            opening.add_done_callback(lambda done: done.cancelled() or done.exception())  # always retrieved
+        try:
+            await asyncio.shield(opening)  # a cancelled caller does not cancel the others' rendezvous
+        except Exception as exc:  # refused, timed out, a half that went away mid-rendezvous
+            raise SeamError(f"cannot open the seam to {peer.worker_id} at {peer.address}: {exc}") from None
+
+    async def _open(self, peer: Peer) -> None:
+        try:
+            pair = await asyncio.to_thread(self._join, peer)
+        finally:
+            del self._connecting[peer.address]
+        self._pairs[peer.address] = pair
+        log.info("seam to %s open at %s (%s)", peer.worker_id, peer.address,
+                 "gloo + nccl" if pair.nccl is not None else "gloo")
 
     async def request(self, peer: Peer, header: SeamHeader, tensor: Tensor, *, timeout_s: float,
                       block: bool = False, after_send: Any = None) -> Frame:
@@ -247,11 +255,19 @@ class TorchSeam:
             joined = self._next_join
             key = f"aflex/join/{joined}"
             try:
-                store.wait([key], IDLE_WAIT)
-            except Exception as exc:  # the store itself failed: nobody can join any more
-                if not self._closing.is_set():
+                store.wait([key], JOIN_WAIT)
+            except Exception:
+                if self._closing.is_set():
+                    return
+                try:
+                    taken = store.add("aflex/joins", 0)
+                except Exception as exc:  # the store itself failed: nobody can join any more
                     log.error("seam: the rendezvous store failed: %s", exc)
-                return
+                    return
+                if taken > joined:  # a joiner took this number and died before writing it: later ones go on
+                    log.warning("seam: join %d was never completed; serving the joins after it", joined)
+                    self._next_join += 1
+                continue
             if self._closing.is_set():
                 return
             self._next_join += 1

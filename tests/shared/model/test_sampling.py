@@ -90,6 +90,26 @@ def test_batched_draw_equals_per_row_torch_multinomial() -> None:
     assert sample_next_tokens(logits, samplers) == expected
 
 
+@pytest.mark.parametrize("params", [
+    SamplingParams(seed=7, temperature=0.9),
+    SamplingParams(seed=7, temperature=1.1, top_k=8, top_p=0.9, frequency_penalty=0.5),
+])
+def test_a_sampler_rebuilt_from_its_tokens_draws_what_the_first_would_have(params: SamplingParams) -> None:
+    """A recompute elsewhere, or a resubmission to a new scheduler, continues the seeded stream exactly."""
+    stream = _logits_stream(11, 12)
+    whole = _run(params, stream)
+    for cut in (1, 5, 11):
+        rebuilt = SequenceSampler(params, eos_token_ids=(EOS,))
+        for tok in whole[:cut]:  # what the worker does with a first pass's generated_ids
+            rebuilt.record(tok)
+        rest = []
+        for logits in stream[cut:]:
+            tok = sample_next_tokens(logits, [rebuilt])[0]
+            rebuilt.record(tok)
+            rest.append(tok)
+        assert whole[:cut] + rest == whole, cut
+
+
 def test_unseeded_sequences_get_their_own_streams() -> None:
     a = SequenceSampler(SamplingParams())
     b = SequenceSampler(SamplingParams())

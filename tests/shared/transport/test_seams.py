@@ -14,10 +14,13 @@ import subprocess
 import sys
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager, contextmanager
+from datetime import timedelta
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import pytest
 import torch
+from torch.distributed import TCPStore
 
 from shared.transport import bus
 from shared.transport.header import HEADER_BYTES, header_for
@@ -72,11 +75,11 @@ class Side:
 
 
 @asynccontextmanager
-async def side(transport: SeamTransport, nats_url: str) -> AsyncIterator[Side]:
+async def side(transport: SeamTransport, nats_url: str, connect_timeout_s: float = 3.0) -> AsyncIterator[Side]:
     nc = await bus.connect(nats_url, name="seam-test")
     s = Side()
     s.seam = make_seam(transport, "attn-test", nc, lambda frame: None, lambda p, why: s.lost.put_nowait((p, why)),
-                       listen=False, nats_url=nats_url, connect_timeout_s=3.0)
+                       listen=False, nats_url=nats_url, connect_timeout_s=connect_timeout_s)
     await s.seam.start()
     try:
         yield s
@@ -107,6 +110,24 @@ def test_frames_of_0_bytes_to_8_mb_arrive_intact(transport: SeamTransport, nats_
                 backs = await asyncio.gather(*(s.echo(peer, x, f"together-{i}") for i, x in enumerate(xs)))
                 assert [b.header.mb_id for b in backs] == [f"together-{i}" for i in range(6)]
                 assert all(torch.equal(b.tensor, x) for b, x in zip(backs, xs, strict=True))
+
+    asyncio.run(body())
+
+
+def test_a_join_abandoned_midway_does_not_block_the_joins_after_it(nats_url: str) -> None:
+    async def body() -> None:
+        with echo_peer("torch", nats_url, "ffn-echo") as (_, address):
+            url = urlsplit(address)
+            assert url.hostname and url.port
+            dead_joiner = TCPStore(url.hostname, url.port, world_size=None, is_master=False,
+                                   timeout=timedelta(seconds=5), wait_for_workers=False)
+            assert dead_joiner.add("aflex/joins", 1) == 1  # took a join number, never wrote who it is
+            async with side("torch", nats_url, connect_timeout_s=10.0) as s:
+                assert s.seam is not None
+                peer = Peer("ffn-echo", address)
+                await s.seam.connect(peer)
+                x = torch.randn(4, 64)
+                assert torch.equal((await s.echo(peer, x, "after-the-dead-joiner")).tensor, x)
 
     asyncio.run(body())
 
