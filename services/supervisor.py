@@ -22,15 +22,17 @@ import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import IO, Literal
+from typing import IO
 
+from services.children import ChildDeathHook, ChildExit, ChildSpec, Role
+from services.restarts import RestartPolicy, Restarts
+from services.up_gpus import device_env, reset_clock_hook, worker_devices
 from shared.errors import AFlexError
 from shared.settings import SchedulerSettings, WorkerSettings
-from shared.settings_flags import add_flags, env_name, env_of
+from shared.settings_flags import add_flags, env_of
 
-Role = Literal["scheduler", "attention-worker", "ffn-worker", "gateway"]
-
-# Children the mesh cannot serve without: if one dies, the supervisor stops everything.
+ON_FAILURE = RestartPolicy()  # a crashed child is started again (compose's `restart: on-failure`)
+# Children the mesh cannot serve without: if one is given up on, the supervisor stops everything.
 CRITICAL_ROLES: frozenset[str] = frozenset({"gateway", "scheduler"})
 # Stop order: the gateway first (no new requests), then the scheduler, then the workers.
 STOP_ORDER: tuple[str, ...] = ("gateway", "scheduler", "attention-worker", "ffn-worker")
@@ -54,31 +56,8 @@ class ReadinessTimeoutError(SupervisorError):
     """The gateway did not report ready in time."""
 
 
-@dataclass(frozen=True)
-class ChildSpec:
-    """One service to run: a display name (the output prefix), its role, its argv and its settings (env)."""
-
-    name: str
-    role: Role
-    argv: list[str]
-    env: dict[str, str] = field(default_factory=dict)  # added to the supervisor's environment
-
-
-@dataclass(frozen=True)
-class ChildExit:
-    """What the `on_child_death` hooks receive."""
-
-    name: str
-    role: Role
-    pid: int
-    returncode: int
-    killed: bool  # True when the supervisor had to SIGKILL it (it could not clean up after itself)
-
-
-ChildDeathHook = Callable[[ChildExit], None]
 CommandBuilder = Callable[[argparse.Namespace], list[ChildSpec]]
 
-WORKER_ROLES = frozenset({"attention-worker", "ffn-worker"})
 SCHEDULER_KNOBS = ("microbatch_depth", "batching", "freq_policy")  # what `aflex up` takes itself and hands down
 WORKER_KNOBS = ("device", "dtype", "quantize", "torch_threads", "seam_transport", "gpu_backend", "gpu_profile",
                 "gpu_pace")  # (the flags of both are generated from these settings fields)
@@ -123,6 +102,7 @@ class Child:
     process: subprocess.Popen[bytes]
     threads: list[threading.Thread] = field(default_factory=list)
     reported: bool = False
+    started_mono: float = field(default_factory=time.monotonic)
 
     @property
     def name(self) -> str:
@@ -134,7 +114,8 @@ class Supervisor:
 
     def __init__(self, specs: Sequence[ChildSpec], env: dict[str, str] | None = None, *,
                  stdout: IO[str] | None = None, stderr: IO[str] | None = None, grace_s: float = 10.0,
-                 on_child_death: Iterable[ChildDeathHook] = ()) -> None:
+                 on_child_death: Iterable[ChildDeathHook] = (),
+                 restart: RestartPolicy | None = ON_FAILURE) -> None:
         self.specs = list(specs)
         self.env = dict(os.environ if env is None else env)
         self.env.setdefault("PYTHONUNBUFFERED", "1")  # lines reach the prefixer as they are written
@@ -143,6 +124,8 @@ class Supervisor:
         self.grace_s = grace_s
         self.on_child_death: list[ChildDeathHook] = list(on_child_death)
         self.children: list[Child] = []
+        self.restarts = None if restart is None else Restarts(restart)  # None: a dead child stays dead
+        self._due: list[tuple[float, Child]] = []  # (when, crashed child) to start again
         self._write_lock = threading.Lock()
 
     # -- output ------------------------------------------------------------------------------
@@ -166,18 +149,20 @@ class Supervisor:
     # -- lifecycle ---------------------------------------------------------------------------
     def start(self) -> None:
         """Start every child in the order given (scheduler, workers, gateway by default)."""
-        for spec in self.specs:
-            process = subprocess.Popen(spec.argv, env={**self.env, **spec.env}, stdin=subprocess.DEVNULL,
-                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, process_group=0,
-                                       preexec_fn=_die_with_parent)
-            child = Child(spec, process)
-            for source, sink in ((process.stdout, self.stdout), (process.stderr, self.stderr)):
-                assert source is not None
-                thread = threading.Thread(target=self._pump, args=(spec.name, source, sink),
-                                          name=f"aflex-up-{spec.name}", daemon=True)
-                thread.start()
-                child.threads.append(thread)
-            self.children.append(child)
+        self.children.extend(self._spawn(spec) for spec in self.specs)
+
+    def _spawn(self, spec: ChildSpec) -> Child:
+        process = subprocess.Popen(spec.argv, env={**self.env, **spec.env}, stdin=subprocess.DEVNULL,
+                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, process_group=0,
+                                   preexec_fn=_die_with_parent)
+        child = Child(spec, process)
+        for source, sink in ((process.stdout, self.stdout), (process.stderr, self.stderr)):
+            assert source is not None
+            thread = threading.Thread(target=self._pump, args=(spec.name, source, sink),
+                                      name=f"aflex-up-{spec.name}", daemon=True)
+            thread.start()
+            child.threads.append(thread)
+        return child
 
     def poll(self) -> list[Child]:
         """Children that died since the last poll: reported on stderr and passed to the hooks."""
@@ -215,19 +200,35 @@ class Supervisor:
             time.sleep(interval_s)
 
     def serve(self, stop: threading.Event, interval_s: float = 0.2) -> int:
-        """Watch the children until `stop` is set (0) or a critical child dies (1)."""
+        """Watch the children until `stop` is set (0), starting crashed ones again after their backoff;
+        1 when one the mesh cannot serve without is given up on, or every child has exited."""
         while not stop.wait(interval_s):
+            now = time.monotonic()
             for child in self.poll():
+                returncode = int(child.process.returncode)
+                delay_s = None if self.restarts is None else self.restarts.delay_s(
+                    child.name, returncode, now - child.started_mono)
+                if delay_s is not None:
+                    self.report(f"restarting {child.name} in {delay_s:g} s")
+                    self._due.append((now + delay_s, child))
+                    continue
+                if self.restarts is not None and returncode != 0:
+                    self.report(f"{child.name} crashed {self.restarts.in_a_row[child.name]} times in a row, each "
+                                f"within {self.restarts.policy.fast_crash_s:g} s of its start: not restarting it")
                 if child.spec.role in CRITICAL_ROLES:
                     self.report(f"{child.name} is needed to serve: stopping AFlex")
                     return 1
-            if self.children and all(child.reported for child in self.children):
+            for due in [d for d in self._due if d[0] <= now]:
+                self._due.remove(due)
+                self.children[self.children.index(due[1])] = self._spawn(due[1].spec)
+            if self.children and all(child.reported for child in self.children) and not self._due:
                 self.report("every service has exited")
                 return 1
         return 0
 
     def stop(self) -> None:
         """Stop the running children in STOP_ORDER: SIGTERM, wait up to grace_s, then SIGKILL."""
+        self._due.clear()  # nothing starts again once stopping
         rank = {role: i for i, role in enumerate(STOP_ORDER)}
         for child in sorted(self.children, key=lambda c: rank.get(c.spec.role, len(rank))):
             process = child.process
@@ -296,70 +297,11 @@ def build_commands(args: argparse.Namespace) -> list[ChildSpec]:
     names = [f"attn-{i}" for i in range(args.attention_workers)] + [f"ffn-{i}" for i in range(args.ffn_workers)]
     for name, device in zip(names, devices, strict=True):
         role: Role = "attention-worker" if name.startswith("attn") else "ffn-worker"
-        env = env_of({**model, **worker, "worker_id": name}) | _device_env(device)
+        env = env_of({**model, **worker, "worker_id": name}) | device_env(device)
         specs.append(ChildSpec(name, role, [*cli, role], env))
     specs.append(ChildSpec("gateway", "gateway", [*cli, "gateway"],
                            env_of({**model, "host": args.host, "port": args.port})))
     return specs
-
-
-def _device_env(device: str | None) -> dict[str, str]:
-    return {} if device is None else {"CUDA_VISIBLE_DEVICES": device}
-
-
-def worker_devices(n_workers: int) -> list[str | None]:
-    """One GPU per worker when the host has enough (so each runs at its own clock), else None each.
-
-    With fewer GPUs than workers nothing is pinned: the workers share what CUDA_VISIBLE_DEVICES
-    shows them, and a clock command of one moves the clock of the others on the same GPU.
-    """
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if visible is not None:
-        ids = [d.strip() for d in visible.split(",") if d.strip()]
-    else:
-        try:
-            import pynvml
-
-            pynvml.nvmlInit()
-            try:
-                ids = [str(i) for i in range(pynvml.nvmlDeviceGetCount())]
-            finally:
-                pynvml.nvmlShutdown()
-        except Exception:  # no NVML library or driver: no GPUs to pin
-            ids = []
-    if len(ids) < n_workers:
-        return [None] * n_workers
-    return list(ids[:n_workers])
-
-
-def reset_clock_hook(specs: Sequence[ChildSpec]) -> ChildDeathHook:
-    """A hook that resets the SM clock of a dead worker that was setting clocks (`--gpu-control nvml`).
-
-    A worker resets its clock on a clean exit; one that crashed or was killed cannot, and would
-    leave its GPU locked at whatever clock it last set.
-    """
-    by_name = {spec.name: spec for spec in specs}
-
-    def reset(exit_: ChildExit) -> None:
-        spec = by_name.get(exit_.name)
-        backend = spec.env.get(env_name("gpu_backend"), os.environ.get(env_name("gpu_backend"), "")) if spec else ""
-        if spec is None or spec.role not in WORKER_ROLES or backend != "nvml":
-            return  # only `--gpu-control nvml` sets clocks; nvml-readonly and emulated leave none behind
-        from shared.gpu.base import GPUError
-        from shared.gpu.nvml import NvmlGPU
-
-        device = spec.env.get("CUDA_VISIBLE_DEVICES")
-        try:
-            gpu = NvmlGPU(index=None if device is None else int(device.split(",")[0]))
-            try:
-                gpu.reset_sm_clock()
-            finally:
-                gpu.close()
-            print(f"aflex up: reset the GPU clock of {exit_.name}", file=sys.stderr, flush=True)
-        except (GPUError, ValueError) as exc:
-            print(f"aflex up: could not reset the GPU clock of {exit_.name}: {exc}", file=sys.stderr, flush=True)
-
-    return reset
 
 
 def local_host(host: str) -> str:

@@ -191,11 +191,14 @@ class Presence:
     """Registration with retry, then a heartbeat every period (re-registering when the scheduler is gone)."""
 
     def __init__(self, nc: Client, message: Register, heartbeat: Callable[[], Heartbeat], *,
-                 period_s: float, register_timeout_s: float) -> None:
+                 period_s: float, register_timeout_s: float, on_new_scheduler: Callable[[], None] | None = None
+                 ) -> None:
         self.nc, self.message, self.heartbeat = nc, message, heartbeat
         self.period_s, self.register_timeout_s = period_s, register_timeout_s
+        self.on_new_scheduler = on_new_scheduler  # registered with another scheduler run than before
         self.registered = False
         self.scheduler_id: str | None = None
+        self.scheduler_instance: str | None = None
 
     async def _attempt(self, timeout_s: float) -> RegisterReply | None:
         """One registration request: the reply, or None when nobody answered (raises if refused)."""
@@ -215,6 +218,9 @@ class Presence:
             raise RegistrationError(f"scheduler {reply.scheduler_id} refused worker "
                                     f"{self.message.worker_id}: {reason}")
         self.registered, self.scheduler_id = True, reply.scheduler_id
+        before, self.scheduler_instance = self.scheduler_instance, reply.scheduler_instance
+        if before is not None and before != reply.scheduler_instance and self.on_new_scheduler is not None:
+            self.on_new_scheduler()  # the new run knows nothing of what the old one placed here
         return reply
 
     async def register(self, stop: asyncio.Event) -> RegisterReply | None:

@@ -65,6 +65,10 @@ class SubmitRequest(Message):
     prompt_ids: list[int]
     sampling: SamplingSpec
     arrival_ts: float  # unix seconds at the gateway
+    # a continuation (the gateway resubmitting a request whose scheduler was lost): the tokens already
+    # streamed, which count against max_tokens and are fed as context, and the OutputDelta index to go on from
+    generated_ids: list[int] = Field(default_factory=list)
+    first_index: int = Field(default=0, ge=0)
 
 
 class SubmitReply(Message):
@@ -72,6 +76,15 @@ class SubmitReply(Message):
     accepted: bool
     error: ErrorBody | None = None
     retry_after_s: float | None = None  # set when rejected for overload
+    scheduler_instance: str = ""  # which scheduler run took it: its heartbeats say it is still alive
+
+
+class SchedulerHeartbeat(Message):
+    """`aflex.v1.sched.heartbeat`: a scheduler is alive. `instance` is new at every start (the id may repeat)."""
+
+    scheduler_id: str
+    instance: str
+    ts: float
 
 
 class Usage(Message):
@@ -184,6 +197,7 @@ class RegisterReply(Message):
     ok: bool
     scheduler_id: str
     error: ErrorBody | None = None
+    scheduler_instance: str = ""  # new at every scheduler start: a worker seeing it change drops its sequences
 
 
 class Heartbeat(Message):

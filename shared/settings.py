@@ -32,6 +32,12 @@ class GatewaySettings(ServiceSettings):
     submit_timeout_s: float = Field(
         default=10.0, description="how long a submission may wait for the scheduler's answer")
     request_timeout_s: float = Field(default=600.0, description="longest a request may wait for its next token")
+    scheduler_silence_s: float = Field(
+        default=2.0, description="a request's scheduler unheard this long (no output, no heartbeat) is gone: "
+                                 "the request is resubmitted to whichever scheduler takes over")
+    failover_deadline_s: float = Field(
+        default=30.0, description="how long a request whose scheduler is gone waits for another to take it "
+                                  "before it ends with a 503 error")
     api_key: str | None = Field(default=None, description="when set, `Authorization: Bearer <key>` is required")
 
 
@@ -65,6 +71,8 @@ class SchedulerSettings(ServiceSettings):
     freq_observe: bool = Field(
         default=True, description="aflex: correct the predictors online from MicrobatchDone timings")
     telemetry_hz: float = Field(default=1.0, description="SchedulerTelemetry messages per second (0: none)")
+    heartbeat_s: float = Field(
+        default=0.5, description="period of the scheduler's heartbeat, by which gateways know it is alive")
 
 
 class WorkerSettings(ServiceSettings):

@@ -95,7 +95,7 @@ def test_every_aflex_service_is_the_one_image_with_shared_settings() -> None:
         assert spec["environment"]["AFLEX_NATS_URL"] == "nats://nats:4222"
         assert re.fullmatch(r"\$\{AFLEX_MODEL:-default\}", spec["environment"]["AFLEX_MODEL"])
         assert "models:/models" in spec["volumes"]
-        assert spec.get("restart")
+        assert spec["restart"] == "on-failure"  # as `aflex up`: a crash is restarted, a clean exit is not
     assert services["gateway"]["ports"] == ["${AFLEX_PORT:-8000}:8000"]
 
 

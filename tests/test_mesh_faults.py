@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import subprocess
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -19,7 +18,6 @@ import openai
 import pytest
 
 from shared.transport.nats_server import EmbeddedNatsServer, free_port
-from tests.conftest import REPO_ROOT
 from tools.launch import Mesh, aflex_up
 
 MAX_TOKENS = 160
@@ -32,7 +30,7 @@ def _child_pid(mesh: Mesh, worker_id: str) -> int:
 
 
 def _child(mesh: Mesh, worker_id: str) -> tuple[int, list[str], dict[str, str]]:
-    """`worker_id`'s process under `aflex up`: pid, argv and environment."""
+    """`worker_id`'s process under `aflex up` (or the service's: "scheduler", "gateway"): pid, argv, environment."""
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
@@ -42,17 +40,21 @@ def _child(mesh: Mesh, worker_id: str) -> tuple[int, list[str], dict[str, str]]:
         except OSError:
             continue
         ppid = next(int(line.split()[1]) for line in status.splitlines() if line.startswith("PPid:"))
-        if ppid == mesh.process.pid and f"AFLEX_WORKER_ID={worker_id}".encode() in environ:
-            argv = [a.decode() for a in (entry / "cmdline").read_bytes().split(b"\0") if a]
+        if ppid != mesh.process.pid:
+            continue
+        argv = [a.decode() for a in (entry / "cmdline").read_bytes().split(b"\0") if a]
+        if f"AFLEX_WORKER_ID={worker_id}".encode() in environ or argv[-1] == worker_id:  # a worker, or a service
             env = dict(e.decode().split("=", 1) for e in environ if b"=" in e)
             return int(entry.name), argv, env
     raise AssertionError(f"no child {worker_id} of aflex up ({mesh.process.pid})")
 
 
-async def _stream(client: openai.AsyncOpenAI, model: str, i: int, started: asyncio.Event) -> tuple[str, int]:
+async def _stream(client: openai.AsyncOpenAI, model: str, i: int, started: asyncio.Event, sampled: bool = False
+                  ) -> tuple[str, int]:
     stream = await client.chat.completions.create(
         model=model, messages=[{"role": "user", "content": f"Tell me story number {i}."}], max_tokens=MAX_TOKENS,
-        temperature=0, stream=True, stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+        temperature=0.8 if sampled else 0, seed=1000 + i if sampled else None, stream=True,
+        stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
     text, tokens = "", 0
     async for chunk in stream:
         if chunk.choices:
@@ -64,12 +66,14 @@ async def _stream(client: openai.AsyncOpenAI, model: str, i: int, started: async
     return text, tokens
 
 
-async def _run(mesh: Mesh, kill: str | None = None, fault: Callable[[], None] | None = None, count: int = 8
-               ) -> list[tuple[str, int]]:
+async def _run(mesh: Mesh, kill: str | None = None, fault: Callable[[], None] | None = None, count: int = 8,
+               sampled: bool = False) -> list[tuple[str, int]]:
+    """`count` streams (with `sampled`, the odd ones seeded and sampled), faulted once all are decoding."""
     client = openai.AsyncOpenAI(base_url=mesh.base_url, api_key="unused", max_retries=0, timeout=300)
     model = (await client.models.list()).data[0].id
     started = [asyncio.Event() for _ in range(count)]
-    streams = [asyncio.create_task(_stream(client, model, i, started[i])) for i in range(count)]
+    streams = [asyncio.create_task(_stream(client, model, i, started[i], sampled and i % 2 == 1))
+               for i in range(count)]
     if kill is not None or fault is not None:
         await asyncio.gather(*(e.wait() for e in started))  # every stream is decoding, on both workers
         assert not any(s.done() for s in streams)
@@ -135,26 +139,52 @@ def test_a_nats_server_restart_loses_no_request(tiny_chat_checkpoint: Path) -> N
 
 
 def test_restarted_workers_rejoin_and_serve(tiny_chat_checkpoint: Path) -> None:
-    """SIGKILL the FFN worker, start it again by hand (same id and settings, a new seam address): the
+    """SIGKILL the FFN worker: `aflex up` starts it again (same id and settings, a new seam address), the
     attention worker opens a new seam group to it and streams come out as before; then the same for
     the attention worker, whose new process joins the FFN worker's store afresh."""
     with aflex_up(str(tiny_chat_checkpoint), "--attention-workers", "1", "--ffn-workers", "1",
                   "--microbatch-depth", "1") as mesh:
         baseline = asyncio.run(_run(mesh))
-        restarted = []
-        try:
-            for worker_id in ("ffn-0", "attn-0"):
-                pid, argv, env = _child(mesh, worker_id)
-                os.kill(pid, signal.SIGKILL)
-                restarted.append(subprocess.Popen(argv, env=env, cwd=REPO_ROOT))
-                assert _serves_again(mesh) == baseline[0][0], f"after restarting {worker_id}"
-                assert asyncio.run(_run(mesh)) == baseline
-            log = mesh.output()
-        finally:
-            for proc in restarted:
-                proc.terminate()
-                proc.wait(30)
+        for worker_id in ("ffn-0", "attn-0"):
+            pid = _child_pid(mesh, worker_id)
+            os.kill(pid, signal.SIGKILL)
+            _wait_for(lambda w=worker_id, p=pid: _child_pid(mesh, w) != p)  # type: ignore[misc]
+            assert _serves_again(mesh) == baseline[0][0], f"after restarting {worker_id}"
+            assert asyncio.run(_run(mesh)) == baseline
+        log = mesh.output()
     assert "ffn-0 exited with status -9" in log and "attn-0 exited with status -9" in log
+    assert "restarting ffn-0 in" in log and "restarting attn-0 in" in log
+
+
+def test_a_killed_scheduler_loses_no_request(tiny_chat_checkpoint: Path) -> None:
+    """SIGKILL the scheduler mid-stream: `aflex up` starts it again, the workers register with the new
+    run (dropping the old run's sequences), the gateway sees the old run's heartbeats stop and
+    resubmits each request as a continuation of what it streamed, and every stream completes with
+    its full length and exactly the no-fault text: the greedy ones, and the seeded sampled ones, whose
+    draws continue from the same seed position."""
+    with aflex_up(str(tiny_chat_checkpoint), "--microbatch-depth", "2") as mesh:
+        baseline = asyncio.run(_run(mesh, sampled=True))
+        killed_at = time.monotonic()
+        after_fault = asyncio.run(_run(mesh, kill="scheduler", sampled=True))
+        print(f"8 streams through a scheduler SIGKILL: done {time.monotonic() - killed_at:.1f} s after the kill")
+        log = mesh.output()
+    assert "scheduler exited with status -9" in log and "restarting scheduler in" in log
+    assert "is gone; resubmitting after" in log and "taken over by scheduler run" in log
+    assert "a new scheduler; freeing the" in log
+    assert [tokens for _, tokens in after_fault] == [MAX_TOKENS] * 8
+    assert after_fault == baseline
+
+
+def _wait_for(condition: Callable[[], bool], deadline_s: float = 60.0) -> None:
+    deadline = time.monotonic() + deadline_s
+    while True:
+        try:
+            if condition():
+                return
+        except AssertionError:  # between the old process and the new one
+            pass
+        assert time.monotonic() < deadline, "not reached in time"
+        time.sleep(0.2)
 
 
 def _serves_again(mesh: Mesh, deadline_s: float = 90.0) -> str:

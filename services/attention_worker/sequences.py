@@ -125,6 +125,9 @@ class SequenceTable:
                                 wants_logits=work.sample)
         return Admitted(work, state, seq_pass, is_new)
 
+    def seq_ids(self) -> list[str]:
+        return list(self._states)
+
     def free(self, seq_id: str) -> bool:
         """Forget a sequence and return its KV blocks; False if it was unknown."""
         if self._states.pop(seq_id, None) is None and not self.block_tables.has_sequence(seq_id):

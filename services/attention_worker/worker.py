@@ -153,7 +153,7 @@ class AttentionWorker:
                                      block_size=self.settings.block_size, max_seq_len=args.max_seq_len,
                                      gpu=gpu.gpu, seam_address=seam.address),
                     self._heartbeat, period_s=self.settings.heartbeat_period_s,
-                    register_timeout_s=self.settings.register_timeout_s)
+                    register_timeout_s=self.settings.register_timeout_s, on_new_scheduler=self._forget_sequences)
                 if await presence.register(stop) is not None:
                     heartbeat_task = asyncio.create_task(presence.heartbeat_loop(stop))
                     log.info("attention worker %s serving %s on %s", self.worker_id, self.model_id, self.subject)
@@ -226,6 +226,13 @@ class AttentionWorker:
         task.add_done_callback(self._tasks.discard)
 
     # -- one microbatch -------------------------------------------------------------------------
+
+    def _forget_sequences(self) -> None:
+        """A new scheduler run knows nothing of the old one's sequences: their continuations come from start_pos 0."""
+        assert self.sequences is not None
+        seq_ids = self.sequences.seq_ids()
+        log.info("%s: a new scheduler; freeing the %d sequences of the one before", self.worker_id, len(seq_ids))
+        self._release(seq_ids)
 
     def _release(self, seq_ids: Sequence[str]) -> None:
         assert self.sequences is not None

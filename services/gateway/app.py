@@ -17,7 +17,7 @@ import secrets
 import time
 import uuid
 from collections.abc import Coroutine, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Annotated, Any, TypeVar
 
 import uvicorn
@@ -37,6 +37,7 @@ from services.gateway.errors import (
 )
 from services.gateway.generation import Generation
 from services.gateway.openai_schema import ChatCompletionRequest, CompletionRequest, _GenerationRequest
+from services.gateway.scheduler_watch import SchedulerWatch
 from services.gateway.streaming import SSE_HEADERS, ResponseShape, collect, stream
 from shared import subjects
 from shared.errors import InvalidRequestError, TokenizerError
@@ -66,6 +67,7 @@ class Gateway:
     nc: Client
     served_model: str
     started: int
+    schedulers: SchedulerWatch = field(default_factory=SchedulerWatch)  # subscribed by `serve`
 
     @property
     def max_seq_len(self) -> int:
@@ -229,7 +231,9 @@ async def _generate(request: Request, gateway: Gateway, body: _GenerationRequest
         nc=gateway.nc, request_id=request_id, model_id=gateway.card.model_id, prompt_ids=prompt_ids,
         sampling=body.sampling(max_tokens), stop=body.stop_strings(), tokenizer=gateway.tokenizer,
         submit_timeout_s=gateway.settings.submit_timeout_s, token_timeout_s=gateway.settings.request_timeout_s,
-        metrics=request.app.state.metrics,
+        metrics=request.app.state.metrics, watch=gateway.schedulers,
+        scheduler_silence_s=gateway.settings.scheduler_silence_s,
+        failover_deadline_s=gateway.settings.failover_deadline_s,
     )
     shape = ResponseShape(request_id, int(time.time()), body.model or gateway.served_model, chat)
     headers = {"X-Request-Id": request_id}
@@ -308,6 +312,7 @@ async def serve(settings: GatewaySettings, *, stop: asyncio.Event | None = None)
     try:
         app = create_app(settings, card, nc)
         await app.state.metrics.subscribe(nc)
+        await app.state.gateway.schedulers.subscribe(nc)
         config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level.lower(),
                                 lifespan="off", access_log=False, timeout_graceful_shutdown=5)
         server = _Server(config)

@@ -7,6 +7,7 @@ context) and stop strings are cut here, at the gateway, which then cancels the r
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -26,6 +27,7 @@ from services.gateway.errors import (
     retry_after_headers,
 )
 from shared import subjects
+from shared.error_types import ErrorType
 from shared.messages import (
     CancelRequest,
     OutputDelta,
@@ -43,10 +45,21 @@ from shared.transport.bus import BusError, BusTimeoutError, NoRespondersBusError
 
 if TYPE_CHECKING:
     from services.gateway.metrics import GatewayMetrics
+    from services.gateway.scheduler_watch import SchedulerWatch
 
 log = logging.getLogger("aflex.gateway")
 
 UNAVAILABLE_RETRY_AFTER_S = 1.0
+FAILOVER_FIRST_WAIT_S = 0.1  # between resubmissions while no scheduler takes a request over, doubling
+FAILOVER_MAX_WAIT_S = 1.0
+
+
+class _Unanswered(Exception):
+    """No scheduler took a submission. `late`: it timed out, so one may still take it."""
+
+    def __init__(self, reason: str, *, late: bool = False) -> None:
+        super().__init__(reason)
+        self.reason, self.late = reason, late
 
 
 @dataclass
@@ -85,37 +98,103 @@ class Generation:
     submit_timeout_s: float
     token_timeout_s: float
     metrics: GatewayMetrics | None = None
+    watch: SchedulerWatch | None = None  # None: no failover (the request lives and dies with its scheduler)
+    scheduler_silence_s: float = 2.0
+    failover_deadline_s: float = 30.0
+    output_ids: list[int] = field(default_factory=list, init=False)  # every token streamed so far
+    failovers: int = field(default=0, init=False)  # times another scheduler took the request over
+    _instance: str = field(default="", init=False)  # the scheduler run that holds it
+    _heard_mono: float = field(default=0.0, init=False)  # its last sign of life (accepted, or an output)
     finished: bool = field(default=False, init=False)  # the scheduler is done with it (or we cancelled it)
     _sub: Subscription | None = field(default=None, init=False)
     _pending: dict[int, OutputDelta] = field(default_factory=dict, init=False)
     _next_index: int = field(default=0, init=False)
     _submitted_at: float = field(default=0.0, init=False)  # monotonic; TTFT and e2e latency count from here
+    _arrival_ts: float = field(default=0.0, init=False)  # unix seconds, as the scheduler's SLOs count
     _first_token_at: float | None = field(default=None, init=False)
+
+    def _submission(self) -> SubmitRequest:
+        """The request as a scheduler takes it: with what was streamed, a continuation."""
+        return SubmitRequest(request_id=self.request_id, model=self.model_id, prompt_ids=self.prompt_ids,
+                             sampling=self.sampling, arrival_ts=self._arrival_ts, generated_ids=list(self.output_ids),
+                             first_index=self._next_index)
+
+    async def _ask(self, submission: SubmitRequest) -> SubmitReply:
+        """One submission's reply; `_Unanswered` when no scheduler took it (none there, no answer, no bus)."""
+        try:
+            return decode(SubmitReply, await request(self.nc, subjects.REQ_SUBMIT, encode(submission),
+                                                     self.submit_timeout_s))
+        except NoRespondersBusError:
+            raise _Unanswered("no scheduler is running: the request cannot be served now") from None
+        except BusTimeoutError:
+            raise _Unanswered(f"the scheduler did not answer within {self.submit_timeout_s:g} s", late=True) from None
+        except (BusError, nats.errors.Error, OSError) as exc:
+            raise _Unanswered(f"the message bus is unavailable: {exc}") from None
+
+    def _taken(self, reply: SubmitReply) -> None:
+        self._instance, self._heard_mono = reply.scheduler_instance, time.monotonic()
 
     async def submit(self) -> None:
         """Subscribe to the outputs, then submit; raise `APIError` when the scheduler does not take it."""
-        self._submitted_at = time.monotonic()
+        self._submitted_at, self._arrival_ts = time.monotonic(), time.time()
         self._sub = await self.nc.subscribe(subjects.req_out(self.request_id))
-        submission = SubmitRequest(request_id=self.request_id, model=self.model_id, prompt_ids=self.prompt_ids,
-                                   sampling=self.sampling, arrival_ts=time.time())
         try:
-            data = await request(self.nc, subjects.REQ_SUBMIT, encode(submission), self.submit_timeout_s)
-            reply = decode(SubmitReply, data)
-        except NoRespondersBusError:
+            reply = await self._ask(self._submission())
+        except _Unanswered as exc:
+            if exc.late:  # it may still be accepted late: do not leave it running
+                await self.cancel("submit_timeout")
             self.finished = True
-            raise unavailable("no scheduler is running: the request cannot be served now") from None
-        except BusTimeoutError:
-            await self.cancel("submit_timeout")  # it may still be accepted late: do not leave it running
-            raise unavailable(f"the scheduler did not answer within {self.submit_timeout_s:g} s") from None
+            raise unavailable(exc.reason) from None
         except ProtocolError as exc:
             await self.cancel("bad_submit_reply")
             raise APIError(502, f"the scheduler sent an invalid reply: {exc}", type=SERVER_ERROR) from None
-        except (BusError, nats.errors.Error, OSError) as exc:
-            self.finished = True
-            raise unavailable(f"the message bus is unavailable: {exc}") from None
         if not reply.accepted:
             self.finished = True
             raise from_error_body(reply.error, reply.retry_after_s)
+        self._taken(reply)
+
+    def _scheduler_gone(self) -> bool:
+        """Its scheduler run sent neither output nor a heartbeat for `scheduler_silence_s`."""
+        if self.watch is None or not self.watch.watching or not self._instance:
+            return False
+        quiet_s = min(self.watch.silent_s(self._instance), time.monotonic() - self._heard_mono)
+        return quiet_s >= self.scheduler_silence_s
+
+    async def _take_over(self) -> None:
+        """Resubmit, as a continuation, until a scheduler takes it; `APIError` 503 at the failover deadline."""
+        log.warning("%s: scheduler %s is gone; resubmitting after %d streamed tokens", self.request_id,
+                    self._instance, len(self.output_ids))
+        deadline = time.monotonic() + self.failover_deadline_s
+        wait_s = FAILOVER_FIRST_WAIT_S
+        while True:
+            try:
+                reply = await self._ask(self._submission())
+            except _Unanswered as exc:
+                reason = exc.reason
+            except ProtocolError as exc:
+                reason = f"the scheduler sent an invalid reply: {exc}"
+            else:
+                if reply.accepted:
+                    self._taken(reply)
+                    self.failovers += 1
+                    log.info("%s: taken over by scheduler run %s, %.1f s after the last one was found gone",
+                             self.request_id, reply.scheduler_instance,
+                             time.monotonic() - deadline + self.failover_deadline_s)
+                    return
+                error = reply.error
+                if error is not None and error.code == "duplicate_request_id":  # it still runs somewhere
+                    self._heard_mono = time.monotonic()
+                    return
+                if error is None or error.type not in (ErrorType.SERVICE_UNAVAILABLE, ErrorType.OVERLOADED):
+                    self.finished = True
+                    raise from_error_body(error, reply.retry_after_s)
+                reason = error.message
+            if time.monotonic() + wait_s >= deadline:
+                self.finished = True
+                raise unavailable(f"the request's scheduler is gone and no other took it over within "
+                                  f"{self.failover_deadline_s:g} s (last: {reason})")
+            await asyncio.sleep(wait_s)
+            wait_s = min(FAILOVER_MAX_WAIT_S, 2 * wait_s)
 
     async def events(self) -> AsyncIterator[TextEvent]:
         """Text as it becomes final; raises `APIError` on a scheduler error or when a token takes too long."""
@@ -169,13 +248,22 @@ class Generation:
 
     async def _next_delta(self) -> OutputDelta:
         assert self._sub is not None, "submit() first"
+        waiting_since = time.monotonic()
         while self._next_index not in self._pending:
+            left_s = waiting_since + self.token_timeout_s - time.monotonic()
             try:
-                msg = await self._sub.next_msg(timeout=self.token_timeout_s)
+                msg = await self._sub.next_msg(timeout=max(0.001, min(left_s, self.scheduler_silence_s / 2)
+                                                           if self.watch is not None else left_s))
             except nats.errors.TimeoutError:
-                await self.cancel("timeout")
-                raise APIError(504, f"no output from the mesh within {self.token_timeout_s:g} s", type=TIMEOUT,
-                               code="timeout") from None
+                if self._scheduler_gone():
+                    await self._take_over()
+                    waiting_since = time.monotonic()
+                elif time.monotonic() - waiting_since >= self.token_timeout_s:
+                    await self.cancel("timeout")
+                    raise APIError(504, f"no output from the mesh within {self.token_timeout_s:g} s", type=TIMEOUT,
+                                   code="timeout") from None
+                continue
+            self._heard_mono = time.monotonic()
             try:
                 delta = decode(OutputDelta, msg.data)
             except ProtocolError as exc:
@@ -184,7 +272,9 @@ class Generation:
             if delta.index >= self._next_index:
                 self._pending[delta.index] = delta
         self._next_index += 1
-        return self._pending.pop(self._next_index - 1)
+        delta = self._pending.pop(self._next_index - 1)
+        self.output_ids.extend(delta.token_ids)
+        return delta
 
     async def cancel(self, reason: str) -> None:
         """Tell the scheduler to stop this request (once; nothing after it finished)."""

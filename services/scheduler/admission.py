@@ -69,6 +69,11 @@ def validate_request(req: SubmitRequest, *, context_limit: int, vocab_size: int 
     if vocab_size is not None and any(not 0 <= t < vocab_size for t in req.prompt_ids):
         raise InvalidRequestError(f"prompt token ids must lie in [0, {vocab_size})", param="prompt")
     validate_sampling(req.sampling)
+    if vocab_size is not None and any(not 0 <= t < vocab_size for t in req.generated_ids):
+        raise InvalidRequestError(f"generated token ids must lie in [0, {vocab_size})", param="generated_ids")
+    if len(req.generated_ids) >= req.sampling.max_tokens:
+        raise InvalidRequestError(f"a continuation of {len(req.generated_ids)} generated tokens has nothing left "
+                                  f"of max_tokens={req.sampling.max_tokens}", param="generated_ids")
     total = len(req.prompt_ids) + req.sampling.max_tokens
     if total > context_limit:
         raise InvalidRequestError(

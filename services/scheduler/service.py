@@ -25,7 +25,7 @@ from typing import Any
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 
-from services.scheduler import recovery
+from services.scheduler import beacon, recovery
 from services.scheduler.admission import Mesh, rejection
 from services.scheduler.batcher import Pass, PassPlan, plan_passes, share_energy
 from services.scheduler.governor import Governor
@@ -67,7 +67,7 @@ class Scheduler:
         self.requests: dict[str, RequestState] = {}
         self.unplaced: list[RequestState] = []  # waiting while no attention worker can take them
         self.in_flight = InFlight()
-        self._run_token = uuid.uuid4().hex[:8]  # keeps mb ids unique across scheduler restarts
+        self._run_token = uuid.uuid4().hex[:8]  # this run: mb ids unique across restarts, the heartbeat's instance
         self._tasks: set[asyncio.Task[None]] = set()
         self.governor = Governor(settings, model, self.registry)
 
@@ -85,8 +85,11 @@ class Scheduler:
         self._spawn(self._health_loop())
         if self.settings.freq_window_s > 0:
             self._spawn(self._freq_loop())
-        if self.settings.telemetry_hz > 0:
-            self._spawn(self._telemetry_loop())
+        s = self.settings
+        self._spawn(beacon.heartbeat_loop(nc, s.scheduler_id, self._run_token, s.heartbeat_s))
+        if s.telemetry_hz > 0:
+            self._spawn(beacon.telemetry_loop(nc, s.scheduler_id, s.telemetry_hz, lambda: self.governor.telemetry(
+                self.queue_depth, self.running_count)))
 
     async def stop(self) -> None:
         for task in list(self._tasks):
@@ -121,7 +124,8 @@ class Scheduler:
         log.info("worker %s (%s) registered%s", reg.worker_id, reg.role, " again: restarted" if restarted else "")
         if worker.role == "attention" and restarted:
             recovery.lose(worker, self.in_flight, restarted=True)  # its KV is empty now: recompute what it held
-        await msg.respond(encode(RegisterReply(ok=True, scheduler_id=self.settings.scheduler_id)))
+        await msg.respond(encode(RegisterReply(ok=True, scheduler_id=self.settings.scheduler_id,
+                                                scheduler_instance=self._run_token)))
         self._on_capacity_change()
         self.governor.worker_restarted(worker.worker_id)
         if worker.supported_clocks_mhz and self.settings.freq_window_s > 0:
@@ -133,6 +137,9 @@ class Scheduler:
         hb = decode(Heartbeat, msg.data)
         now = time.monotonic()
         worker, revived = self.registry.heartbeat(hb, now)
+        if not worker.registered and msg.reply:  # e.g. this scheduler is new: ask it to register again
+            await msg.respond(encode(RegisterReply(ok=False, scheduler_id=self.settings.scheduler_id,
+                                                   scheduler_instance=self._run_token)))
         if revived:
             log.info("worker %s is healthy again", worker.worker_id)
             self._on_capacity_change()
@@ -202,10 +209,11 @@ class Scheduler:
         if refused is not None:
             error, retry_after_s = refused
             return SubmitReply(request_id=req.request_id, accepted=False, retry_after_s=retry_after_s, error=error)
-        state = RequestState(req.request_id, list(req.prompt_ids), req.sampling, req.arrival_ts)
+        state = RequestState(req.request_id, list(req.prompt_ids), req.sampling, req.arrival_ts,
+                             output_ids=list(req.generated_ids), next_index=req.first_index)  # a continuation
         self.requests[req.request_id] = state
         self._route(state)
-        return SubmitReply(request_id=req.request_id, accepted=True)
+        return SubmitReply(request_id=req.request_id, accepted=True, scheduler_instance=self._run_token)
 
     def _route(self, state: RequestState, *, front: bool = False) -> None:
         """Queue `state` on the attention worker with the most free KV (estimated), or leave it unplaced."""
@@ -418,13 +426,6 @@ class Scheduler:
         """One frequency window: the governor's command for every healthy worker with supported clocks."""
         for cmd in self.governor.window(time.monotonic(), self.requests.values()):
             await self.nc.publish(subjects.freq(cmd.worker_id), encode(cmd))
-
-    async def _telemetry_loop(self) -> None:
-        subject = subjects.telemetry("scheduler", self.settings.scheduler_id)
-        while True:
-            await asyncio.sleep(1.0 / self.settings.telemetry_hz)
-            telemetry = self.governor.telemetry(self.queue_depth, self.running_count)
-            await self.nc.publish(subject, encode(telemetry))
 
 
 async def run(settings: SchedulerSettings, *, stop: asyncio.Event | None = None,

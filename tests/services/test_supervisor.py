@@ -1,7 +1,7 @@
 """`aflex up`'s child management, with small stand-in scripts instead of the real services.
 
 The stand-ins keep the real names, roles and start order (`build_commands`), so what is tested
-is the supervisor: ordering, output prefixes, deaths reported and never restarted, SIGTERM
+is the supervisor: ordering, output prefixes, crashes restarted with backoff until a crash loop, SIGTERM
 shutdown of every child and of the nats-server, and a readiness wait that names a dead child.
 The end-to-end test against the real services lives elsewhere.
 """
@@ -239,37 +239,78 @@ def test_children_start_in_order_and_their_output_is_prefixed(dummy: Path, tmp_p
     assert "exited with status" not in stderr  # a requested stop is not a death
 
 
-def test_worker_death_is_reported_once_not_restarted_and_others_keep_serving(dummy: Path, tmp_path: Path) -> None:
+FAST = sup.RestartPolicy(backoff_first_s=0.05, backoff_max_s=0.2, max_fast_crashes=2)
+
+
+def test_a_crashing_worker_is_restarted_with_backoff_then_given_up_on(dummy: Path, tmp_path: Path) -> None:
     deaths: list[sup.ChildExit] = []
-    supervisor = make_supervisor(dummy, {"attn-0": ["late-crash", "0.3", "3"]}, on_child_death=[deaths.append])
+    supervisor = make_supervisor(dummy, {"attn-0": ["late-crash", "0.3", "3"]}, on_child_death=[deaths.append],
+                                 restart=FAST)
     supervisor.start()
-    pids = [c.process.pid for c in supervisor.children]
+    others = {c.name: c.process.pid for c in supervisor.children if c.name != "attn-0"}
     stop = threading.Event()
-    threading.Timer(1.5, stop.set).start()
     try:
-        assert supervisor.serve(stop, interval_s=0.05) == 0  # a worker's death does not stop the mesh
-        assert [c.process.pid for c in supervisor.children] == pids  # nothing restarted
+        threading.Timer(3.0, stop.set).start()
+        assert supervisor.serve(stop, interval_s=0.05) == 0  # a worker given up on does not stop the mesh
+        assert {c.name: c.process.pid for c in supervisor.children if c.name != "attn-0"} == others
         running = {c.name: c.process.poll() is None for c in supervisor.children}
         assert running == {"scheduler": True, "attn-0": False, "ffn-0": True, "gateway": True}
     finally:
         supervisor.stop()
     stderr = err(supervisor)
-    assert stderr.count("aflex up: attn-0 exited with status 3\n") == 1
-    assert [e.split()[0] for e in events(tmp_path) if "started" in e].count("attn-0") == 1
-    assert [(d.name, d.role, d.returncode, d.killed) for d in deaths] == [("attn-0", "attention-worker", 3, False)]
+    assert stderr.count("aflex up: attn-0 exited with status 3\n") == 3  # the first run and two restarts
+    assert "restarting attn-0 in 0.05 s" in stderr and "restarting attn-0 in 0.1 s" in stderr
+    assert "attn-0 crashed 3 times in a row" in stderr and "not restarting it" in stderr
+    assert [e.split()[0] for e in events(tmp_path) if "started" in e].count("attn-0") == 3
+    assert [(d.name, d.role, d.returncode, d.killed) for d in deaths] == [("attn-0", "attention-worker", 3, False)] * 3
 
 
-def test_scheduler_death_stops_serving_with_status_1(dummy: Path) -> None:
-    supervisor = make_supervisor(dummy, {"scheduler": ["late-crash", "0.3", "1"]})
+def test_a_killed_scheduler_is_started_again_and_the_mesh_serves_on(dummy: Path, tmp_path: Path) -> None:
+    supervisor = make_supervisor(dummy, {}, restart=FAST)
+    supervisor.start()
+    stop = threading.Event()
+    try:
+        first = supervisor.children[0]
+        assert first.name == "scheduler"
+        wait_until(lambda: any(e.startswith("scheduler started") for e in events(tmp_path)))
+        os.kill(first.process.pid, signal.SIGKILL)
+        server = threading.Thread(target=lambda: supervisor.serve(stop, interval_s=0.05))
+        server.start()
+        wait_until(lambda: [e.split()[0] for e in events(tmp_path) if "started" in e].count("scheduler") == 2)
+        stop.set()
+        server.join(10)
+        assert supervisor.children[0] is not first and supervisor.children[0].process.poll() is None
+        assert all(c.process.poll() is None for c in supervisor.children)
+    finally:
+        supervisor.stop()
+    assert "aflex up: scheduler exited with status -9 (SIGKILL)\n" in err(supervisor)
+    assert "restarting scheduler in 0.05 s" in err(supervisor)
+
+
+def test_a_scheduler_in_a_crash_loop_stops_serving_with_status_1(dummy: Path) -> None:
+    supervisor = make_supervisor(dummy, {"scheduler": ["late-crash", "0.3", "1"]}, restart=FAST)
     supervisor.start()
     try:
         assert supervisor.serve(threading.Event(), interval_s=0.05) == 1
     finally:
         supervisor.stop()
     stderr = err(supervisor)
-    assert "aflex up: scheduler exited with status 1\n" in stderr
+    assert stderr.count("aflex up: scheduler exited with status 1\n") == 3
     assert "scheduler is needed to serve" in stderr
     assert all(c.process.poll() is not None for c in supervisor.children)
+
+
+def test_without_a_restart_policy_a_dead_worker_stays_dead(dummy: Path) -> None:
+    supervisor = make_supervisor(dummy, {"attn-0": ["late-crash", "0.3", "3"]}, restart=None)
+    supervisor.start()
+    stop = threading.Event()
+    threading.Timer(1.5, stop.set).start()
+    try:
+        assert supervisor.serve(stop, interval_s=0.05) == 0
+    finally:
+        supervisor.stop()
+    assert err(supervisor).count("aflex up: attn-0 exited with status 3\n") == 1
+    assert "restarting" not in err(supervisor)
 
 
 def test_child_ignoring_sigterm_is_killed_after_the_grace_period(dummy: Path) -> None:

@@ -1,0 +1,71 @@
+"""What `aflex up` does about GPUs: one per worker where the host has enough, and a dead worker's clock reset."""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Sequence
+
+from services.children import ChildDeathHook, ChildExit, ChildSpec
+from shared.settings_flags import env_name
+
+WORKER_ROLES = frozenset({"attention-worker", "ffn-worker"})
+
+
+def device_env(device: str | None) -> dict[str, str]:
+    return {} if device is None else {"CUDA_VISIBLE_DEVICES": device}
+
+
+def worker_devices(n_workers: int) -> list[str | None]:
+    """One GPU per worker when the host has enough (so each runs at its own clock), else None each.
+
+    With fewer GPUs than workers nothing is pinned: the workers share what CUDA_VISIBLE_DEVICES
+    shows them, and a clock command of one moves the clock of the others on the same GPU.
+    """
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        ids = [d.strip() for d in visible.split(",") if d.strip()]
+    else:
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+            try:
+                ids = [str(i) for i in range(pynvml.nvmlDeviceGetCount())]
+            finally:
+                pynvml.nvmlShutdown()
+        except Exception:  # no NVML library or driver: no GPUs to pin
+            ids = []
+    if len(ids) < n_workers:
+        return [None] * n_workers
+    return list(ids[:n_workers])
+
+
+def reset_clock_hook(specs: Sequence[ChildSpec]) -> ChildDeathHook:
+    """A hook that resets the SM clock of a dead worker that was setting clocks (`--gpu-control nvml`).
+
+    A worker resets its clock on a clean exit; one that crashed or was killed cannot, and would
+    leave its GPU locked at whatever clock it last set.
+    """
+    by_name = {spec.name: spec for spec in specs}
+
+    def reset(exit_: ChildExit) -> None:
+        spec = by_name.get(exit_.name)
+        backend = spec.env.get(env_name("gpu_backend"), os.environ.get(env_name("gpu_backend"), "")) if spec else ""
+        if spec is None or spec.role not in WORKER_ROLES or backend != "nvml":
+            return  # only `--gpu-control nvml` sets clocks; nvml-readonly and emulated leave none behind
+        from shared.gpu.base import GPUError
+        from shared.gpu.nvml import NvmlGPU
+
+        device = spec.env.get("CUDA_VISIBLE_DEVICES")
+        try:
+            gpu = NvmlGPU(index=None if device is None else int(device.split(",")[0]))
+            try:
+                gpu.reset_sm_clock()
+            finally:
+                gpu.close()
+            print(f"aflex up: reset the GPU clock of {exit_.name}", file=sys.stderr, flush=True)
+        except (GPUError, ValueError) as exc:
+            print(f"aflex up: could not reset the GPU clock of {exit_.name}: {exc}", file=sys.stderr, flush=True)
+
+    return reset
