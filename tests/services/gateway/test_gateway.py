@@ -125,19 +125,20 @@ class FakeScheduler:
 
 
 class Harness:
-    def __init__(self) -> None:
+    def __init__(self, fake: type[FakeScheduler] = FakeScheduler, **settings: Any) -> None:
         self.nats = EmbeddedNatsServer().start()
         self.card = open_model_card("default")
         self.port = free_port()
         self.settings = GatewaySettings(nats_url=self.nats.url, host="127.0.0.1", port=self.port,
-                                        request_timeout_s=1.0, submit_timeout_s=2.0, log_level="WARNING")
+                                        **{"request_timeout_s": 1.0, "submit_timeout_s": 2.0, "log_level": "WARNING",
+                                           **settings})
         self.base = f"http://127.0.0.1:{self.port}"
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
         self.stop_event = self.call(self._make_event())
         self.nc = self.call(bus.connect(self.nats.url, "fake-scheduler"))
-        self.fake = FakeScheduler(self.nc, self.card)
+        self.fake = fake(self.nc, self.card)
         self.call(self.fake.start())
         self.server = asyncio.run_coroutine_threadsafe(serve(self.settings, stop=self.stop_event), self.loop)
         deadline = time.monotonic() + 20
