@@ -2,9 +2,9 @@
 
 Subprocesses, not tasks in one loop, so every service runs exactly as in compose and a worker that
 crashes or hangs cannot take the others down. It starts NATS, the scheduler, the workers and the
-gateway in order, prefixes their output, waits for `/ready`, reports a child that dies (never
-restarts it; the gateway or the scheduler dying stops everything), and stops all in order on
-SIGINT/SIGTERM. The behaviour in full: docs/architecture.md, "`aflex up`".
+gateway in order, prefixes their output, waits for `/ready`, starts a crashed child again with
+backoff (`restarts.py`; the gateway or the scheduler given up on stops everything), and stops all
+in order on SIGINT/SIGTERM. The behaviour in full: docs/architecture.md, "`aflex up`".
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from services.children import ChildDeathHook, ChildExit, ChildSpec, Role
 from services.restarts import RestartPolicy, Restarts
 from services.up_gpus import device_env, reset_clock_hook, worker_devices
 from shared.errors import AFlexError
-from shared.settings import SchedulerSettings, WorkerSettings
+from shared.settings import GatewaySettings, SchedulerSettings, WorkerSettings
 from shared.settings_flags import add_flags, env_of
 
 ON_FAILURE = RestartPolicy()  # a crashed child is started again (compose's `restart: on-failure`)
@@ -59,6 +59,7 @@ class ReadinessTimeoutError(SupervisorError):
 CommandBuilder = Callable[[argparse.Namespace], list[ChildSpec]]
 
 SCHEDULER_KNOBS = ("microbatch_depth", "batching", "freq_policy")  # what `aflex up` takes itself and hands down
+GATEWAY_KNOBS = ("api_key",)
 WORKER_KNOBS = ("device", "dtype", "quantize", "torch_threads", "seam_transport", "gpu_backend", "gpu_profile",
                 "gpu_pace")  # (the flags of both are generated from these settings fields)
 
@@ -265,6 +266,7 @@ def add_up_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ffn-workers", type=_positive, default=1, metavar="M")
     # the services' own knobs, declared once in shared/settings.py and handed down as AFLEX_* variables
     add_flags(parser, SchedulerSettings, only=SCHEDULER_KNOBS)
+    add_flags(parser, GatewaySettings, only=GATEWAY_KNOBS)
     add_flags(parser, WorkerSettings, only=WORKER_KNOBS, aliases={"gpu_backend": ("--gpu-control",)})
     parser.add_argument("--ready-timeout", type=float, default=300.0, metavar="SECONDS",
                         help="how long to wait for the gateway's /ready")
@@ -300,7 +302,8 @@ def build_commands(args: argparse.Namespace) -> list[ChildSpec]:
         env = env_of({**model, **worker, "worker_id": name}) | device_env(device)
         specs.append(ChildSpec(name, role, [*cli, role], env))
     specs.append(ChildSpec("gateway", "gateway", [*cli, "gateway"],
-                           env_of({**model, "host": args.host, "port": args.port})))
+                           env_of({**model, "host": args.host, "port": args.port,
+                                   **{k: getattr(args, k, None) for k in GATEWAY_KNOBS}})))
     return specs
 
 

@@ -38,7 +38,13 @@ class GatewaySettings(ServiceSettings):
     failover_deadline_s: float = Field(
         default=30.0, description="how long a request whose scheduler is gone waits for another to take it "
                                   "before it ends with a 503 error")
-    api_key: str | None = Field(default=None, description="when set, `Authorization: Bearer <key>` is required")
+    api_key: str | None = Field(
+        default=None, description="when set, /v1 needs `Authorization: Bearer <key>`: one key, or several "
+                                  "separated by commas (any of them is accepted)")
+
+    @property
+    def api_keys(self) -> tuple[str, ...]:
+        return tuple(k.strip() for k in (self.api_key or "").split(",") if k.strip())
 
 
 class SchedulerSettings(ServiceSettings):

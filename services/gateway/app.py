@@ -83,11 +83,14 @@ GatewayDep = Annotated[Gateway, Depends(_gateway)]
 
 
 def _check_api_key(request: Request) -> None:
-    expected = _gateway(request).settings.api_key
-    if not expected:
+    keys = _gateway(request).settings.api_keys
+    if not keys:
         return
     scheme, _, key = request.headers.get("authorization", "").partition(" ")
-    if scheme.lower() != "bearer" or not secrets.compare_digest(key.strip().encode(), expected.encode()):
+    given = key.strip().encode()
+    # every key compared, in constant time each: which one matched (or none) does not show in the timing
+    matches = [secrets.compare_digest(given, expected.encode()) for expected in keys]
+    if scheme.lower() != "bearer" or not any(matches):
         raise APIError(401, "Incorrect or missing API key: send `Authorization: Bearer <key>`.",
                        type=AUTHENTICATION, code="invalid_api_key")
 

@@ -169,6 +169,14 @@ def test_build_commands_leaves_unset_options_to_the_services() -> None:
         assert "AFLEX_NATS_URL" not in spec.env  # set once, by `up`, for every child
 
 
+def test_up_hands_the_api_keys_to_the_gateway_alone() -> None:
+    specs = {spec.name: spec for spec in sup.build_commands(up_args("--api-key", "k1,k2"))}
+    assert specs["gateway"].env["AFLEX_API_KEY"] == "k1,k2"
+    assert GatewaySettings(api_key=specs["gateway"].env["AFLEX_API_KEY"]).api_keys == ("k1", "k2")
+    assert all("AFLEX_API_KEY" not in spec.env for name, spec in specs.items() if name != "gateway")
+    assert "AFLEX_API_KEY" not in sup.build_commands(up_args())[-1].env
+
+
 def test_service_flags_come_from_the_settings_fields() -> None:
     """Every settings field is a flag of its subcommand, and a flag's value reaches the settings."""
     from services.cli import SERVICES

@@ -386,8 +386,9 @@ def test_malformed_json_and_client_errors(h: Harness) -> None:
     assert httpx.get(f"{h.base}/v1/nowhere").json()["error"]["type"] == "not_found_error"
 
 
-def test_api_key(h: Harness) -> None:
-    settings = h.settings.model_copy(update={"api_key": "sekret"})
+@pytest.mark.parametrize("keys", ["sekret", "other, sekret"])
+def test_api_key(h: Harness, keys: str) -> None:
+    settings = h.settings.model_copy(update={"api_key": keys})
     app = create_app(settings, h.card, cast(Client, None))  # these routes never touch NATS
 
     async def check() -> None:
@@ -397,6 +398,8 @@ def test_api_key(h: Harness) -> None:
             assert (await c.get("/v1/models", headers={"Authorization": "Bearer wrong"})).status_code == 401
             assert (await c.get("/v1/models", headers={"Authorization": "Bearer sekret"})).status_code == 200
             assert (await c.get("/health")).status_code == 200
+            for path in ("/ready", "/metrics"):
+                assert (await c.get(path)).status_code != 401, path
 
     asyncio.run(check())
 
