@@ -38,6 +38,7 @@ class GatewaySettings(ServiceSettings):
     failover_deadline_s: float = Field(
         default=30.0, description="how long a request whose scheduler is gone waits for another to take it "
                                   "before it ends with a 503 error")
+    max_body_bytes: int = Field(default=4 * 1024 * 1024, description="a request body larger than this gets 413")
     api_key: str | None = Field(
         default=None, description="when set, /v1 needs `Authorization: Bearer <key>`: one key, or several "
                                   "separated by commas (any of them is accepted)")

@@ -27,6 +27,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.responses import Response, StreamingResponse
 
 from services.gateway import metrics as gateway_metrics
+from services.gateway.body_limit import BodyLimit
 from services.gateway.errors import (
     AUTHENTICATION,
     NOT_FOUND,
@@ -37,6 +38,7 @@ from services.gateway.errors import (
 )
 from services.gateway.generation import Generation
 from services.gateway.openai_schema import ChatCompletionRequest, CompletionRequest, _GenerationRequest
+from services.gateway.openapi_doc import document
 from services.gateway.scheduler_watch import SchedulerWatch
 from services.gateway.streaming import SSE_HEADERS, ResponseShape, collect, stream
 from shared import subjects
@@ -168,6 +170,8 @@ async def completions(body: CompletionRequest, request: Request, gateway: Gatewa
                           "prompt")
         prompt = prompt[0]
     if isinstance(prompt, str):
+        if "\x00" in prompt:
+            raise invalid("the prompt holds a NUL character (\\u0000), which no prompt may contain", "prompt")
         prompt_ids = await run_in_threadpool(gateway.tokenizer.encode, prompt, True)
     else:
         prompt_ids = [int(t) for t in prompt]  # type: ignore[arg-type]  # list[int] here
@@ -200,6 +204,8 @@ def _render_chat(tokenizer: Tokenizer, messages: list[dict[str, Any]]) -> list[i
         raise invalid(str(exc), exc.param or "messages") from None
     except TokenizerError as exc:
         raise invalid(str(exc), "messages") from None
+    if "\x00" in text:
+        raise invalid("the messages hold a NUL character (\\u0000), which no prompt may contain", "messages")
     # The rendered template carries its own BOS when the model wants one: add no special tokens.
     return tokenizer.encode(text)
 
@@ -293,6 +299,8 @@ def create_app(settings: GatewaySettings, card: ModelCard, nc: Client) -> FastAP
     app.state.gateway = Gateway(settings, card, card.tokenizer, nc,
                                 settings.served_model_name or card.model_id, int(time.time()))
     install_error_handlers(app)
+    app.add_middleware(BodyLimit, max_body_bytes=settings.max_body_bytes)
+    document(app)
     gateway_metrics.install(app)
     app.include_router(probes)
     app.include_router(api)

@@ -1,0 +1,167 @@
+"""What /openapi.json says the gateway answers: every status code each route can return, with its body.
+
+FastAPI documents the request bodies from their models but knows nothing of our answers: the routes
+return ready-made JSON, errors are OpenAI error bodies raised from anywhere (a 422 never leaves the
+gateway: validation errors are 400s), and a streamed completion is `text/event-stream`. So the
+response bodies are declared here as models, and `document` rewrites the generated spec with them.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from fastapi import FastAPI
+from fastapi.openapi.utils import get_openapi
+from pydantic import BaseModel, ConfigDict
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="allow")  # documented fields; an extension may add more
+
+
+class ErrorDetail(_Body):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorResponse(_Body):
+    error: ErrorDetail
+
+
+class Usage(_Body):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    energy_j: float | None = None  # AFlex: joules the workers spent on the request
+
+
+class ChatMessageOut(_Body):
+    role: Literal["assistant"]
+    content: str
+
+
+class ChatChoice(_Body):
+    index: int
+    message: ChatMessageOut
+    logprobs: None
+    finish_reason: str
+
+
+class ChatCompletion(_Body):
+    id: str
+    object: Literal["chat.completion"]
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class CompletionChoice(_Body):
+    index: int
+    text: str
+    logprobs: None
+    finish_reason: str
+
+
+class Completion(_Body):
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage
+
+
+class Model(_Body):
+    id: str
+    object: Literal["model"]
+    created: int
+    owned_by: str
+    root: str
+    parent: str | None
+    max_model_len: int
+
+
+class ModelList(_Body):
+    object: Literal["list"]
+    data: list[Model]
+
+
+class Health(_Body):
+    status: Literal["ok"]
+
+
+class Ready(_Body):
+    status: Literal["ready", "not_ready"]
+    scheduler: dict[str, Any] | None = None
+    reason: str | None = None
+
+
+# Why each error status can come back (the descriptions /openapi.json shows).
+ERROR_STATUSES = {
+    400: "invalid request: bad JSON, a field out of range, a NUL in the text, too long for the context",
+    401: "missing or wrong API key (when the gateway has one)",
+    404: "unknown model, or no such route",
+    413: "request body larger than max_body_bytes",
+    429: "the scheduler's queue is full (Retry-After)",
+    500: "the request failed in the mesh",
+    502: "the scheduler sent an invalid reply",
+    503: "no scheduler, no workers ready, or the bus is down (Retry-After)",
+    504: "no output within request_timeout_s",
+}
+GENERATION_ERRORS = (400, 401, 404, 413, 429, 500, 502, 503, 504)
+# route (path, method) -> (200 body model, the error statuses it can answer, whether it can stream)
+ROUTES: dict[tuple[str, str], tuple[type[BaseModel], tuple[int, ...], bool]] = {
+    ("/health", "get"): (Health, (), False),
+    ("/ready", "get"): (Ready, (503,), False),
+    ("/v1/models", "get"): (ModelList, (401,), False),
+    ("/v1/models/{model}", "get"): (Model, (401, 404), False),
+    ("/v1/chat/completions", "post"): (ChatCompletion, GENERATION_ERRORS, True),
+    ("/v1/completions", "post"): (Completion, GENERATION_ERRORS, True),
+}
+
+
+# One server-sent event of a streamed completion: its `data` is a chunk's JSON, or `[DONE]` at the end.
+SSE_EVENT = {"type": "object", "required": ["data"], "properties": {
+    "data": {"type": "string", "description": "a chunk (`chat.completion.chunk` / `text_completion`) as JSON, "
+                                              "an error body, or `[DONE]`"},
+    "event": {"type": "string"}}}
+
+
+def _ref(model: type[BaseModel]) -> dict[str, str]:
+    return {"$ref": f"#/components/schemas/{model.__name__}"}
+
+
+def document(app: FastAPI) -> None:
+    """Give `app` an /openapi.json whose responses are the ones the routes really send."""
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is not None:
+            return app.openapi_schema
+        spec = get_openapi(title=app.title, version=app.version, routes=app.routes)
+        schemas = spec.setdefault("components", {}).setdefault("schemas", {})
+        models: list[type[BaseModel]] = [ErrorResponse, *dict.fromkeys(m for m, _, _ in ROUTES.values())]
+        for model in models:
+            for name, schema in model.model_json_schema(ref_template="#/components/schemas/{model}").get(
+                    "$defs", {}).items():
+                schemas[name] = schema
+            schemas[model.__name__] = {k: v for k, v in model.model_json_schema(
+                ref_template="#/components/schemas/{model}").items() if k != "$defs"}
+        for name in ("HTTPValidationError", "ValidationError"):
+            schemas.pop(name, None)
+        for (path, method), (body, errors, streams) in ROUTES.items():
+            operation = spec["paths"][path][method]
+            ok: dict[str, Any] = {"application/json": {"schema": _ref(body)}}
+            if streams:
+                ok["text/event-stream"] = {"schema": SSE_EVENT}
+            operation["responses"] = {"200": {"description": "OK", "content": ok}} | {
+                str(status): {"description": ERROR_STATUSES[status],
+                              "content": {"application/json": {"schema": _ref(Ready if path == "/ready"
+                                                                              else ErrorResponse)}}}
+                for status in errors}
+        app.openapi_schema = spec
+        return spec
+
+    app.openapi = openapi  # type: ignore[method-assign]
