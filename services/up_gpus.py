@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 from services.children import ChildDeathHook, ChildExit, ChildSpec
 from shared.settings_flags import env_name
@@ -42,18 +43,30 @@ def worker_devices(n_workers: int) -> list[str | None]:
 
 
 def reset_clock_hook(specs: Sequence[ChildSpec]) -> ChildDeathHook:
-    """A hook that resets the SM clock of a dead worker that was setting clocks (`--gpu-control nvml`).
+    """A hook that resets the SM clock of a dead worker that was setting clocks (`--gpu-control nvml`, or
+    an emulated GPU with a `gpu_state_dir`).
 
     A worker resets its clock on a clean exit; one that crashed or was killed cannot, and would
     leave its GPU locked at whatever clock it last set.
     """
     by_name = {spec.name: spec for spec in specs}
 
+    def setting(spec: ChildSpec, name: str) -> str:
+        return spec.env.get(env_name(name), os.environ.get(env_name(name), ""))
+
     def reset(exit_: ChildExit) -> None:
         spec = by_name.get(exit_.name)
-        backend = spec.env.get(env_name("gpu_backend"), os.environ.get(env_name("gpu_backend"), "")) if spec else ""
-        if spec is None or spec.role not in WORKER_ROLES or backend != "nvml":
-            return  # only `--gpu-control nvml` sets clocks; nvml-readonly and emulated leave none behind
+        if spec is None or spec.role not in WORKER_ROLES:
+            return
+        backend, state_dir = setting(spec, "gpu_backend"), setting(spec, "gpu_state_dir")
+        if backend == "emulated" and state_dir:  # an emulated GPU whose lock outlives its worker
+            from shared.gpu.emulated import write_locked_mhz
+
+            write_locked_mhz(Path(state_dir) / f"{exit_.name}.json", None)
+            print(f"aflex up: reset the emulated GPU clock of {exit_.name}", file=sys.stderr, flush=True)
+            return
+        if backend != "nvml":
+            return  # of the real backends only `--gpu-control nvml` sets clocks; nvml-readonly leaves none
         from shared.gpu.base import GPUError
         from shared.gpu.nvml import NvmlGPU
 

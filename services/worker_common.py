@@ -20,6 +20,7 @@ import logging
 import os
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING, Literal, TypeVar
 
 from nats.aio.client import Client
@@ -119,6 +120,11 @@ def clock_phase(phase: str) -> Literal["prefill", "decode"]:
     return "decode" if phase == "decode" else "prefill"
 
 
+def emulated_device_file(settings: WorkerSettings) -> Path | None:
+    """Where the worker's emulated GPU keeps its locked clock (`gpu_state_dir`), or None."""
+    return Path(settings.gpu_state_dir) / f"{settings.worker_id}.json" if settings.gpu_state_dir else None
+
+
 class WorkerGPU:
     """A worker's GPU, its DVFS controller, its meter and its telemetry publisher.
 
@@ -143,10 +149,12 @@ class WorkerGPU:
         from shared.gpu.select import select_gpu
 
         s = self.settings
-        return select_gpu(s.gpu_backend, s.gpu_profile, s.gpu_pace)
+        return select_gpu(s.gpu_backend, s.gpu_profile, s.gpu_pace, device_file=emulated_device_file(s))
 
     async def start(self, nc: Client) -> None:
-        """Follow `freq.<wid>` commands and start publishing telemetry."""
+        """Reset the clock (a worker before this one may have died with it locked), follow `freq.<wid>`
+        commands, and start publishing telemetry."""
+        self.controller.reset()
         self.controller.poll()  # the default clock from the start
         self._stop.clear()
         self._sub = await nc.subscribe(subjects.freq(self.worker_id), cb=self._on_command)

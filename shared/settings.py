@@ -96,6 +96,9 @@ class WorkerSettings(ServiceSettings):
                             "clocks: root or CAP_SYS_ADMIN), nvml-readonly, emulated")
     gpu_profile: str = Field(default="a800", description="the emulated GPU's profile: a800, a100, h100, h200, b200")
     gpu_pace: bool = Field(default=False, description="emulated: sleep for the modelled time of each operator call")
+    gpu_state_dir: str = Field(
+        default="", description="emulated: a directory where each worker's emulated GPU keeps its locked clock "
+                                "across processes, as a driver does ('' : in the process only)")
     telemetry_hz: float = Field(default=10.0, description="WorkerTelemetry messages per second (0: none)")
     default_clock_mhz: int | None = Field(
         default=None, description="the clock without a valid command (default: the max)")

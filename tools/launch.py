@@ -32,10 +32,12 @@ class Mesh:
 
 
 @contextmanager
-def aflex_up(model: str, *extra: str, timeout_s: float = 300.0, nats_url: str | None = None) -> Iterator[Mesh]:
-    """`nats_url`: use that server (`AFLEX_NATS_URL`) instead of the embedded one `aflex up` starts."""
+def aflex_up(model: str, *extra: str, timeout_s: float = 300.0, nats_url: str | None = None,
+             env_extra: dict[str, str] | None = None) -> Iterator[Mesh]:
+    """`nats_url`: use that server (`AFLEX_NATS_URL`) instead of the embedded one `aflex up` starts;
+    `env_extra`: settings every service gets (`AFLEX_*` variables)."""
     port, nats_port = free_port(), free_port()
-    env = {k: v for k, v in os.environ.items() if k != "AFLEX_NATS_URL"}
+    env = {k: v for k, v in os.environ.items() if k != "AFLEX_NATS_URL"} | (env_extra or {})
     if nats_url is not None:
         env["AFLEX_NATS_URL"] = nats_url
     process = subprocess.Popen(

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
@@ -220,15 +221,19 @@ class EmulatedGPU(GPU):
         clock: Callable[[], float] = time.monotonic,
         sleep: Callable[[float], None] = time.sleep,
         context_resident: bool = True,
+        device_file: Path | None = None,
     ) -> None:
         self.profile = profile if isinstance(profile, GPUProfile) else load_profile(profile)
+        # Where the device keeps its locked clock, as a driver does: it outlives the process that set
+        # it (a worker killed at a low clock leaves the next one a slow GPU until someone resets it).
+        self.device_file = device_file
         self.name = f"emulated {self.profile.name}"
         self.pace = pace
         self._clock = clock
         self._sleep = sleep
         self.context_resident = context_resident
         self._clocks = self.profile.clocks_mhz
-        self._current_mhz = self.profile.default_mhz
+        self._current_mhz = self.locked_mhz() or self.profile.default_mhz
         self._pending: tuple[float, int] | None = None  # (time it takes effect, clock)
         self._before_switch: tuple[float, int] | None = None  # (time of the last switch, clock before it)
         now = clock()
@@ -267,10 +272,20 @@ class EmulatedGPU(GPU):
         if target == wanted:
             return ClockResult(clock_mhz, target, applied=False, reason=f"already at {target} MHz")
         self._pending = (now + self.profile.clock_switch_delay_s, target)
+        self._write_lock(target)
         return ClockResult(clock_mhz, target, applied=True)
 
     def reset_sm_clock(self) -> None:
         self.set_sm_clock_mhz(self.profile.default_mhz)
+        self._write_lock(None)
+
+    def locked_mhz(self) -> int | None:
+        """The clock the device is locked at (None: the driver's own), as its device file holds it."""
+        return read_locked_mhz(self.device_file) if self.device_file is not None else None
+
+    def _write_lock(self, clock_mhz: int | None) -> None:
+        if self.device_file is not None:
+            write_locked_mhz(self.device_file, clock_mhz)
 
     # -- model --------------------------------------------------------------------------------
     def cost(self, work: OperatorWork, clock_mhz: int | None = None) -> Cost:
@@ -317,3 +332,19 @@ class EmulatedGPU(GPU):
     def total_energy_j(self) -> float:
         self._account_idle(self._clock())
         return self._energy_j
+
+
+def read_locked_mhz(device_file: Path) -> int | None:
+    try:
+        value = json.loads(device_file.read_text()).get("locked_mhz")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return int(value) if isinstance(value, int) else None
+
+
+def write_locked_mhz(device_file: Path, clock_mhz: int | None) -> None:
+    """Atomically (a reader never sees half a file); None unlocks."""
+    device_file.parent.mkdir(parents=True, exist_ok=True)
+    partial = device_file.with_name(f".{device_file.name}.{os.getpid()}")
+    partial.write_text(json.dumps({"locked_mhz": clock_mhz}))
+    os.replace(partial, device_file)

@@ -14,20 +14,20 @@ BACKENDS = ("auto", "nvml", "nvml-readonly", "emulated")
 
 
 def select_gpu(backend: str = "auto", profile: str | Path = "a800", pace: bool = False,
-               index: int | None = None) -> GPU:
+               index: int | None = None, device_file: Path | None = None) -> GPU:
     if backend not in BACKENDS:
         raise GPUError(f"unknown GPU backend {backend!r}; choose one of {', '.join(BACKENDS)}")
     if backend == "emulated":
         from shared.gpu.emulated import EmulatedGPU
 
-        return EmulatedGPU(profile, pace=pace)
+        return EmulatedGPU(profile, pace=pace, device_file=device_file)
     from shared.gpu.nvml import NvmlGPU
 
     if backend == "auto":
         try:
             return NvmlGPU(index, readonly=True)
         except GPUError:
-            return select_gpu("emulated", profile, pace)
+            return select_gpu("emulated", profile, pace, device_file=device_file)
     try:
         return NvmlGPU(index, readonly=backend == "nvml-readonly")
     except GPUError as exc:
