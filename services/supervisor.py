@@ -264,6 +264,8 @@ def add_up_arguments(parser: argparse.ArgumentParser) -> None:
                         help="port of the embedded nats-server (0 picks a free one); unused when AFLEX_NATS_URL is set")
     parser.add_argument("--attention-workers", type=_positive, default=1, metavar="N")
     parser.add_argument("--ffn-workers", type=_positive, default=1, metavar="M")
+    parser.add_argument("--gateways", type=_positive, default=1, metavar="G",
+                        help="gateways serving the same mesh, on --port, --port + 1, ...")
     # the services' own knobs, declared once in shared/settings.py and handed down as AFLEX_* variables
     add_flags(parser, SchedulerSettings, only=SCHEDULER_KNOBS)
     add_flags(parser, GatewaySettings, only=GATEWAY_KNOBS)
@@ -301,9 +303,10 @@ def build_commands(args: argparse.Namespace) -> list[ChildSpec]:
         role: Role = "attention-worker" if name.startswith("attn") else "ffn-worker"
         env = env_of({**model, **worker, "worker_id": name}) | device_env(device)
         specs.append(ChildSpec(name, role, [*cli, role], env))
-    specs.append(ChildSpec("gateway", "gateway", [*cli, "gateway"],
-                           env_of({**model, "host": args.host, "port": args.port,
-                                   **{k: getattr(args, k, None) for k in GATEWAY_KNOBS}})))
+    gateway = {k: getattr(args, k, None) for k in GATEWAY_KNOBS}
+    for i in range(getattr(args, "gateways", 1)):
+        specs.append(ChildSpec("gateway" if i == 0 else f"gateway-{i}", "gateway", [*cli, "gateway"],
+                               env_of({**model, **gateway, "host": args.host, "port": args.port + i})))
     return specs
 
 

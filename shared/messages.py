@@ -69,6 +69,7 @@ class SubmitRequest(Message):
     # streamed, which count against max_tokens and are fed as context, and the OutputDelta index to go on from
     generated_ids: list[int] = Field(default_factory=list)
     first_index: int = Field(default=0, ge=0)
+    gateway_id: str = ""  # the gateway run that holds the client: when it is gone, the request is cancelled
 
 
 class SubmitReply(Message):
@@ -77,6 +78,13 @@ class SubmitReply(Message):
     error: ErrorBody | None = None
     retry_after_s: float | None = None  # set when rejected for overload
     scheduler_instance: str = ""  # which scheduler run took it: its heartbeats say it is still alive
+
+
+class GatewayHeartbeat(Message):
+    """`aflex.v1.gateway.heartbeat`: a gateway run is alive (its `gateway_id` is new at every start)."""
+
+    gateway_id: str
+    ts: float
 
 
 class SchedulerHeartbeat(Message):

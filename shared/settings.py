@@ -38,6 +38,9 @@ class GatewaySettings(ServiceSettings):
     failover_deadline_s: float = Field(
         default=30.0, description="how long a request whose scheduler is gone waits for another to take it "
                                   "before it ends with a 503 error")
+    gateway_id: str = Field(default="", description="this gateway run's id in submissions and heartbeats "
+                                                     "('': a fresh one at every start)")
+    heartbeat_s: float = Field(default=0.5, description="period of the gateway's heartbeat to the schedulers")
     max_body_bytes: int = Field(default=4 * 1024 * 1024, description="a request body larger than this gets 413")
     api_key: str | None = Field(
         default=None, description="when set, /v1 needs `Authorization: Bearer <key>`: one key, or several "
@@ -80,6 +83,8 @@ class SchedulerSettings(ServiceSettings):
     telemetry_hz: float = Field(default=1.0, description="SchedulerTelemetry messages per second (0: none)")
     heartbeat_s: float = Field(
         default=0.5, description="period of the scheduler's heartbeat, by which gateways know it is alive")
+    gateway_silence_s: float = Field(
+        default=3.0, description="a gateway unheard this long is gone: the requests it submitted are cancelled")
 
 
 class WorkerSettings(ServiceSettings):

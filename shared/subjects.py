@@ -20,6 +20,7 @@ PREFIX = "aflex.v1"
 REQ_SUBMIT = f"{PREFIX}.req.submit"
 SCHED_DONE = f"{PREFIX}.sched.done"
 SCHED_HEARTBEAT = f"{PREFIX}.sched.heartbeat"  # every scheduler, every `heartbeat_s`: gateways watch it
+GATEWAY_HEARTBEAT = f"{PREFIX}.gateway.heartbeat"  # every gateway: schedulers cancel a gone one's requests
 CONTROL_REGISTER = f"{PREFIX}.control.register"
 CONTROL_HEARTBEAT_ALL = f"{PREFIX}.control.heartbeat.*"
 TELEMETRY_ALL = f"{PREFIX}.telemetry.>"

@@ -67,9 +67,9 @@ async def _stream(client: openai.AsyncOpenAI, model: str, i: int, started: async
 
 
 async def _run(mesh: Mesh, kill: str | None = None, fault: Callable[[], None] | None = None, count: int = 8,
-               sampled: bool = False) -> list[tuple[str, int]]:
+               sampled: bool = False, base_url: str | None = None) -> list[tuple[str, int]]:
     """`count` streams (with `sampled`, the odd ones seeded and sampled), faulted once all are decoding."""
-    client = openai.AsyncOpenAI(base_url=mesh.base_url, api_key="unused", max_retries=0, timeout=300)
+    client = openai.AsyncOpenAI(base_url=base_url or mesh.base_url, api_key="unused", max_retries=0, timeout=300)
     model = (await client.models.list()).data[0].id
     started = [asyncio.Event() for _ in range(count)]
     streams = [asyncio.create_task(_stream(client, model, i, started[i], sampled and i % 2 == 1))
@@ -173,6 +173,47 @@ def test_a_killed_scheduler_loses_no_request(tiny_chat_checkpoint: Path) -> None
     assert "a new scheduler; freeing the" in log
     assert [tokens for _, tokens in after_fault] == [MAX_TOKENS] * 8
     assert after_fault == baseline
+
+
+def test_a_killed_gateway_is_survived_by_the_other_and_its_requests_are_cancelled(tiny_chat_checkpoint: Path
+                                                                                  ) -> None:
+    """Two gateways serve one mesh; SIGKILL the second while its streams decode: the first one's streams
+    complete with the no-fault text, and the scheduler, missing the dead gateway's heartbeats, cancels
+    the requests it had submitted (nobody could read them any more)."""
+    with aflex_up(str(tiny_chat_checkpoint), "--gateways", "2") as mesh:
+        second = mesh.base_url.replace(f":{mesh.port}/", f":{mesh.port + 1}/")
+        baseline = asyncio.run(_run(mesh))
+
+        async def both() -> tuple[list[tuple[str, int]], list[BaseException | tuple[str, int]]]:
+            client = openai.AsyncOpenAI(base_url=second, api_key="unused", max_retries=0, timeout=300)
+            model = (await client.models.list()).data[0].id
+            started = [asyncio.Event() for _ in range(4)]
+            doomed = [asyncio.create_task(_stream(client, model, 100 + i, started[i])) for i in range(4)]
+            await asyncio.gather(*(e.wait() for e in started))
+            os.kill(_gateway_pid(mesh, mesh.port + 1), signal.SIGKILL)
+            served = await _run(mesh)
+            return served, list(await asyncio.gather(*doomed, return_exceptions=True))
+
+        served, doomed = asyncio.run(both())
+        _wait_for(lambda: "is gone: cancelling its 4 requests" in mesh.output())
+        log = mesh.output()
+    assert served == baseline
+    assert all(isinstance(result, openai.APIError) for result in doomed), doomed  # their connection went
+    assert "gateway-1 exited with status -9" in log
+
+
+def _gateway_pid(mesh: Mesh, port: int) -> int:
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                status = (entry / "status").read_text()
+                environ = (entry / "environ").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            ppid = next(int(line.split()[1]) for line in status.splitlines() if line.startswith("PPid:"))
+            if ppid == mesh.process.pid and f"AFLEX_PORT={port}".encode() in environ:
+                return int(entry.name)
+    raise AssertionError(f"no gateway on port {port} under aflex up")
 
 
 def _wait_for(condition: Callable[[], bool], deadline_s: float = 60.0) -> None:

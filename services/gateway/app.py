@@ -26,6 +26,7 @@ from nats.aio.client import Client
 from starlette.concurrency import run_in_threadpool
 from starlette.responses import Response, StreamingResponse
 
+from services.gateway import liveness
 from services.gateway import metrics as gateway_metrics
 from services.gateway.body_limit import BodyLimit
 from services.gateway.errors import (
@@ -37,9 +38,9 @@ from services.gateway.errors import (
     invalid,
 )
 from services.gateway.generation import Generation
+from services.gateway.liveness import SchedulerWatch
 from services.gateway.openai_schema import ChatCompletionRequest, CompletionRequest, _GenerationRequest
 from services.gateway.openapi_doc import document
-from services.gateway.scheduler_watch import SchedulerWatch
 from services.gateway.streaming import SSE_HEADERS, ResponseShape, collect, stream
 from shared import subjects
 from shared.errors import InvalidRequestError, TokenizerError
@@ -70,6 +71,7 @@ class Gateway:
     served_model: str
     started: int
     schedulers: SchedulerWatch = field(default_factory=SchedulerWatch)  # subscribed by `serve`
+    gateway_id: str = field(default_factory=lambda: f"gw-{uuid.uuid4().hex[:8]}")  # this run's
 
     @property
     def max_seq_len(self) -> int:
@@ -240,7 +242,7 @@ async def _generate(request: Request, gateway: Gateway, body: _GenerationRequest
         nc=gateway.nc, request_id=request_id, model_id=gateway.card.model_id, prompt_ids=prompt_ids,
         sampling=body.sampling(max_tokens), stop=body.stop_strings(), tokenizer=gateway.tokenizer,
         submit_timeout_s=gateway.settings.submit_timeout_s, token_timeout_s=gateway.settings.request_timeout_s,
-        metrics=request.app.state.metrics, watch=gateway.schedulers,
+        metrics=request.app.state.metrics, watch=gateway.schedulers, gateway_id=gateway.gateway_id,
         scheduler_silence_s=gateway.settings.scheduler_silence_s,
         failover_deadline_s=gateway.settings.failover_deadline_s,
     )
@@ -296,8 +298,10 @@ def create_app(settings: GatewaySettings, card: ModelCard, nc: Client) -> FastAP
     if card.tokenizer is None:
         raise TokenizerError(f"{card.path} ships no tokenizer: the gateway needs one to serve text")
     app = FastAPI(title="AFlex gateway", version="1", default_response_class=JSONResponse)
-    app.state.gateway = Gateway(settings, card, card.tokenizer, nc,
-                                settings.served_model_name or card.model_id, int(time.time()))
+    app.state.gateway = gateway = Gateway(settings, card, card.tokenizer, nc,
+                                          settings.served_model_name or card.model_id, int(time.time()))
+    if settings.gateway_id:
+        gateway.gateway_id = settings.gateway_id
     install_error_handlers(app)
     app.add_middleware(BodyLimit, max_body_bytes=settings.max_body_bytes)
     document(app)
@@ -323,7 +327,9 @@ async def serve(settings: GatewaySettings, *, stop: asyncio.Event | None = None)
     try:
         app = create_app(settings, card, nc)
         await app.state.metrics.subscribe(nc)
-        await app.state.gateway.schedulers.subscribe(nc)
+        gateway: Gateway = app.state.gateway
+        await gateway.schedulers.subscribe(nc)
+        beats = asyncio.create_task(liveness.heartbeat_loop(nc, gateway.gateway_id, settings.heartbeat_s))
         config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level.lower(),
                                 lifespan="off", access_log=False, timeout_graceful_shutdown=5)
         server = _Server(config)
@@ -334,11 +340,12 @@ async def serve(settings: GatewaySettings, *, stop: asyncio.Event | None = None)
 
         watcher = asyncio.create_task(stop_when_asked())
         try:
-            log.info("gateway serving %s on http://%s:%d (NATS %s)", app.state.gateway.served_model,
+            log.info("gateway %s serving %s on http://%s:%d (NATS %s)", gateway.gateway_id, gateway.served_model,
                      settings.host, settings.port, settings.nats_url)
             with stop_on_signals(stop):
                 await server.serve()
         finally:
             watcher.cancel()
+            beats.cancel()
     finally:
         await bus.close(nc)

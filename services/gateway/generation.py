@@ -44,8 +44,8 @@ from shared.model.tokenizer import IncrementalDetokenizer, Tokenizer
 from shared.transport.bus import BusError, BusTimeoutError, NoRespondersBusError, request
 
 if TYPE_CHECKING:
+    from services.gateway.liveness import SchedulerWatch
     from services.gateway.metrics import GatewayMetrics
-    from services.gateway.scheduler_watch import SchedulerWatch
 
 log = logging.getLogger("aflex.gateway")
 
@@ -99,6 +99,7 @@ class Generation:
     token_timeout_s: float
     metrics: GatewayMetrics | None = None
     watch: SchedulerWatch | None = None  # None: no failover (the request lives and dies with its scheduler)
+    gateway_id: str = ""  # this gateway run (the scheduler cancels the request when it is gone)
     scheduler_silence_s: float = 2.0
     failover_deadline_s: float = 30.0
     output_ids: list[int] = field(default_factory=list, init=False)  # every token streamed so far
@@ -117,7 +118,7 @@ class Generation:
         """The request as a scheduler takes it: with what was streamed, a continuation."""
         return SubmitRequest(request_id=self.request_id, model=self.model_id, prompt_ids=self.prompt_ids,
                              sampling=self.sampling, arrival_ts=self._arrival_ts, generated_ids=list(self.output_ids),
-                             first_index=self._next_index)
+                             first_index=self._next_index, gateway_id=self.gateway_id)
 
     async def _ask(self, submission: SubmitRequest) -> SubmitReply:
         """One submission's reply; `_Unanswered` when no scheduler took it (none there, no answer, no bus)."""

@@ -11,8 +11,9 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+from services.scheduler.registry import Worker
 from services.scheduler.state import RequestState
-from shared.messages import SeqWork
+from shared.messages import MicrobatchDescriptor, SeqWork
 from shared.policy.iteration import IterationPhase, IterationPolicy, KvRoom, WorkItem, phase_of, plan_iteration
 
 __all__ = ["Pass", "PassPlan", "plan_passes", "share_energy"]
@@ -89,3 +90,14 @@ def share_energy(group: list[Pass], energy_j: float, refused: set[str]) -> None:
             energy_j * p.n_new / total if total > 0 else energy_j / len(takers))
         left -= share
         p.state.energy_j = (p.state.energy_j or 0.0) + share
+
+
+def release_only(worker: Worker, ffn_worker_id: str, run_token: str) -> MicrobatchDescriptor:
+    """A descriptor that runs nothing and frees the KV of the lane's finished sequences now."""
+    lane = worker.lane
+    lane.iteration += 1
+    desc = MicrobatchDescriptor(mb_id=f"{run_token}-{worker.worker_id}-{lane.iteration}-r",
+                                iteration=lane.iteration, phase="decode", ffn_worker=ffn_worker_id,
+                                seqs=[], release=lane.pending_release)
+    lane.pending_release = []
+    return desc

@@ -6,10 +6,7 @@ batcher.py, with the governor's iteration policy), publish the microbatch descri
 so request state needs no locks; NATS callbacks only mutate state and set events, the loops do the
 waiting. Dispatch owns the per-request state; recovery.py decides what a failure costs (recompute,
 or an error after MAX_FAILURES), governor.py the batching and clock policies, the frequency commands
-and the telemetry figures.
-
-Energy: each `MicrobatchDone.energy_j` is shared among the sequences of that microbatch in
-proportion to the tokens each fed in the pass; a request's shares add up to its `Usage.energy_j`.
+and the telemetry figures. A microbatch's energy is shared among its sequences by the tokens each fed.
 """
 
 from __future__ import annotations
@@ -27,7 +24,8 @@ from nats.aio.msg import Msg
 
 from services.scheduler import beacon, recovery
 from services.scheduler.admission import Mesh, rejection
-from services.scheduler.batcher import Pass, PassPlan, plan_passes, share_energy
+from services.scheduler.batcher import Pass, PassPlan, plan_passes, release_only, share_energy
+from services.scheduler.gateways import GatewayWatch
 from services.scheduler.governor import Governor
 from services.scheduler.model_info import ModelInfo, load_model_info
 from services.scheduler.recovery import BusLostError, InFlight
@@ -70,6 +68,7 @@ class Scheduler:
         self._run_token = uuid.uuid4().hex[:8]  # this run: mb ids unique across restarts, the heartbeat's instance
         self._tasks: set[asyncio.Task[None]] = set()
         self.governor = Governor(settings, model, self.registry)
+        self.gateways = GatewayWatch(settings.gateway_silence_s)
 
     # -- lifecycle ------------------------------------------------------------------------------
 
@@ -81,6 +80,7 @@ class Scheduler:
         await nc.subscribe(subjects.SCHED_STATUS, cb=bus.guarded(self._on_status, log))
         await nc.subscribe(subjects.REQ_SUBMIT, queue=subjects.SCHEDULER_QUEUE, cb=bus.guarded(self._on_submit, log))
         await nc.subscribe(subjects.REQ_CANCEL_ALL, cb=bus.guarded(self._on_cancel, log))
+        await nc.subscribe(subjects.GATEWAY_HEARTBEAT, cb=bus.guarded(self.gateways.on_heartbeat, log))
         await nc.flush()
         self._spawn(self._health_loop())
         if self.settings.freq_window_s > 0:
@@ -111,21 +111,23 @@ class Scheduler:
 
     # -- control --------------------------------------------------------------------------------
 
+    def _register_reply(self, ok: bool, error: str | None = None) -> bytes:
+        body = None if error is None else ErrorBody(type=ErrorType.INVALID_REQUEST, message=error)
+        return encode(RegisterReply(ok=ok, scheduler_id=self.settings.scheduler_id, error=body,
+                                    scheduler_instance=self._run_token))
+
     async def _on_register(self, msg: Msg) -> None:
         try:
             reg = decode(Register, msg.data)
             subjects.check_token(reg.worker_id)
         except (ProtocolError, ValueError) as exc:
-            reply = RegisterReply(ok=False, scheduler_id=self.settings.scheduler_id,
-                                  error=ErrorBody(type=ErrorType.INVALID_REQUEST, message=str(exc)))
-            await msg.respond(encode(reply))
+            await msg.respond(self._register_reply(False, str(exc)))
             return
         worker, restarted = self.registry.register(reg, time.monotonic())
         log.info("worker %s (%s) registered%s", reg.worker_id, reg.role, " again: restarted" if restarted else "")
         if worker.role == "attention" and restarted:
             recovery.lose(worker, self.in_flight, restarted=True)  # its KV is empty now: recompute what it held
-        await msg.respond(encode(RegisterReply(ok=True, scheduler_id=self.settings.scheduler_id,
-                                                scheduler_instance=self._run_token)))
+        await msg.respond(self._register_reply(True))
         self._on_capacity_change()
         self.governor.worker_restarted(worker.worker_id)
         if worker.supported_clocks_mhz and self.settings.freq_window_s > 0:
@@ -138,8 +140,7 @@ class Scheduler:
         now = time.monotonic()
         worker, revived = self.registry.heartbeat(hb, now)
         if not worker.registered and msg.reply:  # e.g. this scheduler is new: ask it to register again
-            await msg.respond(encode(RegisterReply(ok=False, scheduler_id=self.settings.scheduler_id,
-                                                   scheduler_instance=self._run_token)))
+            await msg.respond(self._register_reply(False))
         if revived:
             log.info("worker %s is healthy again", worker.worker_id)
             self._on_capacity_change()
@@ -167,6 +168,8 @@ class Scheduler:
                             worker.role, timeout)
                 if worker.role == "attention":
                     recovery.lose(worker, self.in_flight, restarted=False)
+            for state in self.gateways.orphans(time.monotonic(), list(self.requests.values())):
+                await self._finish(state, "abort")
 
     def on_bus_lost(self) -> None:
         """The NATS connection dropped: every in-flight microbatch is given up now (recovery.py)."""
@@ -210,7 +213,9 @@ class Scheduler:
             error, retry_after_s = refused
             return SubmitReply(request_id=req.request_id, accepted=False, retry_after_s=retry_after_s, error=error)
         state = RequestState(req.request_id, list(req.prompt_ids), req.sampling, req.arrival_ts,
-                             output_ids=list(req.generated_ids), next_index=req.first_index)  # a continuation
+                             output_ids=list(req.generated_ids), next_index=req.first_index,  # a continuation
+                             gateway_id=req.gateway_id)
+        self.gateways.heard(req.gateway_id, time.monotonic())
         self.requests[req.request_id] = state
         self._route(state)
         return SubmitReply(request_id=req.request_id, accepted=True, scheduler_instance=self._run_token)
@@ -361,13 +366,7 @@ class Scheduler:
 
         No `MicrobatchDone` is awaited for it; if the worker sends one, it only updates KV counts.
         """
-        ffn = self.registry.healthy("ffn")[0]
-        lane = worker.lane
-        lane.iteration += 1
-        desc = MicrobatchDescriptor(mb_id=f"{self._run_token}-{worker.worker_id}-{lane.iteration}-r",
-                                    iteration=lane.iteration, phase="decode", ffn_worker=ffn.worker_id,
-                                    seqs=[], release=lane.pending_release)
-        lane.pending_release = []
+        desc = release_only(worker, self.registry.healthy("ffn")[0].worker_id, self._run_token)
         await self.nc.publish(subjects.attn_mb(worker.worker_id), encode(desc))
 
     # -- streaming ------------------------------------------------------------------------------

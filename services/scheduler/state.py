@@ -41,6 +41,7 @@ class RequestState(TokenHistory):
     preemptions: int = 0  # passes refused for lack of KV (failed_seq_ids)
     next_index: int = 0  # index of the next OutputDelta
     in_flight: bool = False  # part of a microbatch whose MicrobatchDone has not come back
+    gateway_id: str = ""  # the gateway run its client is on ("": not watched)
 
     @property
     def finished(self) -> bool:

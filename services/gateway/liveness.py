@@ -1,12 +1,15 @@
-"""When each scheduler run was last heard, so a request can tell a busy scheduler from a gone one.
+"""Liveness both ways: when each scheduler run was last heard, and the gateway's own heartbeat.
 
-Schedulers publish `SchedulerHeartbeat`s; a request knows which run took it (`SubmitReply.
-scheduler_instance`). When that run has sent neither output nor a heartbeat for `scheduler_silence_s`,
+Schedulers publish `SchedulerHeartbeat`s and a request knows which run took it (`SubmitReply.
+scheduler_instance`): when that run has sent neither output nor a heartbeat for `scheduler_silence_s`,
 the request is resubmitted, as a continuation, to whichever scheduler takes over (`generation.py`).
+The other way, a gateway run's id heads every submission and its `GatewayHeartbeat`s; when they
+stop, the schedulers cancel its requests (nobody reads them any more).
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
 import time
@@ -16,7 +19,7 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
 from shared import subjects
-from shared.messages import ProtocolError, SchedulerHeartbeat, decode
+from shared.messages import GatewayHeartbeat, ProtocolError, SchedulerHeartbeat, decode, encode
 
 log = logging.getLogger("aflex.gateway")
 
@@ -45,3 +48,13 @@ class SchedulerWatch:
         """Seconds since `instance`'s last heartbeat (infinite: never heard)."""
         heard = self._heard_mono.get(instance)
         return math.inf if heard is None else time.monotonic() - heard
+
+
+async def heartbeat_loop(nc: Client, gateway_id: str, period_s: float) -> None:
+    while True:
+        try:
+            await nc.publish(subjects.GATEWAY_HEARTBEAT, encode(GatewayHeartbeat(gateway_id=gateway_id,
+                                                                                 ts=time.time())))
+        except Exception as exc:  # reconnecting: the next beat tries again
+            log.debug("gateway heartbeat not sent: %s", exc)
+        await asyncio.sleep(period_s)
