@@ -117,7 +117,8 @@ def main() -> None:
     counter = EnergyCounter(args.gpu_backend == "nvml-readonly")
     n_layers = open_checkpoint(args.model).args.n_layers
     with aflex_up(args.model, "--attention-workers", "1", "--ffn-workers", "1", "--microbatch-depth", "1",
-                  "--device", args.device, "--gpu-backend", args.gpu_backend) as mesh:
+                  "--device", args.device, "--gpu-backend", args.gpu_backend,
+                  open_nats=True) as mesh:  # it watches sched.done, which no role but the scheduler reads
         window = asyncio.run(decode_window(mesh.port, mesh.nats_port, args.concurrency, args.max_tokens, counter))
         log = mesh.output()
     dones = [d for d in window["dones"] if len(d.results) == args.concurrency]

@@ -306,7 +306,8 @@ def run_mesh(args: argparse.Namespace, engine: Engine, prompt_ids: list[int], qu
     """One `aflex up` of that shape: its rounds beside the engine's, and (with `collect`) its decode Dones."""
     with aflex_up(args.model, "--attention-workers", str(attention_workers), "--ffn-workers", str(ffn_workers),
                   "--microbatch-depth", str(depth), "--quantize", quantize,
-                  *(["--torch-threads", str(args.torch_threads)] if args.torch_threads else [])) as mesh:
+                  *(["--torch-threads", str(args.torch_threads)] if args.torch_threads else []),
+                  open_nats=True) as mesh:  # it watches sched.done, which no role but the scheduler reads
         pairs, dones = asyncio.run(mesh_decode(
             mesh.port, mesh.nats_port, args.concurrency, args.max_tokens, args.repeats, collect,
             functools.partial(engine_round, engine, prompt_ids, args.concurrency, args.max_tokens)))

@@ -20,6 +20,8 @@ class ServiceSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="AFLEX_", extra="ignore")
 
     nats_url: str = Field(default=DEFAULT_NATS_URL, description="NATS server URL")
+    nats_user: str = Field(default="", description="NATS user of this service's role (shared/transport/nats_auth.py)")
+    nats_password: str = Field(default="", description="that user's password")
     log_level: str = Field(default="INFO", description="DEBUG, INFO, WARNING")
 
 

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import re
+import subprocess
 import tomllib
 from pathlib import Path
 from typing import Any
@@ -190,3 +192,25 @@ def test_dockerfile_copies_every_package_pyproject_installs() -> None:
     packages = {pattern.rstrip("*") for pattern in include}
     copied = set(re.findall(r"^COPY\s+(\w+)\s+/src/\1$", (COMPOSE / "Dockerfile").read_text(), re.M))
     assert packages and packages <= copied, packages - copied
+
+
+def test_nats_conf_has_the_roles_users_and_each_service_connects_as_its_role() -> None:
+    """compose/nats.conf holds the users of shared/transport/nats_auth.py (passwords from the environment),
+    the real nats-server accepts it, and each service's settings name its role's user."""
+    from shared.transport.nats_auth import ROLES, SERVICE_ROLES, authorization_block
+    from shared.transport.nats_server import nats_server_binary
+
+    conf = COMPOSE / "nats.conf"
+    refs = {role: f"$AFLEX_NATS_PASSWORD_{role.upper()}" for role in ROLES}
+    assert authorization_block(refs, quoted=False) in conf.read_text()
+    env = {**os.environ, **{ref[1:]: f"pw-{role}" for role, ref in refs.items()}}
+    checked = subprocess.run([str(nats_server_binary()), "-c", str(conf), "-t"], env=env, capture_output=True,
+                             text=True, timeout=30)
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+    services = project("cpu")["services"]
+    assert set(services["nats"]["environment"]) == {ref[1:] for ref in refs.values()}
+    for service in AFLEX_SERVICES:
+        role = SERVICE_ROLES[service]  # the compose service names are the roles' names
+        environment = services[service]["environment"]
+        assert environment["AFLEX_NATS_USER"] == role, service
+        assert f"AFLEX_NATS_PASSWORD_{role.upper()}" in environment["AFLEX_NATS_PASSWORD"], service

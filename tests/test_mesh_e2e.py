@@ -35,7 +35,7 @@ def generate(model: Path | str, *, max_tokens: int, temperature: float, seed: in
 
 @pytest.fixture(scope="module")
 def tiny_mesh(tiny_chat_checkpoint: Path) -> Iterator[Mesh]:
-    with aflex_up(str(tiny_chat_checkpoint)) as mesh:
+    with aflex_up(str(tiny_chat_checkpoint), open_nats=True) as mesh:  # a test here reads sched.done
         yield mesh
 
 
@@ -97,7 +97,7 @@ def test_request_energy_adds_up_to_the_workers_energy(tiny_mesh: Mesh) -> None:
     from shared.messages import MicrobatchDone, WorkerTelemetry, decode
 
     async def run() -> tuple[float, float, float]:
-        nc = await nats.connect(f"nats://127.0.0.1:{tiny_mesh.nats_port}")
+        nc = await nats.connect(tiny_mesh.telemetry_url)
         dones: list[MicrobatchDone] = []
         latest: dict[str, list[float]] = {}
 

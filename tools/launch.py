@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from shared.transport.nats_server import free_port
+from shared.transport.nats_server import EmbeddedNatsServer, free_port
 
 
 class Mesh:
@@ -27,15 +27,30 @@ class Mesh:
     def base_url(self) -> str:
         return f"http://127.0.0.1:{self.port}/v1"
 
+    @property
+    def telemetry_url(self) -> str:
+        """Where outside subscribers read telemetry: the read-only user `aflex up` printed, if it made one."""
+        for line in self.log:
+            if "telemetry subscribers: " in line:
+                return line.split("telemetry subscribers: ", 1)[1].strip()
+        return f"nats://127.0.0.1:{self.nats_port}"
+
     def output(self) -> str:
         return "".join(self.log)
 
 
 @contextmanager
 def aflex_up(model: str, *extra: str, timeout_s: float = 300.0, nats_url: str | None = None,
-             env_extra: dict[str, str] | None = None) -> Iterator[Mesh]:
+             env_extra: dict[str, str] | None = None, open_nats: bool = False) -> Iterator[Mesh]:
     """`nats_url`: use that server (`AFLEX_NATS_URL`) instead of the embedded one `aflex up` starts;
+    `open_nats`: start one without users here (a benchmark that watches every subject), and use it;
     `env_extra`: settings every service gets (`AFLEX_*` variables)."""
+    if open_nats and nats_url is None:
+        with EmbeddedNatsServer() as server, aflex_up(model, *extra, timeout_s=timeout_s, nats_url=server.url,
+                                                      env_extra=env_extra) as mesh:
+            mesh.nats_port = server.port
+            yield mesh
+        return
     port, nats_port = free_port(), free_port()
     env = {k: v for k, v in os.environ.items() if k != "AFLEX_NATS_URL"} | (env_extra or {})
     if nats_url is not None:

@@ -21,7 +21,7 @@ from services.scheduler.recovery import MAX_FAILURES
 from shared import subjects
 from shared.settings import AttentionWorkerSettings, SchedulerSettings, WorkerSettings
 from shared.transport import header as seam_header
-from shared.transport import torch_pair
+from shared.transport import nats_auth, torch_pair
 from tools.protocol_facts import (
     DOC_PATH,
     ERROR_CODES,
@@ -82,51 +82,26 @@ def _intro() -> list[str]:
         "",
         "### Outside subscribers",
         "",
-        "Dashboards, `aflex top` and recorders should only listen: subscribe to "
-        f"`{subjects.TELEMETRY_ALL}` (telemetry), `{subjects.CONTROL_HEARTBEAT_ALL}` (liveness and load of each "
-        f"worker), `{subjects.SCHED_DONE}` (every microbatch's result and timing) or `{subjects.req_out('*')}` "
-        f"(all token streams), and ask `{subjects.SCHED_STATUS}` (request/reply) for the mesh's state. Validate "
-        "what arrives against the schemas below and ignore unknown fields. Do not publish on mesh subjects: a "
-        "stray descriptor, cancel or heartbeat changes what the mesh does. Seam tensors are not on NATS (they go "
-        "over torch.distributed) unless the workers run `seam_transport: nats`; then they are binary frames on "
-        "`aflex.v1.seam.<wid>`.",
+        "Dashboards, `aflex top`, `aflex bench` and recorders only listen, as the read-only `telemetry` user "
+        "(`aflex up` prints its URL, \"telemetry subscribers: nats://telemetry:…\"): it may subscribe to "
+        f"`{subjects.TELEMETRY_ALL}` and publish nothing. Validate what arrives against the schemas below and "
+        "ignore unknown fields. Seam tensors are not on NATS (they go over torch.distributed) unless the workers "
+        "run `seam_transport: nats`; then they are binary frames on `aflex.v1.seam.<wid>`.",
         "",
-        "### Permissions by prefix",
+        "### Users and permissions",
         "",
-        "The subjects are laid out so that NATS per-user permissions can be written by prefix:",
+        "Each service connects as its role's user (`shared/transport/nats_auth.py`; `aflex up` makes random "
+        "passwords for its embedded server and hands each child its own, compose/nats.conf reads them from "
+        "`AFLEX_NATS_PASSWORD_<ROLE>`), and the server refuses any publish or subscription outside the role's "
+        "subjects. Only the scheduler may publish frequency commands. Requests are answered through "
+        "`allow_responses` (a reply may go only to the inbox of a request received), so no role publishes into "
+        "`_INBOX.>`.",
         "",
-        "| prefix | publishers | subscribers |",
-        "|---|---|---|",
-        f"| `{p}.req.*` | gateway (`submit`, `<rid>.cancel`), scheduler (`<rid>.out`) | scheduler, gateway |",
-        f"| `{p}.attn.<wid>.mb` | scheduler | attention worker `<wid>` |",
-        f"| `{p}.seam.<wid>` | attention and FFN workers (`nats` seam only) | worker `<wid>` |",
-        f"| `{p}.sched.*` | attention workers (`done`), gateway and tools (`status` requests) | scheduler |",
-        f"| `{p}.freq.<wid>` | **the scheduler only** | worker `<wid>` |",
-        f"| `{p}.telemetry.>` | workers, scheduler | anyone |",
-        f"| `{p}.control.*` | workers (`register`, `heartbeat.<wid>`) | scheduler |",
-        "",
-        "An illustrative `authorization` block (not shipped; the embedded and compose servers run without users):",
-        "",
-        "```",
-        "authorization {",
-        "  users: [",
-        f'    {{user: gateway, permissions: {{publish: ["{p}.req.submit", "{p}.req.*.cancel", "{p}.sched.status"],',
-        f'                                  subscribe: ["{p}.req.*.out", "_INBOX.>"]}}}}',
-        f'    {{user: scheduler, permissions: {{publish: ["{p}.req.*.out", "{p}.attn.*.mb", "{p}.freq.*",',
-        f'                                              "{p}.telemetry.scheduler.*"],',
-        f'                                    subscribe: ["{p}.req.submit", "{p}.req.*.cancel", "{p}.sched.>",',
-        f'                                                "{p}.control.>"],',
-        "                                    allow_responses: true}}",
-        f'    {{user: attention, permissions: {{publish: ["{p}.seam.*", "{p}.sched.done", "{p}.control.>",',
-        f'                                              "{p}.telemetry.attention.*"],',
-        f'                                    subscribe: ["{p}.attn.*.mb", "{p}.seam.*", "{p}.control.heartbeat.*",',
-        f'                                                "{p}.freq.*", "_INBOX.>"]}}}}',
-        f'    {{user: ffn, permissions: {{publish: ["{p}.seam.*", "{p}.control.>", "{p}.telemetry.ffn.*"],',
-        f'                              subscribe: ["{p}.seam.*", "{p}.freq.*", "_INBOX.>"]}}}}',
-        f'    {{user: observer, permissions: {{publish: {{deny: ">"}}, subscribe: ["{p}.telemetry.>"]}}}}',
-        "  ]",
-        "}",
-        "```",
+        "| user | may publish | may subscribe | answers requests |",
+        "|---|---|---|---|",
+        *(f"| `{role}` | {', '.join(f'`{x}`' for x in perms.publish) or 'nothing'} | "
+          f"{', '.join(f'`{x}`' for x in perms.subscribe)} | {'yes' if perms.responds else 'no'} |"
+          for role, perms in nats_auth.ROLES.items()),
         "",
     ]
 

@@ -73,9 +73,19 @@ SUBJECTS: tuple[SubjectDoc, ...] = (
     SubjectDoc(("heartbeat", "CONTROL_HEARTBEAT_ALL"), subjects.heartbeat("<wid>"),
                "attention / FFN worker → scheduler", "request (reply optional)", "—",
                "[`Heartbeat`](#heartbeat) → optionally [`RegisterReply`](#registerreply)",
-               f"The scheduler subscribes to `{subjects.CONTROL_HEARTBEAT_ALL}` and does not answer today. "
-               "A worker that gets *no responders* (no scheduler) or a `RegisterReply` with `ok: false` registers "
-               "again; a timeout is the normal case."),
+               f"The scheduler subscribes to `{subjects.CONTROL_HEARTBEAT_ALL}` and answers only a worker it has "
+               "no registration of (a new scheduler run), with `ok: false`. A worker that gets *no responders* (no "
+               "scheduler) or `ok: false` registers again, and an attention worker that finds a new "
+               "`scheduler_instance` frees the sequences of the run before; a timeout is the normal case."),
+    SubjectDoc(("SCHED_HEARTBEAT",), subjects.SCHED_HEARTBEAT, "scheduler → gateways", "publish", "—",
+               "[`SchedulerHeartbeat`](#schedulerheartbeat)",
+               "Every `heartbeat_s`. A request whose scheduler run (`SubmitReply.scheduler_instance`) sends neither "
+               "output nor a heartbeat for `scheduler_silence_s` is resubmitted by its gateway as a continuation "
+               "(`generated_ids`, `first_index`) to whichever scheduler takes over."),
+    SubjectDoc(("GATEWAY_HEARTBEAT",), subjects.GATEWAY_HEARTBEAT, "gateway → schedulers", "publish", "—",
+               "[`GatewayHeartbeat`](#gatewayheartbeat)",
+               "Every `heartbeat_s`, with an id new at each gateway start (also in every `SubmitRequest`). A "
+               "gateway unheard for `gateway_silence_s` is gone: the scheduler cancels its requests."),
     SubjectDoc(("freq",), subjects.freq("<wid>"), "scheduler → worker", "publish", "—",
                "[`FrequencyCommand`](#frequencycommand)",
                "The SM clock per phase for worker `<wid>`, valid until `valid_until_ts`; without a newer command "
@@ -131,9 +141,9 @@ EXAMPLES: dict[str, Callable[[], Message]] = {
     "ErrorBody": _error,
     "SubmitRequest": lambda: messages.SubmitRequest(request_id="req-3f2a", model="SmolLM2-135M-Instruct",
                                                     prompt_ids=[1, 2593, 314, 253], sampling=_sampling(),
-                                                    arrival_ts=1767225600.25),
+                                                    arrival_ts=1767225600.25, gateway_id="gw-5e0a1b2c"),
     "SubmitReply": lambda: messages.SubmitReply(request_id="req-3f2a", accepted=False, error=_error(),
-                                                retry_after_s=1.0),
+                                                retry_after_s=1.0),  # (accepted: with scheduler_instance)
     "Usage": lambda: messages.Usage(prompt_tokens=4, completion_tokens=12, total_tokens=16),
     "OutputDelta": lambda: messages.OutputDelta(request_id="req-3f2a", index=11, token_ids=[2], finish_reason="stop",
                                                 usage=messages.Usage(prompt_tokens=4, completion_tokens=12,
@@ -151,7 +161,10 @@ EXAMPLES: dict[str, Callable[[], Message]] = {
     "Register": lambda: messages.Register(worker_id="attn-0", role="attention", model_id="SmolLM2-135M-Instruct",
                                           n_layers=30, kv_total_blocks=512, block_size=16, max_seq_len=8192,
                                           pid=4242, started_ts=1767225590.0),
-    "RegisterReply": lambda: messages.RegisterReply(ok=True, scheduler_id="scheduler-0"),
+    "RegisterReply": lambda: messages.RegisterReply(ok=True, scheduler_id="scheduler-0", scheduler_instance="9c1d04aa"),
+    "GatewayHeartbeat": lambda: messages.GatewayHeartbeat(gateway_id="gw-5e0a1b2c", ts=1767225601.0),
+    "SchedulerHeartbeat": lambda: messages.SchedulerHeartbeat(scheduler_id="scheduler-0", instance="9c1d04aa",
+                                                              ts=1767225601.0),
     "Heartbeat": lambda: messages.Heartbeat(worker_id="attn-0", role="attention", ts=1767225601.0,
                                             kv_free_blocks=480, kv_total_blocks=512, queue_depth=2),
     "WorkerInfo": _worker_info,

@@ -130,7 +130,8 @@ class AttentionWorker:
             s = self.settings
             on_drop = self.hops.connection_dropped if s.seam_transport == "nats" else None
             self.nc = nc = await bus.connect(s.nats_url, name=f"aflex-attention-{self.worker_id}",
-                                             on_disconnect=on_drop)
+                                             on_disconnect=on_drop, user=s.nats_user,
+                                             password=s.nats_password)
             heartbeat_task: asyncio.Task[None] | None = None
             seam: Seam | None = None
             gpu: WorkerGPU | None = None

@@ -84,7 +84,9 @@ class FFNWorker:
             # collector's sight, a full collection no longer walks it all in the middle of a hop.
             gc.freeze()
             assert self.model is not None
-            self.nc = nc = await bus.connect(self.settings.nats_url, name=f"aflex-ffn-{self.worker_id}")
+            self.nc = nc = await bus.connect(self.settings.nats_url, name=f"aflex-ffn-{self.worker_id}",
+                                             user=self.settings.nats_user,
+                                             password=self.settings.nats_password)
             self.gpu = gpu = WorkerGPU(self.settings, self.worker_id, "ffn", self._gpu_arg)
             heartbeat_task: asyncio.Task[None] | None = None
             seam: Seam | None = None

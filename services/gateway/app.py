@@ -323,7 +323,7 @@ async def serve(settings: GatewaySettings, *, stop: asyncio.Event | None = None)
     """Run the gateway until `stop` is set (or SIGTERM/SIGINT in the main thread); then close NATS."""
     stop = stop or asyncio.Event()
     card = await asyncio.to_thread(open_model_card, settings.model)
-    nc = await bus.connect(settings.nats_url, "aflex-gateway")
+    nc = await bus.connect(settings.nats_url, "aflex-gateway", user=settings.nats_user, password=settings.nats_password)
     try:
         app = create_app(settings, card, nc)
         await app.state.metrics.subscribe(nc)

@@ -438,7 +438,8 @@ async def run(settings: SchedulerSettings, *, stop: asyncio.Event | None = None,
         if scheduler is not None:
             scheduler.on_bus_lost()
 
-    nc = await bus.connect(settings.nats_url, f"scheduler {settings.scheduler_id}", on_disconnect=bus_lost)
+    nc = await bus.connect(settings.nats_url, f"scheduler {settings.scheduler_id}", on_disconnect=bus_lost,
+                           user=settings.nats_user, password=settings.nats_password)
     scheduler = Scheduler(settings, nc, model)
     try:
         await scheduler.start()

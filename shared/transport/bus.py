@@ -45,7 +45,7 @@ class NoRespondersBusError(BusError):
 
 async def connect(url: str, name: str, *, connect_timeout_s: float = 5.0, first_connect_timeout_s: float = 30.0,
                   reconnect_wait_s: float = 0.5, on_disconnect: Callable[[], None] | None = None,
-                  **options: Any) -> Client:
+                  user: str = "", password: str = "", **options: Any) -> Client:
     """Connect with logging callbacks; once connected, reconnects forever (a restarted nats-server
     is picked up). The first connection gives up after `first_connect_timeout_s` with a `BusError`:
     nats-py would otherwise retry an unreachable server forever. `on_disconnect()` runs on every
@@ -66,6 +66,8 @@ async def connect(url: str, name: str, *, connect_timeout_s: float = 5.0, first_
     async def closed_cb() -> None:
         log.info("%s: NATS connection closed", name)
 
+    if user:  # else whatever the URL carries (nats://user:password@host:port), or no auth
+        options |= {"user": user, "password": password}
     try:
         nc: Client = await asyncio.wait_for(nats.connect(
             servers=[url], name=name, connect_timeout=connect_timeout_s, reconnect_time_wait=reconnect_wait_s,

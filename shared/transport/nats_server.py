@@ -63,8 +63,11 @@ def wait_for_port(host: str, port: int, timeout_s: float) -> None:
 class EmbeddedNatsServer:
     """A nats-server child process; use as a context manager or call start()/stop()."""
 
-    def __init__(self, port: int | None = None, host: str = "127.0.0.1") -> None:
+    def __init__(self, port: int | None = None, host: str = "127.0.0.1", users: dict[str, str] | None = None
+                 ) -> None:
+        """`users`: a password per role of `nats_auth.ROLES` (each limited to its subjects); None: no auth."""
         self.host = host
+        self.users = users
         self.port = port or free_port(host)
         self.monitor_port = free_port(host)
         self._dir = tempfile.TemporaryDirectory(prefix="aflex-nats-")
@@ -76,8 +79,13 @@ class EmbeddedNatsServer:
 
     def start(self, timeout_s: float = 15.0) -> EmbeddedNatsServer:
         conf = Path(self._dir.name) / "nats.conf"
-        conf.write_text(NATS_CONF_TEMPLATE.format(host=self.host, port=self.port, monitor_port=self.monitor_port,
-                                                  store_dir=Path(self._dir.name) / "js"))
+        text = NATS_CONF_TEMPLATE.format(host=self.host, port=self.port, monitor_port=self.monitor_port,
+                                         store_dir=Path(self._dir.name) / "js")
+        if self.users is not None:
+            from shared.transport.nats_auth import authorization_block
+
+            text += authorization_block(self.users)
+        conf.write_text(text)
         self.process = subprocess.Popen([str(nats_server_binary()), "-c", str(conf)],
                                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                         # its own process group: Ctrl-C reaches only `aflex up`, which

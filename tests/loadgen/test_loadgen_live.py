@@ -8,7 +8,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-from shared.transport.nats_server import free_port
 from tests.conftest import REPO_ROOT, TEST_DATA
 from tools.launch import aflex_up
 
@@ -17,15 +16,13 @@ N = 6
 
 
 def test_trace_replay_against_aflex_up(tiny_chat_checkpoint: Path, tmp_path: Path) -> None:
-    nats_port = free_port()
     out = tmp_path / "result.json"
     plots = importlib.util.find_spec("matplotlib") is not None
-    # a second --nats-port overrides aflex_up's own, so the test knows where the telemetry is
-    with aflex_up(str(tiny_chat_checkpoint), "--nats-port", str(nats_port)) as mesh:
+    with aflex_up(str(tiny_chat_checkpoint)) as mesh:  # telemetry: the read-only user aflex up printed
         cmd = [sys.executable, "-m", "loadgen", "--base-url", mesh.base_url, "--tokenizer", str(tiny_chat_checkpoint),
                "--trace", str(SLICE), "--num-prompts", str(N), "--time-scale", "20", "--max-input-len", "24",
                "--max-output-len", "6", "--max-concurrency", "4", "--goodput", "ttft:60000", "tpot:60000",
-               "--nats", f"nats://127.0.0.1:{nats_port}", "--json", str(out), "--save-detailed", "--no-progress",
+               "--nats", mesh.telemetry_url, "--json", str(out), "--save-detailed", "--no-progress",
                *(["--plots", str(tmp_path / "plots")] if plots else [])]
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=REPO_ROOT)
         assert proc.returncode == 0, proc.stdout + proc.stderr + mesh.output()
