@@ -3,6 +3,7 @@ until the gateway's `/ready` answers, stop it with SIGTERM (SIGKILL after a minu
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -34,6 +35,32 @@ class Mesh:
             if "telemetry subscribers: " in line:
                 return line.split("telemetry subscribers: ", 1)[1].strip()
         return f"nats://127.0.0.1:{self.nats_port}"
+
+    def served_model(self) -> str:
+        """The model id the gateway serves (what clients send as `model`)."""
+        with urllib.request.urlopen(f"{self.base_url}/models", timeout=10) as response:
+            return str(json.load(response)["data"][0]["id"])
+
+    def pid_of(self, name: str) -> int:
+        """The pid of `aflex up`'s child `name`: a service ("scheduler", "gateway") or a worker id."""
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit():
+                continue
+            try:
+                status = (entry / "status").read_text()
+                environ = (entry / "environ").read_bytes().split(b"\0")
+                argv = [a.decode() for a in (entry / "cmdline").read_bytes().split(b"\0") if a]
+            except OSError:
+                continue
+            ppid = next(int(line.split()[1]) for line in status.splitlines() if line.startswith("PPid:"))
+            if ppid == self.process.pid and (argv[-1:] == [name] or f"AFLEX_WORKER_ID={name}".encode() in environ):
+                return int(entry.name)
+        raise LookupError(f"no child {name!r} of aflex up ({self.process.pid})")
+
+    def rss_mb(self, name: str) -> float:
+        """Resident memory of the child `name`, MiB."""
+        status = Path(f"/proc/{self.pid_of(name)}/status").read_text()
+        return next(int(line.split()[1]) for line in status.splitlines() if line.startswith("VmRSS:")) / 1024
 
     def output(self) -> str:
         return "".join(self.log)

@@ -9,6 +9,7 @@ scheduler's own state (a bad or duplicate id, no workers ready, a full queue) in
 
 from __future__ import annotations
 
+import math
 from collections.abc import Container
 from dataclasses import dataclass
 
@@ -18,6 +19,7 @@ from shared.errors import InvalidRequestError
 from shared.messages import ErrorBody, SamplingSpec, SubmitRequest
 
 RETRY_AFTER_S = 1.0  # what overloaded / unavailable rejections suggest
+MAX_RETRY_AFTER_S = 30.0
 
 
 @dataclass(frozen=True)
@@ -30,6 +32,8 @@ class Mesh:
     vocab_size: int | None
     queue_depth: int
     max_queue: int
+    queue_wait_s: float | None = None  # what the waiting queue takes to drain, estimated (None: unknown)
+    max_queue_wait_s: float = math.inf
 
 
 def rejection(req: SubmitRequest, mesh: Mesh) -> tuple[ErrorBody, float | None] | None:
@@ -54,6 +58,11 @@ def rejection(req: SubmitRequest, mesh: Mesh) -> tuple[ErrorBody, float | None] 
     if mesh.queue_depth >= mesh.max_queue:
         return ErrorBody(type=ErrorType.OVERLOADED, message=f"the scheduler queue is full ({mesh.max_queue} "
                          "waiting requests); retry later", code="queue_full"), RETRY_AFTER_S
+    if mesh.queue_wait_s is not None and mesh.queue_wait_s > mesh.max_queue_wait_s:  # served ones keep their bound
+        return ErrorBody(type=ErrorType.OVERLOADED, message=f"the scheduler queue holds about {mesh.queue_wait_s:.1f} "
+                         f"s of work ({mesh.queue_depth} waiting requests, more than max_queue_wait_s="
+                         f"{mesh.max_queue_wait_s:g}); retry later", code="queue_full"), \
+            max(RETRY_AFTER_S, min(mesh.queue_wait_s - mesh.max_queue_wait_s, MAX_RETRY_AFTER_S))
     return None
 
 

@@ -49,6 +49,8 @@ from shared.policy.iteration import DecodeAwareCap
 from shared.settings import SchedulerSettings
 
 log = logging.getLogger("aflex.scheduler")
+DRAIN_WINDOW_S = 10.0  # the drain rate admission estimates queue waits from covers this much history
+DRAIN_MIN_FINISHED = 5  # requests finished in it before an estimate is trusted
 
 Planned = tuple[dict[ClockPhase, int], str]  # a worker's clocks for the window, and why
 
@@ -70,6 +72,7 @@ class Governor:
         self.commanded: dict[str, dict[ClockPhase, int]] = {}  # worker -> clocks of its latest command
         self.finished_total = 0
         self.finished_log: deque[Finished] = deque()
+        self.finish_times: deque[float] = deque()  # monotonic, of the last DRAIN_WINDOW_S: the drain rate
         self.ttft_log: deque[tuple[float, float]] = deque()  # (monotonic time of the first token, TTFT ms)
         self.samples: dict[str, deque[IterationSample]] = {}  # each attention worker's iterations of the window
         self.plans: dict[str, dict[ClockPhase, PairPlan]] = {}  # the latest aflex plans
@@ -100,6 +103,7 @@ class Governor:
 
     def finished(self, state: RequestState, reason: FinishReason, mono: float) -> None:
         self.finished_total += 1
+        self.finish_times.append(mono)
         ttft, tpot = state.ttft_s, state.tpot_s
         self.finished_log.append(Finished(mono, reason, None if ttft is None else ttft * 1000.0,
                                           None if tpot is None else tpot * 1000.0))
@@ -176,6 +180,16 @@ class Governor:
         return self._profiles[key]
 
     # -- SLO observation ------------------------------------------------------------------------
+
+    def queue_wait_s(self, queue_depth: int, now: float) -> float | None:
+        """How long `queue_depth` waiting requests take to start at the rate requests finished lately
+        (None: too few finished to say; admission then holds to `max_queue` alone)."""
+        times = self.finish_times
+        while times and now - times[0] > DRAIN_WINDOW_S:
+            times.popleft()
+        if len(times) < DRAIN_MIN_FINISHED:
+            return None
+        return queue_depth / (len(times) / max(now - times[0], 1.0))
 
     @property
     def stats_window_s(self) -> float:

@@ -1,0 +1,126 @@
+"""Faults, measured: what streaming clients see when a part of the mesh dies mid-stream.
+
+    python benchmarks/faults.py --json out/faults.json            # every fault
+    python benchmarks/faults.py --faults scheduler,ffn-worker
+
+For each fault a fresh `aflex up` serves `--streams` greedy streams; once every stream is decoding
+the part is killed (SIGKILL; `nats-restart` stops the nats-server and starts a new one on its port).
+Reported per fault: streams completed whole, streams whose text differs from the no-fault run of
+the same mesh, the longest pause between two chunks of any stream (the stall the fault caused) next
+to the longest pause of the no-fault run, and how long the whole batch took.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import openai
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from shared.transport.nats_server import EmbeddedNatsServer, free_port
+from tools.launch import Mesh, aflex_up
+
+FAULTS = ("attention-worker", "ffn-worker", "scheduler", "gateway", "nats-restart")
+
+
+async def stream(client: openai.AsyncOpenAI, model: str, i: int, started: asyncio.Event, max_tokens: int
+                 ) -> dict[str, object]:
+    text, tokens, last, longest_gap = "", 0, time.monotonic(), 0.0
+    try:
+        response = await client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": f"Tell me story number {i}."}], max_tokens=max_tokens,
+            temperature=0, stream=True, stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+        async for chunk in response:
+            now = time.monotonic()
+            if text:
+                longest_gap = max(longest_gap, now - last)
+            last = now
+            if chunk.choices:
+                text += chunk.choices[0].delta.content or ""
+                if text:
+                    started.set()
+            if chunk.usage:
+                tokens = chunk.usage.completion_tokens
+    except openai.APIError as exc:
+        started.set()
+        return {"text": text, "tokens": tokens, "gap_s": longest_gap, "error": f"{type(exc).__name__}: {exc}"}
+    return {"text": text, "tokens": tokens, "gap_s": longest_gap, "error": None}
+
+
+async def batch(base_url: str, n: int, max_tokens: int, fault: Callable[[], None] | None) -> tuple[list[dict], float]:
+    client = openai.AsyncOpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=600)
+    model = (await client.models.list()).data[0].id
+    started = [asyncio.Event() for _ in range(n)]
+    t0 = time.monotonic()
+    tasks = [asyncio.create_task(stream(client, model, i, started[i], max_tokens)) for i in range(n)]
+    if fault is not None:
+        await asyncio.gather(*(e.wait() for e in started))
+        fault()
+    results = await asyncio.gather(*tasks)
+    return list(results), time.monotonic() - t0
+
+
+def kill(mesh: Mesh, name: str) -> Callable[[], None]:
+    return lambda: os.kill(mesh.pid_of(name), signal.SIGKILL)
+
+
+def run_fault(args: argparse.Namespace, fault: str) -> dict[str, object]:
+    extra = ["--attention-workers", "2" if fault == "attention-worker" else "1",
+             "--ffn-workers", "2" if fault == "ffn-worker" else "1", "--gateways", "2" if fault == "gateway" else "1"]
+    port = free_port()
+    servers = [EmbeddedNatsServer(port=port).start()] if fault == "nats-restart" else []
+
+    def restart_nats() -> None:
+        servers[-1].stop()
+        servers.append(EmbeddedNatsServer(port=port).start())
+
+    try:
+        with aflex_up(args.model, *extra, nats_url=servers[0].url if servers else None) as mesh:
+            base = mesh.base_url
+            baseline, baseline_s = asyncio.run(batch(base, args.streams, args.max_tokens, None))
+            action = {"attention-worker": kill(mesh, "attn-0"), "ffn-worker": kill(mesh, "ffn-0"),
+                      "scheduler": kill(mesh, "scheduler"), "nats-restart": restart_nats,
+                      "gateway": lambda: os.kill(mesh.pid_of("gateway-1"), signal.SIGKILL)}[fault]
+            faulted, faulted_s = asyncio.run(batch(base, args.streams, args.max_tokens, action))
+    finally:
+        for server in servers[-1:]:
+            server.stop()
+    whole = [r for r in faulted if r["error"] is None and r["tokens"] == args.max_tokens]
+    same = sum(r["text"] == b["text"] for r, b in zip(faulted, baseline, strict=True))
+    return {"fault": fault, "streams": args.streams, "completed_whole": len(whole),
+            "text_equal_to_no_fault": same, "errors": [r["error"] for r in faulted if r["error"]][:3],
+            "longest_pause_s": round(max(float(r["gap_s"]) for r in faulted), 3),  # type: ignore[arg-type]
+            "no_fault_longest_pause_s": round(max(float(r["gap_s"]) for r in baseline), 3),  # type: ignore[arg-type]
+            "batch_s": round(faulted_s, 2), "no_fault_batch_s": round(baseline_s, 2)}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="default")
+    parser.add_argument("--faults", default=",".join(FAULTS))
+    parser.add_argument("--streams", type=int, default=8)
+    parser.add_argument("--max-tokens", type=int, default=96)
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    rows = []
+    for fault in args.faults.split(","):
+        row = run_fault(args, fault)
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps({"faults": rows}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

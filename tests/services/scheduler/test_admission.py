@@ -1,0 +1,43 @@
+"""Admission refuses what would wait too long: past `max_queue` requests, or past `max_queue_wait_s` of
+work at the rate requests have been finishing (so that the ones it serves keep their latency)."""
+
+from __future__ import annotations
+
+import pytest
+
+from services.scheduler.admission import MAX_RETRY_AFTER_S, Mesh, rejection
+from services.scheduler.governor import DRAIN_MIN_FINISHED, Governor
+from services.scheduler.model_info import ModelInfo
+from services.scheduler.registry import Registry
+from services.scheduler.state import RequestState
+from shared.messages import SamplingSpec, SubmitRequest
+from shared.settings import SchedulerSettings
+
+REQ = SubmitRequest(request_id="r1", model="m", prompt_ids=[1, 2, 3], sampling=SamplingSpec(max_tokens=4),
+                    arrival_ts=0.0)
+
+
+def mesh(depth: int, wait_s: float | None, max_wait_s: float = 10.0) -> Mesh:
+    return Mesh(running_ids=(), ready=True, context_limit=1024, vocab_size=100, queue_depth=depth, max_queue=1000,
+                queue_wait_s=wait_s, max_queue_wait_s=max_wait_s)
+
+
+def test_a_queue_holding_more_than_max_queue_wait_s_of_work_is_a_429() -> None:
+    assert rejection(REQ, mesh(50, 9.0)) is None
+    refused = rejection(REQ, mesh(50, 25.0))
+    assert refused is not None
+    error, retry_after_s = refused
+    assert error.type == "overloaded_error" and error.code == "queue_full" and "about 25.0 s" in error.message
+    assert retry_after_s == 15.0
+    far = rejection(REQ, mesh(50, 1e9))
+    assert far is not None and far[1] == MAX_RETRY_AFTER_S  # Retry-After is capped
+    assert rejection(REQ, mesh(50, None)) is None  # no estimate yet: only max_queue holds
+
+
+def test_the_wait_estimate_is_the_queue_over_the_recent_finish_rate() -> None:
+    governor = Governor(SchedulerSettings(), ModelInfo("m", frozenset({2}), 100, 1024), Registry())
+    assert governor.queue_wait_s(40, 100.0) is None
+    for i in range(DRAIN_MIN_FINISHED * 2):  # 10 requests finished over 4.5 s: about 2 a second
+        governor.finished(RequestState(f"r{i}", [1], SamplingSpec(), 0.0), "stop", 95.5 + i * 0.5)
+    assert governor.queue_wait_s(40, 100.0) == pytest.approx(40 / (10 / 4.5))
+    assert governor.queue_wait_s(40, 200.0) is None  # all of them long ago
