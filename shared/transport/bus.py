@@ -43,6 +43,11 @@ class NoRespondersBusError(BusError):
         self.subject = subject
 
 
+def server_list(url: str) -> list[str]:
+    """`url` may name several servers of one cluster, comma-separated: nats-py fails over among them."""
+    return [u.strip() for u in url.split(",") if u.strip()]
+
+
 async def connect(url: str, name: str, *, connect_timeout_s: float = 5.0, first_connect_timeout_s: float = 30.0,
                   reconnect_wait_s: float = 0.5, on_disconnect: Callable[[], None] | None = None,
                   user: str = "", password: str = "", **options: Any) -> Client:
@@ -70,8 +75,8 @@ async def connect(url: str, name: str, *, connect_timeout_s: float = 5.0, first_
         options |= {"user": user, "password": password}
     try:
         nc: Client = await asyncio.wait_for(nats.connect(
-            servers=[url], name=name, connect_timeout=connect_timeout_s, reconnect_time_wait=reconnect_wait_s,
-            max_reconnect_attempts=-1, allow_reconnect=True, error_cb=error_cb,
+            servers=server_list(url), name=name, connect_timeout=connect_timeout_s,
+            reconnect_time_wait=reconnect_wait_s, max_reconnect_attempts=-1, allow_reconnect=True, error_cb=error_cb,
             disconnected_cb=disconnected_cb, reconnected_cb=reconnected_cb, closed_cb=closed_cb, **options,
         ), timeout=first_connect_timeout_s)
     except TimeoutError:

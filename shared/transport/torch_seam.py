@@ -47,8 +47,8 @@ JOIN_WAIT = timedelta(seconds=2)  # a join number taken but not written for this
 
 
 def local_host_towards(url: str) -> str:
-    """This machine's address on the route to `url`'s host (what peers there can reach)."""
-    host = urlsplit(url).hostname or "127.0.0.1"
+    """This machine's address on the route to `url`'s (first) host (what peers there can reach)."""
+    host = urlsplit(url.split(",")[0].strip()).hostname or "127.0.0.1"
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
         try:
             probe.connect((host, 9))  # UDP: nothing is sent, the kernel only picks the route
