@@ -66,7 +66,9 @@ async def batch(base_url: str, n: int, max_tokens: int, fault: Callable[[], None
         await asyncio.gather(*(e.wait() for e in started))
         fault()
     results = await asyncio.gather(*tasks)
-    return list(results), time.monotonic() - t0
+    elapsed = time.monotonic() - t0
+    await client.close()
+    return list(results), elapsed
 
 
 def kill(mesh: Mesh, name: str) -> Callable[[], None]:
