@@ -56,19 +56,26 @@ async def stream(client: openai.AsyncOpenAI, model: str, i: int, started: asynci
     return {"text": text, "tokens": tokens, "gap_s": longest_gap, "error": None}
 
 
-async def batch(base_url: str, n: int, max_tokens: int, fault: Callable[[], None] | None) -> tuple[list[dict], float]:
+async def batch(base_url: str, n: int, max_tokens: int, fault: Callable[[], None] | None,
+                doomed_url: str | None = None) -> tuple[list[dict], float, list[dict]]:
+    """`n` streams on `base_url` (and `n // 2` on `doomed_url`, the gateway the fault kills)."""
     client = openai.AsyncOpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=600)
+    other = openai.AsyncOpenAI(base_url=doomed_url or base_url, api_key="unused", max_retries=0, timeout=600)
     model = (await client.models.list()).data[0].id
-    started = [asyncio.Event() for _ in range(n)]
+    n_doomed = n // 2 if doomed_url else 0
+    started = [asyncio.Event() for _ in range(n + n_doomed)]
     t0 = time.monotonic()
     tasks = [asyncio.create_task(stream(client, model, i, started[i], max_tokens)) for i in range(n)]
+    doomed = [asyncio.create_task(stream(other, model, 100 + i, started[n + i], max_tokens)) for i in range(n_doomed)]
     if fault is not None:
         await asyncio.gather(*(e.wait() for e in started))
         fault()
     results = await asyncio.gather(*tasks)
     elapsed = time.monotonic() - t0
+    lost = await asyncio.gather(*doomed)
     await client.close()
-    return list(results), elapsed
+    await other.close()
+    return list(results), elapsed, list(lost)
 
 
 def kill(mesh: Mesh, name: str) -> Callable[[], None]:
@@ -88,11 +95,13 @@ def run_fault(args: argparse.Namespace, fault: str) -> dict[str, object]:
     try:
         with aflex_up(args.model, *extra, nats_url=servers[0].url if servers else None) as mesh:
             base = mesh.base_url
-            baseline, baseline_s = asyncio.run(batch(base, args.streams, args.max_tokens, None))
+            second = base.replace(f":{mesh.port}/", f":{mesh.port + 1}/") if fault == "gateway" else None
+            baseline, baseline_s, _ = asyncio.run(batch(base, args.streams, args.max_tokens, None))
             action = {"attention-worker": kill(mesh, "attn-0"), "ffn-worker": kill(mesh, "ffn-0"),
                       "scheduler": kill(mesh, "scheduler"), "nats-restart": restart_nats,
-                      "gateway": lambda: os.kill(mesh.pid_of("gateway-1"), signal.SIGKILL)}[fault]
-            faulted, faulted_s = asyncio.run(batch(base, args.streams, args.max_tokens, action))
+                      "gateway": kill(mesh, f"gateway:{mesh.port + 1}")}[fault]
+            faulted, faulted_s, on_killed = asyncio.run(batch(base, args.streams, args.max_tokens, action, second))
+            cancelled = "is gone: cancelling its" in mesh.output()
     finally:
         for server in servers[-1:]:
             server.stop()
@@ -102,7 +111,10 @@ def run_fault(args: argparse.Namespace, fault: str) -> dict[str, object]:
             "text_equal_to_no_fault": same, "errors": [r["error"] for r in faulted if r["error"]][:3],
             "longest_pause_s": round(max(float(r["gap_s"]) for r in faulted), 3),  # type: ignore[arg-type]
             "no_fault_longest_pause_s": round(max(float(r["gap_s"]) for r in baseline), 3),  # type: ignore[arg-type]
-            "batch_s": round(faulted_s, 2), "no_fault_batch_s": round(baseline_s, 2)}
+            "batch_s": round(faulted_s, 2), "no_fault_batch_s": round(baseline_s, 2),
+            **({"streams_on_the_killed_gateway": len(on_killed),
+                "their_connection_dropped": sum(r["error"] is not None for r in on_killed),
+                "their_requests_cancelled_in_the_scheduler": cancelled} if fault == "gateway" else {})}
 
 
 def main() -> int:

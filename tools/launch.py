@@ -42,7 +42,8 @@ class Mesh:
             return str(json.load(response)["data"][0]["id"])
 
     def pid_of(self, name: str) -> int:
-        """The pid of `aflex up`'s child `name`: a service ("scheduler", "gateway") or a worker id."""
+        """The pid of `aflex up`'s child `name`: a service ("scheduler", "gateway"), a worker id, or the
+        gateway on a port ("gateway:8001")."""
         for entry in Path("/proc").iterdir():
             if not entry.name.isdigit():
                 continue
@@ -53,7 +54,10 @@ class Mesh:
             except OSError:
                 continue
             ppid = next(int(line.split()[1]) for line in status.splitlines() if line.startswith("PPid:"))
-            if ppid == self.process.pid and (argv[-1:] == [name] or f"AFLEX_WORKER_ID={name}".encode() in environ):
+            service, _, port = name.partition(":")
+            if ppid == self.process.pid and (
+                    (argv[-1:] == [service] and (not port or f"AFLEX_PORT={port}".encode() in environ))
+                    or f"AFLEX_WORKER_ID={name}".encode() in environ):
                 return int(entry.name)
         raise LookupError(f"no child {name!r} of aflex up ({self.process.pid})")
 
