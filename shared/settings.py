@@ -58,8 +58,8 @@ class SchedulerSettings(ServiceSettings):
     model: str = Field(default="default", description="the model served: its card gives the context and EOS ids")
     max_queue: int = Field(default=1024, description="waiting requests beyond this are rejected with 429")
     max_queue_wait_s: float = Field(
-        default=10.0, description="a request that would wait longer than this to start (the queue over the recent "
-                                  "drain rate) is rejected with 429, so the served ones keep their latency")
+        default=10.0, description="a request that would wait longer than this beyond the usual service time (the "
+                                  "unfinished requests over the recent finish rate) is rejected with 429")
     max_batch_tokens: int = Field(
         default=2048, description="tokens per iteration per attention worker (chunked prefill)")
     max_num_seqs: int = Field(default=256, description="running sequences per attention worker")

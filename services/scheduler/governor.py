@@ -21,6 +21,7 @@ back to `slo`; `max`, `fixed` and `slo` are clocks.py's.
 from __future__ import annotations
 
 import logging
+import statistics
 import time
 from collections import deque
 from collections.abc import Iterable
@@ -72,7 +73,7 @@ class Governor:
         self.commanded: dict[str, dict[ClockPhase, int]] = {}  # worker -> clocks of its latest command
         self.finished_total = 0
         self.finished_log: deque[Finished] = deque()
-        self.finish_times: deque[float] = deque()  # monotonic, of the last DRAIN_WINDOW_S: the drain rate
+        self.finish_times: deque[tuple[float, float]] = deque()  # (monotonic, time in the scheduler s) lately
         self.ttft_log: deque[tuple[float, float]] = deque()  # (monotonic time of the first token, TTFT ms)
         self.samples: dict[str, deque[IterationSample]] = {}  # each attention worker's iterations of the window
         self.plans: dict[str, dict[ClockPhase, PairPlan]] = {}  # the latest aflex plans
@@ -103,7 +104,7 @@ class Governor:
 
     def finished(self, state: RequestState, reason: FinishReason, mono: float) -> None:
         self.finished_total += 1
-        self.finish_times.append(mono)
+        self.finish_times.append((mono, mono - state.received_mono))
         ttft, tpot = state.ttft_s, state.tpot_s
         self.finished_log.append(Finished(mono, reason, None if ttft is None else ttft * 1000.0,
                                           None if tpot is None else tpot * 1000.0))
@@ -181,15 +182,18 @@ class Governor:
 
     # -- SLO observation ------------------------------------------------------------------------
 
-    def queue_wait_s(self, queue_depth: int, now: float) -> float | None:
-        """How long `queue_depth` waiting requests take to start at the rate requests finished lately
-        (None: too few finished to say; admission then holds to `max_queue` alone)."""
+    def queue_wait_s(self, in_system: int, now: float) -> float | None:
+        """The wait a new request would add to the usual service time, by Little's law: `in_system`
+        unfinished requests (waiting and running) over the rate requests finished lately is the time
+        one spends in the scheduler; the median of the finished ones' is what serving takes when there
+        is no backlog (None: too few finished to say; admission then holds to `max_queue` alone)."""
         times = self.finish_times
-        while times and now - times[0] > DRAIN_WINDOW_S:
+        while times and now - times[0][0] > DRAIN_WINDOW_S:
             times.popleft()
         if len(times) < DRAIN_MIN_FINISHED:
             return None
-        return queue_depth / (len(times) / max(now - times[0], 1.0))
+        rate_per_s = len(times) / max(now - times[0][0], 1.0)
+        return max(0.0, in_system / rate_per_s - statistics.median(t for _, t in times))
 
     @property
     def stats_window_s(self) -> float:

@@ -206,9 +206,9 @@ class Scheduler:
     def _admit(self, req: SubmitRequest) -> SubmitReply:
         limit = min(self.registry.context_limit(), self.model.max_seq_len or 1 << 62)  # 0: the card says none
         depth = self.queue_depth
+        wait_s = self.governor.queue_wait_s(depth + self.running_count, time.monotonic())  # waiting and running
         refused = rejection(req, Mesh(self.requests, self.registry.ready, limit, self.model.vocab_size, depth,
-                                      self.settings.max_queue, self.governor.queue_wait_s(depth, time.monotonic()),
-                                      self.settings.max_queue_wait_s))
+                                      self.settings.max_queue, wait_s, self.settings.max_queue_wait_s))
         if refused is not None:
             error, retry_after_s = refused
             return SubmitReply(request_id=req.request_id, accepted=False, retry_after_s=retry_after_s, error=error)

@@ -1,5 +1,5 @@
-"""Admission refuses what would wait too long: past `max_queue` requests, or past `max_queue_wait_s` of
-work at the rate requests have been finishing (so that the ones it serves keep their latency)."""
+"""Admission refuses what would wait too long: past `max_queue` requests, or a backlog that would keep a new
+request more than `max_queue_wait_s` beyond the usual service time (so that the ones it serves keep their latency)."""
 
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ def test_a_queue_holding_more_than_max_queue_wait_s_of_work_is_a_429() -> None:
     refused = rejection(REQ, mesh(50, 25.0))
     assert refused is not None
     error, retry_after_s = refused
-    assert error.type == "overloaded_error" and error.code == "queue_full" and "about 25.0 s" in error.message
+    assert error.type == "overloaded_error" and error.code == "queue_full" and "about 25.0 s more" in error.message
     assert retry_after_s == 15.0
     far = rejection(REQ, mesh(50, 1e9))
     assert far is not None and far[1] == MAX_RETRY_AFTER_S  # Retry-After is capped
@@ -37,7 +37,9 @@ def test_a_queue_holding_more_than_max_queue_wait_s_of_work_is_a_429() -> None:
 def test_the_wait_estimate_is_the_queue_over_the_recent_finish_rate() -> None:
     governor = Governor(SchedulerSettings(), ModelInfo("m", frozenset({2}), 100, 1024), Registry())
     assert governor.queue_wait_s(40, 100.0) is None
-    for i in range(DRAIN_MIN_FINISHED * 2):  # 10 requests finished over 4.5 s: about 2 a second
-        governor.finished(RequestState(f"r{i}", [1], SamplingSpec(), 0.0), "stop", 95.5 + i * 0.5)
-    assert governor.queue_wait_s(40, 100.0) == pytest.approx(40 / (10 / 4.5))
+    for i in range(DRAIN_MIN_FINISHED * 2):  # 10 requests finished over 4.5 s (about 2 a second), 3 s each
+        governor.finished(RequestState(f"r{i}", [1], SamplingSpec(), 0.0, received_mono=92.5 + i * 0.5), "stop",
+                          95.5 + i * 0.5)
+    assert governor.queue_wait_s(40, 100.0) == pytest.approx(40 / (10 / 4.5) - 3.0)  # Little's law, minus service
+    assert governor.queue_wait_s(4, 100.0) == 0.0  # no backlog beyond what is being served
     assert governor.queue_wait_s(40, 200.0) is None  # all of them long ago
