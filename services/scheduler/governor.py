@@ -24,7 +24,7 @@ import logging
 import statistics
 import time
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 
 from services.scheduler.aflex import (
@@ -74,6 +74,7 @@ class Governor:
         self.finished_total = 0
         self.finished_log: deque[Finished] = deque()
         self.finish_times: deque[tuple[float, float]] = deque()  # (monotonic, time in the scheduler s) lately
+        self._service_s = 0.0  # the median time in the scheduler when enough finished lately
         self.ttft_log: deque[tuple[float, float]] = deque()  # (monotonic time of the first token, TTFT ms)
         self.samples: dict[str, deque[IterationSample]] = {}  # each attention worker's iterations of the window
         self.plans: dict[str, dict[ClockPhase, PairPlan]] = {}  # the latest aflex plans
@@ -182,18 +183,24 @@ class Governor:
 
     # -- SLO observation ------------------------------------------------------------------------
 
-    def queue_wait_s(self, in_system: int, now: float) -> float | None:
-        """The wait a new request would add to the usual service time, by Little's law: `in_system`
-        unfinished requests (waiting and running) over the rate requests finished lately is the time
-        one spends in the scheduler; the median of the finished ones' is what serving takes when there
-        is no backlog (None: too few finished to say; admission then holds to `max_queue` alone)."""
+    def queue_wait_s(self, unfinished: Collection[RequestState], now: float) -> float | None:
+        """The wait a new request would add to the usual service time. By Little's law the unfinished
+        requests (waiting and running) over the rate requests finished lately is the time one spends
+        in the scheduler, and the median of the finished ones' is what serving takes without a
+        backlog. When too few finished lately to measure a rate, the oldest unfinished request's age
+        stands in for it (a burst after an idle spell is young; a backlog is old). None: the
+        scheduler has not served enough to say; admission then holds to `max_queue` alone."""
         times = self.finish_times
         while times and now - times[0][0] > DRAIN_WINDOW_S:
             times.popleft()
-        if len(times) < DRAIN_MIN_FINISHED:
+        if self.finished_total < DRAIN_MIN_FINISHED:
             return None
-        rate_per_s = len(times) / max(now - times[0][0], 1.0)
-        return max(0.0, in_system / rate_per_s - statistics.median(t for _, t in times))
+        if len(times) >= DRAIN_MIN_FINISHED:
+            self._service_s = statistics.median(t for _, t in times)
+            in_scheduler_s = len(unfinished) / (len(times) / max(now - times[0][0], 1.0))
+        else:
+            in_scheduler_s = max((now - r.received_mono for r in unfinished), default=0.0)
+        return max(0.0, in_scheduler_s - self._service_s)
 
     @property
     def stats_window_s(self) -> float:

@@ -206,7 +206,7 @@ class Scheduler:
     def _admit(self, req: SubmitRequest) -> SubmitReply:
         limit = min(self.registry.context_limit(), self.model.max_seq_len or 1 << 62)  # 0: the card says none
         depth = self.queue_depth
-        wait_s = self.governor.queue_wait_s(depth + self.running_count, time.monotonic())  # waiting and running
+        wait_s = self.governor.queue_wait_s(self.requests.values(), time.monotonic())  # waiting and running
         refused = rejection(req, Mesh(self.requests, self.registry.ready, limit, self.model.vocab_size, depth,
                                       self.settings.max_queue, wait_s, self.settings.max_queue_wait_s))
         if refused is not None:

@@ -36,10 +36,15 @@ def test_a_queue_holding_more_than_max_queue_wait_s_of_work_is_a_429() -> None:
 
 def test_the_wait_estimate_is_the_queue_over_the_recent_finish_rate() -> None:
     governor = Governor(SchedulerSettings(), ModelInfo("m", frozenset({2}), 100, 1024), Registry())
-    assert governor.queue_wait_s(40, 100.0) is None
+    def unfinished(n: int, since: float) -> list[RequestState]:
+        return [RequestState(f"u{i}", [1], SamplingSpec(), 0.0, received_mono=since) for i in range(n)]
+
+    assert governor.queue_wait_s(unfinished(40, 99.0), 100.0) is None  # nothing served yet
     for i in range(DRAIN_MIN_FINISHED * 2):  # 10 requests finished over 4.5 s (about 2 a second), 3 s each
         governor.finished(RequestState(f"r{i}", [1], SamplingSpec(), 0.0, received_mono=92.5 + i * 0.5), "stop",
                           95.5 + i * 0.5)
-    assert governor.queue_wait_s(40, 100.0) == pytest.approx(40 / (10 / 4.5) - 3.0)  # Little's law, minus service
-    assert governor.queue_wait_s(4, 100.0) == 0.0  # no backlog beyond what is being served
-    assert governor.queue_wait_s(40, 200.0) is None  # all of them long ago
+    assert governor.queue_wait_s(unfinished(40, 99.0), 100.0) == pytest.approx(40 / (10 / 4.5) - 3.0)  # Little
+    assert governor.queue_wait_s(unfinished(4, 99.0), 100.0) == 0.0  # no backlog beyond what is being served
+    # nothing finished lately: the oldest unfinished request's age tells a burst after idling from a backlog
+    assert governor.queue_wait_s(unfinished(40, 199.0), 200.0) == 0.0
+    assert governor.queue_wait_s(unfinished(40, 170.0), 200.0) == pytest.approx(30.0 - 3.0)
