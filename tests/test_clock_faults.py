@@ -20,8 +20,7 @@ from shared.gpu.emulated import read_locked_mhz, write_locked_mhz
 from shared.messages import FrequencyCommand, encode
 from shared.transport import bus
 from shared.transport.nats_server import EmbeddedNatsServer, free_port
-from tests.test_mesh_faults import _child_pid
-from tools.launch import aflex_up
+from tools.launch import Mesh, aflex_up
 
 LOW_MHZ = 810  # a supported clock of the a800 profile, well below its default (max) clock
 STALE_MHZ = 705
@@ -62,10 +61,13 @@ def test_a_stale_lock_is_reset_at_start_and_a_killed_workers_lock_is_reset(tiny_
             assert read_locked_mhz(ffn) is None  # the worker reset it as it started
             command(server.url, "ffn-0", LOW_MHZ, valid_s=120)
             wait_for(lambda: read_locked_mhz(ffn) == LOW_MHZ, "the commanded clock was never set")
-            pid = _child_pid(mesh, "ffn-0")
+            pid = mesh.pid_of("ffn-0")
             os.kill(pid, signal.SIGKILL)  # no chance to reset it itself
             wait_for(lambda: "reset the emulated GPU clock of ffn-0" in mesh.output(), "aflex up did not reset it")
-            wait_for(lambda: _started_again(mesh, pid), "ffn-0 was not started again")
+            try:
+                wait_for(lambda: _started_again(mesh, pid), "ffn-0 was not started again")
+            except AssertionError as exc:  # say why: what aflex up printed
+                raise AssertionError(f"{exc}\n{mesh.output()[-4000:]}") from None
             assert read_locked_mhz(ffn) != LOW_MHZ
     finally:
         server.stop()
@@ -87,8 +89,8 @@ def test_commands_expire_when_nats_is_lost(tiny_chat_checkpoint: Path, tmp_path:
         server.stop()
 
 
-def _started_again(mesh: object, old_pid: int) -> bool:
+def _started_again(mesh: Mesh, old_pid: int) -> bool:
     try:
-        return _child_pid(mesh, "ffn-0") != old_pid  # type: ignore[arg-type]
-    except AssertionError:  # between the old process and the new one
+        return mesh.pid_of("ffn-0") != old_pid
+    except LookupError:  # between the old process and the new one
         return False

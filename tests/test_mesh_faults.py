@@ -24,29 +24,19 @@ MAX_TOKENS = 160
 
 
 def _child_pid(mesh: Mesh, worker_id: str) -> int:
-    """The pid of `aflex up`'s child running `worker_id` (read from /proc: children of the supervisor whose
-    environment names it)."""
-    return _child(mesh, worker_id)[0]
+    """The pid of `aflex up`'s child running `worker_id` (or the service named so)."""
+    try:
+        return mesh.pid_of(worker_id)
+    except LookupError as exc:
+        raise AssertionError(str(exc)) from None
 
 
 def _child(mesh: Mesh, worker_id: str) -> tuple[int, list[str], dict[str, str]]:
     """`worker_id`'s process under `aflex up` (or the service's: "scheduler", "gateway"): pid, argv, environment."""
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            status = (entry / "status").read_text()
-            environ = (entry / "environ").read_bytes().split(b"\0")  # `aflex up` hands settings down in env
-        except OSError:
-            continue
-        ppid = next(int(line.split()[1]) for line in status.splitlines() if line.startswith("PPid:"))
-        if ppid != mesh.process.pid:
-            continue
-        argv = [a.decode() for a in (entry / "cmdline").read_bytes().split(b"\0") if a]
-        if f"AFLEX_WORKER_ID={worker_id}".encode() in environ or argv[-1] == worker_id:  # a worker, or a service
-            env = dict(e.decode().split("=", 1) for e in environ if b"=" in e)
-            return int(entry.name), argv, env
-    raise AssertionError(f"no child {worker_id} of aflex up ({mesh.process.pid})")
+    pid = _child_pid(mesh, worker_id)
+    argv = [a.decode() for a in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0") if a]
+    environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    return pid, argv, dict(e.decode().split("=", 1) for e in environ if b"=" in e)
 
 
 async def _stream(client: openai.AsyncOpenAI, model: str, i: int, started: asyncio.Event, sampled: bool = False
@@ -190,7 +180,7 @@ def test_a_killed_gateway_is_survived_by_the_other_and_its_requests_are_cancelle
             started = [asyncio.Event() for _ in range(4)]
             doomed = [asyncio.create_task(_stream(client, model, 100 + i, started[i])) for i in range(4)]
             await asyncio.gather(*(e.wait() for e in started))
-            os.kill(_gateway_pid(mesh, mesh.port + 1), signal.SIGKILL)
+            os.kill(mesh.pid_of(f"gateway:{mesh.port + 1}"), signal.SIGKILL)
             served = await _run(mesh)
             return served, list(await asyncio.gather(*doomed, return_exceptions=True))
 
@@ -200,20 +190,6 @@ def test_a_killed_gateway_is_survived_by_the_other_and_its_requests_are_cancelle
     assert served == baseline
     assert all(isinstance(result, openai.APIError) for result in doomed), doomed  # their connection went
     assert "gateway-1 exited with status -9" in log
-
-
-def _gateway_pid(mesh: Mesh, port: int) -> int:
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                status = (entry / "status").read_text()
-                environ = (entry / "environ").read_bytes().split(b"\0")
-            except OSError:
-                continue
-            ppid = next(int(line.split()[1]) for line in status.splitlines() if line.startswith("PPid:"))
-            if ppid == mesh.process.pid and f"AFLEX_PORT={port}".encode() in environ:
-                return int(entry.name)
-    raise AssertionError(f"no gateway on port {port} under aflex up")
 
 
 def _wait_for(condition: Callable[[], bool], deadline_s: float = 60.0) -> None:

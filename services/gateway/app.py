@@ -60,6 +60,10 @@ STATUS_TIMEOUT_S = 2.0  # /ready: how long the scheduler may take to answer
 T = TypeVar("T")
 
 
+def new_gateway_id() -> str:
+    return f"gw-{uuid.uuid4().hex[:8]}"
+
+
 @dataclass
 class Gateway:
     """What every route needs: settings, the model card and the NATS connection."""
@@ -71,7 +75,7 @@ class Gateway:
     served_model: str
     started: int
     schedulers: SchedulerWatch = field(default_factory=SchedulerWatch)  # subscribed by `serve`
-    gateway_id: str = field(default_factory=lambda: f"gw-{uuid.uuid4().hex[:8]}")  # this run's
+    gateway_id: str = field(default_factory=new_gateway_id)  # this run's
 
     @property
     def max_seq_len(self) -> int:
@@ -298,10 +302,8 @@ def create_app(settings: GatewaySettings, card: ModelCard, nc: Client) -> FastAP
     if card.tokenizer is None:
         raise TokenizerError(f"{card.path} ships no tokenizer: the gateway needs one to serve text")
     app = FastAPI(title="AFlex gateway", version="1", default_response_class=JSONResponse)
-    app.state.gateway = gateway = Gateway(settings, card, card.tokenizer, nc,
-                                          settings.served_model_name or card.model_id, int(time.time()))
-    if settings.gateway_id:
-        gateway.gateway_id = settings.gateway_id
+    app.state.gateway = Gateway(settings, card, card.tokenizer, nc, settings.served_model_name or card.model_id,
+                                int(time.time()), gateway_id=settings.gateway_id or new_gateway_id())
     install_error_handlers(app)
     app.add_middleware(BodyLimit, max_body_bytes=settings.max_body_bytes)
     document(app)

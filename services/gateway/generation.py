@@ -252,9 +252,9 @@ class Generation:
         waiting_since = time.monotonic()
         while self._next_index not in self._pending:
             left_s = waiting_since + self.token_timeout_s - time.monotonic()
+            slice_s = self.scheduler_silence_s / 2 if self.watch is not None else left_s  # wake to check liveness
             try:
-                msg = await self._sub.next_msg(timeout=max(0.001, min(left_s, self.scheduler_silence_s / 2)
-                                                           if self.watch is not None else left_s))
+                msg = await self._sub.next_msg(timeout=max(0.001, min(left_s, slice_s)))
             except nats.errors.TimeoutError:
                 if self._scheduler_gone():
                     await self._take_over()

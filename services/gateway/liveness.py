@@ -9,7 +9,6 @@ stop, the schedulers cancel its requests (nobody reads them any more).
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import math
 import time
@@ -20,6 +19,7 @@ from nats.aio.subscription import Subscription
 
 from shared import subjects
 from shared.messages import GatewayHeartbeat, ProtocolError, SchedulerHeartbeat, decode, encode
+from shared.transport import bus
 
 log = logging.getLogger("aflex.gateway")
 
@@ -51,10 +51,5 @@ class SchedulerWatch:
 
 
 async def heartbeat_loop(nc: Client, gateway_id: str, period_s: float) -> None:
-    while True:
-        try:
-            await nc.publish(subjects.GATEWAY_HEARTBEAT, encode(GatewayHeartbeat(gateway_id=gateway_id,
-                                                                                 ts=time.time())))
-        except Exception as exc:  # reconnecting: the next beat tries again
-            log.debug("gateway heartbeat not sent: %s", exc)
-        await asyncio.sleep(period_s)
+    await bus.publish_every(nc, subjects.GATEWAY_HEARTBEAT, lambda: encode(GatewayHeartbeat(
+        gateway_id=gateway_id, ts=time.time())), period_s)

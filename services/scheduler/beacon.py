@@ -15,18 +15,14 @@ from nats.aio.client import Client
 
 from shared import subjects
 from shared.messages import SchedulerHeartbeat, SchedulerTelemetry, encode
+from shared.transport import bus
 
 log = logging.getLogger("aflex.scheduler")
 
 
 async def heartbeat_loop(nc: Client, scheduler_id: str, instance: str, period_s: float) -> None:
-    while True:
-        beat = SchedulerHeartbeat(scheduler_id=scheduler_id, instance=instance, ts=time.time())
-        try:
-            await nc.publish(subjects.SCHED_HEARTBEAT, encode(beat))
-        except Exception as exc:  # reconnecting: nats-py buffers or refuses; the next beat tries again
-            log.debug("scheduler heartbeat not sent: %s", exc)
-        await asyncio.sleep(period_s)
+    await bus.publish_every(nc, subjects.SCHED_HEARTBEAT, lambda: encode(SchedulerHeartbeat(
+        scheduler_id=scheduler_id, instance=instance, ts=time.time())), period_s)
 
 
 async def telemetry_loop(nc: Client, scheduler_id: str, hz: float, telemetry: Callable[[], SchedulerTelemetry]

@@ -118,3 +118,14 @@ def guarded(handler: Callable[[Msg], Awaitable[None]], logger: logging.Logger) -
         except Exception:
             logger.exception("error handling a message on %s", msg.subject)
     return cb
+
+
+async def publish_every(nc: Client, subject: str, message: Callable[[], bytes], period_s: float) -> None:
+    """Publish `message()` on `subject` every `period_s` until cancelled (a heartbeat). A publish that
+    fails while the connection is reconnecting is skipped: the next one tries again."""
+    while True:
+        try:
+            await nc.publish(subject, message())
+        except Exception as exc:
+            log.debug("%s not sent: %s", subject, exc)
+        await asyncio.sleep(period_s)
