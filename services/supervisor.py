@@ -39,6 +39,9 @@ STOP_ORDER: tuple[str, ...] = ("gateway", "scheduler", "attention-worker", "ffn-
 WILDCARD_HOSTS = frozenset({"0.0.0.0", "::", ""})
 
 
+SERVING_ANNOUNCEMENT = "AFlex is serving"  # printed once every service is up; from then on crashes are restarted
+
+
 class SupervisorError(AFlexError):
     """The mesh could not be brought up."""
 
@@ -371,7 +374,7 @@ def up(args: argparse.Namespace, *, command_builder: CommandBuilder = build_comm
         if stop.is_set():
             return 0
         model_id = served_model_id(base_url, fallback=str(args.model))
-        print(f"AFlex is serving {model_id} at http://{args.host}:{args.port}/v1 "
+        print(f"{SERVING_ANNOUNCEMENT} {model_id} at http://{args.host}:{args.port}/v1 "
               f"({args.attention_workers} attention + {args.ffn_workers} FFN workers)", flush=True)
         return supervisor.serve(stop)
     finally:

@@ -1,5 +1,6 @@
 """`aflex up` as a subprocess, for end-to-end tests and benchmarks: start it on free ports, wait
-until the gateway's `/ready` answers, stop it with SIGTERM (SIGKILL after a minute)."""
+until it says it is serving (after the gateway's `/ready`; only from then on does it restart what
+crashes), stop it with SIGTERM (SIGKILL after a minute)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from services.supervisor import SERVING_ANNOUNCEMENT
 from shared.transport.nats_server import EmbeddedNatsServer, free_port
 
 
@@ -101,12 +103,8 @@ def aflex_up(model: str, *extra: str, timeout_s: float = 300.0, nats_url: str | 
         while True:
             if process.poll() is not None:
                 raise RuntimeError(f"aflex up exited with {process.returncode}:\n{mesh.output()}")
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/ready", timeout=2) as response:
-                    if response.status == 200:
-                        break
-            except OSError:
-                pass
+            if SERVING_ANNOUNCEMENT in mesh.output():  # aflex up's own word: it now restarts what crashes
+                break
             if time.monotonic() > deadline:
                 raise RuntimeError(f"mesh not ready within {timeout_s} s:\n{mesh.output()}")
             time.sleep(0.2)
