@@ -4,7 +4,8 @@
     python benchmarks/faults.py --faults scheduler,ffn-worker
 
 For each fault a fresh `aflex up` serves `--streams` greedy streams; once every stream is decoding
-the part is killed (SIGKILL; `nats-restart` stops the nats-server and starts a new one on its port).
+the part is killed (SIGKILL; `nats-restart` stops the nats-server and starts a new one on its port;
+`nats-node` runs `aflex up --nats-cluster 3` and kills the node the gateway is connected to).
 Reported per fault: streams completed whole, streams whose text differs from the no-fault run of
 the same mesh, the longest pause between two chunks of any stream (the stall the fault caused) next
 to the longest pause of the no-fault run, and how long the whole batch took.
@@ -29,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from shared.transport.nats_server import EmbeddedNatsServer, free_port
 from tools.launch import Mesh, aflex_up
 
-FAULTS = ("attention-worker", "ffn-worker", "scheduler", "gateway", "nats-restart")
+FAULTS = ("attention-worker", "ffn-worker", "scheduler", "gateway", "nats-restart", "nats-node")
 
 
 async def stream(client: openai.AsyncOpenAI, model: str, i: int, started: asyncio.Event, max_tokens: int
@@ -84,7 +85,8 @@ def kill(mesh: Mesh, name: str) -> Callable[[], None]:
 
 def run_fault(args: argparse.Namespace, fault: str) -> dict[str, object]:
     extra = ["--attention-workers", "2" if fault == "attention-worker" else "1",
-             "--ffn-workers", "2" if fault == "ffn-worker" else "1", "--gateways", "2" if fault == "gateway" else "1"]
+             "--ffn-workers", "2" if fault == "ffn-worker" else "1", "--gateways", "2" if fault == "gateway" else "1",
+             *(["--nats-cluster", "3"] if fault == "nats-node" else [])]
     port = free_port()
     servers = [EmbeddedNatsServer(port=port).start()] if fault == "nats-restart" else []
 
@@ -99,7 +101,8 @@ def run_fault(args: argparse.Namespace, fault: str) -> dict[str, object]:
             baseline, baseline_s, _ = asyncio.run(batch(base, args.streams, args.max_tokens, None))
             action = {"attention-worker": kill(mesh, "attn-0"), "ffn-worker": kill(mesh, "ffn-0"),
                       "scheduler": kill(mesh, "scheduler"), "nats-restart": restart_nats,
-                      "gateway": kill(mesh, f"gateway:{mesh.port + 1}")}[fault]
+                      "gateway": kill(mesh, f"gateway:{mesh.port + 1}"),
+                      "nats-node": lambda: os.kill(mesh.nats_node_of("aflex-gateway").pid, signal.SIGKILL)}[fault]
             faulted, faulted_s, on_killed = asyncio.run(batch(base, args.streams, args.max_tokens, action, second))
             cancelled = "is gone: cancelling its" in mesh.output()
     finally:

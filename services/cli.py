@@ -115,7 +115,7 @@ def _run_service(args: argparse.Namespace) -> int:
     if args.command == "gateway":
         from services.gateway.app import serve as entry
     elif args.command == "scheduler":
-        from services.scheduler.service import run as entry
+        from services.scheduler.main import run as entry
     elif args.command == "attention-worker":
         from services.attention_worker.worker import run as entry
     else:

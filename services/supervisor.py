@@ -265,6 +265,9 @@ def add_up_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=8000, help="port of the OpenAI API")
     parser.add_argument("--nats-port", type=int, default=4222,
                         help="port of the embedded nats-server (0 picks a free one); unused when AFLEX_NATS_URL is set")
+    parser.add_argument("--nats-cluster", type=_positive, default=1, metavar="NODES",
+                        help="embedded nats-server nodes, joined by routes on loopback, the services spread "
+                             "over them (3 survives losing one)")
     parser.add_argument("--attention-workers", type=_positive, default=1, metavar="N")
     parser.add_argument("--ffn-workers", type=_positive, default=1, metavar="M")
     parser.add_argument("--gateways", type=_positive, default=1, metavar="G",
@@ -342,26 +345,17 @@ def served_model_id(base_url: str, fallback: str) -> str:
 def up(args: argparse.Namespace, *, command_builder: CommandBuilder = build_commands,
        on_child_death: Iterable[ChildDeathHook] = ()) -> int:
     """Run the mesh until SIGINT/SIGTERM (exit 0) or until the gateway or the scheduler dies (exit 1)."""
-    from shared.transport import nats_auth
-    from shared.transport.nats_server import EmbeddedNatsServer
+    from services.up_nats import UpNats
 
     stop = threading.Event()
     previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
-    nats: EmbeddedNatsServer | None = None
+    env = dict(os.environ)
+    nats = UpNats(env, args.nats_port, args.nats_cluster)
     supervisor: Supervisor | None = None
     try:
-        env = dict(os.environ)
-        passwords: dict[str, str] = {}
-        if env.get("AFLEX_NATS_URL"):
-            print(f"aflex up: using NATS at {env['AFLEX_NATS_URL']}", file=sys.stderr, flush=True)
-        else:  # our own server: a user per role, each held to its subjects, with passwords made now
-            passwords = nats_auth.new_credentials()
-            nats = EmbeddedNatsServer(port=args.nats_port or None, users=passwords).start()
-            env["AFLEX_NATS_URL"] = nats.url
-            print(f"aflex up: nats-server at {nats.url}, a user per role", file=sys.stderr, flush=True)
-            telemetry_url = nats_auth.url_for(nats.url, "telemetry", passwords["telemetry"])
-            print(f"aflex up: telemetry subscribers: {telemetry_url}", file=sys.stderr, flush=True)
-        specs = [with_nats_user(spec, passwords) for spec in command_builder(args)]
+        nats.start()
+        env["AFLEX_NATS_URL"] = nats.url
+        specs = nats.for_children(command_builder(args))
         supervisor = Supervisor(specs, env, grace_s=args.grace,
                                 on_child_death=[reset_clock_hook(specs), *on_child_death])
         supervisor.start()
@@ -380,21 +374,9 @@ def up(args: argparse.Namespace, *, command_builder: CommandBuilder = build_comm
     finally:
         if supervisor is not None:
             supervisor.stop()
-        if nats is not None:
-            nats.stop()
+        nats.stop()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-
-
-def with_nats_user(spec: ChildSpec, passwords: dict[str, str]) -> ChildSpec:
-    """`spec` with its role's NATS user and password in its settings (unchanged without passwords)."""
-    from shared.transport.nats_auth import SERVICE_ROLES
-
-    user = SERVICE_ROLES.get(spec.role)
-    if not passwords or user is None:
-        return spec
-    return ChildSpec(spec.name, spec.role, spec.argv,
-                     {**spec.env, **env_of({"nats_user": user, "nats_password": passwords[user]})})
 
 
 def _unless(stop: threading.Event, probe: Callable[[], bool]) -> Callable[[], bool]:

@@ -70,6 +70,9 @@ class SubmitRequest(Message):
     generated_ids: list[int] = Field(default_factory=list)
     first_index: int = Field(default=0, ge=0)
     gateway_id: str = ""  # the gateway run that holds the client: when it is gone, the request is cancelled
+    # the gateway may have missed deltas: a scheduler that holds the request (or finished it lately) sends
+    # them again from `first_index`; one that does not takes it as a continuation
+    resync: bool = False
 
 
 class SubmitReply(Message):
@@ -93,6 +96,7 @@ class SchedulerHeartbeat(Message):
     scheduler_id: str
     instance: str
     ts: float
+    reconnects: int = 0  # times this run's NATS connection came back: deltas sent around then may be lost
 
 
 class Usage(Message):

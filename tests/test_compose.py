@@ -28,6 +28,8 @@ COMPOSE = ROOT / "compose"
 SCHEMA = TEST_DATA / "compose-spec.json"
 BASE_FILE = COMPOSE / "compose.yaml"
 GPU_FILE = COMPOSE / "compose.gpu.yaml"
+CLUSTER_FILE = COMPOSE / "compose.cluster.yaml"
+NATS_NODES = ("nats", "nats-1", "nats-2")
 AFLEX_SERVICES = ("scheduler", "attention-worker", "ffn-worker", "gateway")
 WORKERS = ("attention-worker", "ffn-worker")
 
@@ -50,7 +52,7 @@ def merge(base: Any, override: Any) -> Any:
 
 def project(name: str) -> dict[str, Any]:
     base = load(BASE_FILE)
-    return base if name == "cpu" else merge(base, load(GPU_FILE))
+    return base if name == "cpu" else merge(base, load(CLUSTER_FILE if name == "cluster" else GPU_FILE))
 
 
 @pytest.fixture(scope="module")
@@ -60,13 +62,13 @@ def validator() -> jsonschema.Draft7Validator:
     return jsonschema.Draft7Validator(schema)
 
 
-@pytest.mark.parametrize("path", [BASE_FILE, GPU_FILE], ids=lambda p: p.name)
+@pytest.mark.parametrize("path", [BASE_FILE, GPU_FILE, CLUSTER_FILE], ids=lambda p: p.name)
 def test_file_matches_compose_spec(validator: jsonschema.Draft7Validator, path: Path) -> None:
     errors = [f"{'/'.join(map(str, e.absolute_path))}: {e.message}" for e in validator.iter_errors(load(path))]
     assert not errors, "\n".join(errors)
 
 
-@pytest.mark.parametrize("name", ["cpu", "gpu"])
+@pytest.mark.parametrize("name", ["cpu", "gpu", "cluster"])
 def test_merged_project_matches_compose_spec(validator: jsonschema.Draft7Validator, name: str) -> None:
     errors = [f"{'/'.join(map(str, e.absolute_path))}: {e.message}" for e in validator.iter_errors(project(name))]
     assert not errors, "\n".join(errors)
@@ -166,7 +168,6 @@ def test_nats_config_mounted_with_payload_and_monitoring() -> None:
     conf = (COMPOSE / "nats.conf").read_text()
     assert re.search(r"^max_payload:\s*8MB", conf, re.M)
     assert re.search(r"^http_port:\s*8222", conf, re.M)
-    assert re.search(r"^jetstream\s*\{", conf, re.M)
 
 
 def test_gpu_override_reserves_one_gpu_per_worker_with_sys_admin() -> None:
@@ -214,3 +215,27 @@ def test_nats_conf_has_the_roles_users_and_each_service_connects_as_its_role() -
         environment = services[service]["environment"]
         assert environment["AFLEX_NATS_USER"] == role, service
         assert f"AFLEX_NATS_PASSWORD_{role.upper()}" in environment["AFLEX_NATS_PASSWORD"], service
+
+
+def test_cluster_variant_joins_three_nodes_the_real_nats_server_accepts() -> None:
+    """compose.cluster.yaml: three nodes on nats.conf, each routed to the other two (flags the real
+    nats-server accepts), and every AFlex service lists all three, not all from the same one."""
+    from shared.transport.nats_server import nats_server_binary
+
+    services = project("cluster")["services"]
+    env = {**os.environ, **{k: "pw" for k in services["nats"]["environment"]}}
+    for node in NATS_NODES:
+        command = services[node]["command"]
+        assert command[:2] == ["-c", "/etc/nats/nats.conf"] and command[command.index("--name") + 1] != ""
+        routes = command[command.index("--routes") + 1].split(",")
+        assert sorted(r.split("//")[1].split(":")[0] for r in routes) == sorted(set(NATS_NODES) - {node}), node
+        assert services[node]["healthcheck"] == services["nats"]["healthcheck"]
+        argv = [str(nats_server_binary()), "-c", str(COMPOSE / "nats.conf"), *command[2:], "-t"]
+        checked = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=30)
+        assert checked.returncode == 0, checked.stdout + checked.stderr
+    firsts = set()
+    for service in AFLEX_SERVICES:
+        urls = services[service]["environment"]["AFLEX_NATS_URL"].split(",")
+        assert sorted(u.split("//")[1].split(":")[0] for u in urls) == sorted(NATS_NODES), service
+        firsts.add(urls[0])
+    assert len(firsts) == 3

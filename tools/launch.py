@@ -14,10 +14,25 @@ import time
 import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 from services.supervisor import SERVING_ANNOUNCEMENT
 from shared.transport.nats_server import EmbeddedNatsServer, free_port
+
+
+@dataclass(frozen=True)
+class NatsNode:
+    """One nats-server of a mesh: its pid, client port and monitoring port."""
+
+    pid: int
+    port: int
+    monitor_port: int
+
+    def client_names(self) -> list[str]:
+        """The names of the clients connected to it now (`/connz`)."""
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.monitor_port}/connz?limit=1024", timeout=5) as response:
+            return [str(c.get("name", "")) for c in json.load(response).get("connections") or []]
 
 
 class Mesh:
@@ -62,6 +77,31 @@ class Mesh:
                     or f"AFLEX_WORKER_ID={name}".encode() in environ):
                 return int(entry.name)
         raise LookupError(f"no child {name!r} of aflex up ({self.process.pid})")
+
+    def nats_nodes(self) -> list[NatsNode]:
+        """The nats-servers `aflex up` started (one, or a cluster's nodes), from their config files."""
+        nodes = []
+        for entry in Path("/proc").iterdir():
+            try:
+                argv = [a.decode() for a in (entry / "cmdline").read_bytes().split(b"\0") if a]
+                status = (entry / "status").read_text()
+            except OSError:
+                continue
+            ppid = next((int(line.split()[1]) for line in status.splitlines() if line.startswith("PPid:")), 0)
+            if ppid != self.process.pid or not argv or not argv[0].endswith("nats-server") or "-c" not in argv:
+                continue
+            conf = dict(line.split(": ", 1) for line in Path(argv[argv.index("-c") + 1]).read_text().splitlines()
+                        if line.startswith(("listen: ", "http: ")))
+            nodes.append(NatsNode(int(entry.name), int(conf["listen"].rsplit(":", 1)[1]),
+                                  int(conf["http"].rsplit(":", 1)[1])))
+        return sorted(nodes, key=lambda node: node.port)
+
+    def nats_node_of(self, client: str) -> NatsNode:
+        """The nats-server the client named `client` (e.g. "aflex-gateway") is connected to now."""
+        nodes = [node for node in self.nats_nodes() if client in node.client_names()]
+        if len(nodes) != 1:
+            raise LookupError(f"{client} is connected to {len(nodes)} nats-servers of aflex up")
+        return nodes[0]
 
     def rss_mb(self, name: str) -> float:
         """Resident memory of the child `name`, MiB."""

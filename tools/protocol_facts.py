@@ -45,10 +45,14 @@ SUBJECTS: tuple[SubjectDoc, ...] = (
     SubjectDoc(("REQ_SUBMIT", "SCHEDULER_QUEUE"), subjects.REQ_SUBMIT, "gateway → scheduler", "request/reply",
                f"`{subjects.SCHEDULER_QUEUE}`", "[`SubmitRequest`](#submitrequest) → [`SubmitReply`](#submitreply)",
                "The reply says accepted, or rejected with a typed `ErrorBody` (and `retry_after_s` on overload). "
-               "No responders means no scheduler is running."),
+               "No responders means no scheduler is running. With `resync: true` a scheduler that holds the "
+               "request (or finished it within a minute) publishes its deltas from `first_index` on again; one "
+               "that does not takes it as a continuation."),
     SubjectDoc(("req_out",), subjects.req_out("<rid>"), "scheduler → gateway", "publish", "—",
                "[`OutputDelta`](#outputdelta)",
-               "Token deltas with a per-request `index` (0, 1, 2, …); the last one has `finish_reason` and `usage`."),
+               "Token deltas with a per-request `index` (0, 1, 2, …), one token each but the last, which has "
+               "`finish_reason` and `usage`. At most once, as all of NATS core: a gateway that sees a gap last, "
+               "or a NATS connection come back (its own, or the scheduler's `reconnects`), resubmits with `resync`."),
     SubjectDoc(("req_cancel", "REQ_CANCEL_ALL"), subjects.req_cancel("<rid>"), "gateway → scheduler", "publish", "—",
                "[`CancelRequest`](#cancelrequest)",
                f"The scheduler subscribes to `{subjects.REQ_CANCEL_ALL}`. Reasons the gateway sends: "

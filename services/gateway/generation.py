@@ -52,6 +52,7 @@ log = logging.getLogger("aflex.gateway")
 UNAVAILABLE_RETRY_AFTER_S = 1.0
 FAILOVER_FIRST_WAIT_S = 0.1  # between resubmissions while no scheduler takes a request over, doubling
 FAILOVER_MAX_WAIT_S = 1.0
+GAP_WAIT_S = 0.5  # a later delta came first and the next one has not come this long: it was lost
 
 
 class _Unanswered(Exception):
@@ -103,9 +104,11 @@ class Generation:
     scheduler_silence_s: float = 2.0
     failover_deadline_s: float = 30.0
     output_ids: list[int] = field(default_factory=list, init=False)  # every token streamed so far
-    failovers: int = field(default=0, init=False)  # times another scheduler took the request over
+    failovers: int = field(default=0, init=False)  # times the request was resubmitted (taken over or resynced)
     _instance: str = field(default="", init=False)  # the scheduler run that holds it
     _heard_mono: float = field(default=0.0, init=False)  # its last sign of life (accepted, or an output)
+    _synced_epoch: int = field(default=0, init=False)  # `watch.loss_epoch` when it last took the request
+    _gap_since: float | None = field(default=None, init=False)  # monotonic: since a later delta came first
     finished: bool = field(default=False, init=False)  # the scheduler is done with it (or we cancelled it)
     _sub: Subscription | None = field(default=None, init=False)
     _pending: dict[int, OutputDelta] = field(default_factory=dict, init=False)
@@ -114,11 +117,12 @@ class Generation:
     _arrival_ts: float = field(default=0.0, init=False)  # unix seconds, as the scheduler's SLOs count
     _first_token_at: float | None = field(default=None, init=False)
 
-    def _submission(self) -> SubmitRequest:
-        """The request as a scheduler takes it: with what was streamed, a continuation."""
+    def _submission(self, *, resync: bool = False) -> SubmitRequest:
+        """The request as a scheduler takes it: with what was streamed, a continuation. `resync`: the
+        scheduler that holds it sends the deltas from `first_index` again instead of refusing a duplicate."""
         return SubmitRequest(request_id=self.request_id, model=self.model_id, prompt_ids=self.prompt_ids,
                              sampling=self.sampling, arrival_ts=self._arrival_ts, generated_ids=list(self.output_ids),
-                             first_index=self._next_index, gateway_id=self.gateway_id)
+                             first_index=self._next_index, gateway_id=self.gateway_id, resync=resync)
 
     async def _ask(self, submission: SubmitRequest) -> SubmitReply:
         """One submission's reply; `_Unanswered` when no scheduler took it (none there, no answer, no bus)."""
@@ -134,13 +138,20 @@ class Generation:
 
     def _taken(self, reply: SubmitReply) -> None:
         self._instance, self._heard_mono = reply.scheduler_instance, time.monotonic()
+        if self.watch is not None:
+            self._synced_epoch = self.watch.loss_epoch(self._instance)
 
     async def submit(self) -> None:
         """Subscribe to the outputs, then submit; raise `APIError` when the scheduler does not take it."""
         self._submitted_at, self._arrival_ts = time.monotonic(), time.time()
         self._sub = await self.nc.subscribe(subjects.req_out(self.request_id))
         try:
-            reply = await self._ask(self._submission())
+            try:
+                reply = await self._ask(self._submission())
+            except _Unanswered as exc:
+                if not exc.late:
+                    raise
+                reply = await self._ask(self._submission(resync=True))  # lost on the way? (taken: sent again)
         except _Unanswered as exc:
             if exc.late:  # it may still be accepted late: do not leave it running
                 await self.cancel("submit_timeout")
@@ -154,22 +165,35 @@ class Generation:
             raise from_error_body(reply.error, reply.retry_after_s)
         self._taken(reply)
 
-    def _scheduler_gone(self) -> bool:
-        """Its scheduler run sent neither output nor a heartbeat for `scheduler_silence_s`."""
-        if self.watch is None or not self.watch.watching or not self._instance:
-            return False
-        quiet_s = min(self.watch.silent_s(self._instance), time.monotonic() - self._heard_mono)
-        return quiet_s >= self.scheduler_silence_s
+    def _lost(self) -> str | None:
+        """Why the request must be resubmitted now, if it must: its scheduler run is gone, or deltas
+        may have been lost (a NATS connection came back, or a gap in the indices has lasted)."""
+        if self._next_index in self._pending or self.watch is None or not self.watch.watching or not self._instance:
+            return None
+        now = time.monotonic()
+        quiet_s = min(self.watch.silent_s(self._instance), now - self._heard_mono)
+        if quiet_s >= self.scheduler_silence_s:
+            return f"scheduler {self._instance} is gone"
+        if self.watch.loss_epoch(self._instance) != self._synced_epoch:
+            return "a NATS connection came back: deltas may be lost"
+        if not self._pending:
+            self._gap_since = None
+        elif self._gap_since is None:
+            self._gap_since = now
+        elif now - self._gap_since >= GAP_WAIT_S:
+            return f"delta {self._next_index} is missing, later ones came"
+        return None
 
-    async def _take_over(self) -> None:
-        """Resubmit, as a continuation, until a scheduler takes it; `APIError` 503 at the failover deadline."""
-        log.warning("%s: scheduler %s is gone; resubmitting after %d streamed tokens", self.request_id,
-                    self._instance, len(self.output_ids))
+    async def _take_over(self, why: str) -> None:
+        """Resubmit, as a continuation, until a scheduler takes it; `APIError` 503 at the failover deadline.
+        A scheduler that still holds it sends the missing deltas again (`resync`)."""
+        log.warning("%s: %s; resubmitting after %d streamed tokens", self.request_id, why, len(self.output_ids))
+        self._gap_since = None
         deadline = time.monotonic() + self.failover_deadline_s
         wait_s = FAILOVER_FIRST_WAIT_S
         while True:
             try:
-                reply = await self._ask(self._submission())
+                reply = await self._ask(self._submission(resync=True))
             except _Unanswered as exc:
                 reason = exc.reason
             except ProtocolError as exc:
@@ -178,14 +202,10 @@ class Generation:
                 if reply.accepted:
                     self._taken(reply)
                     self.failovers += 1
-                    log.info("%s: taken over by scheduler run %s, %.1f s after the last one was found gone",
-                             self.request_id, reply.scheduler_instance,
-                             time.monotonic() - deadline + self.failover_deadline_s)
+                    log.info("%s: taken by scheduler run %s, %.1f s later", self.request_id,
+                             reply.scheduler_instance, time.monotonic() - deadline + self.failover_deadline_s)
                     return
                 error = reply.error
-                if error is not None and error.code == "duplicate_request_id":  # it still runs somewhere
-                    self._heard_mono = time.monotonic()
-                    return
                 if error is None or error.type not in (ErrorType.SERVICE_UNAVAILABLE, ErrorType.OVERLOADED):
                     self.finished = True
                     raise from_error_body(error, reply.retry_after_s)
@@ -256,22 +276,24 @@ class Generation:
             try:
                 msg = await self._sub.next_msg(timeout=max(0.001, min(left_s, slice_s)))
             except nats.errors.TimeoutError:
-                if self._scheduler_gone():
-                    await self._take_over()
-                    waiting_since = time.monotonic()
-                elif time.monotonic() - waiting_since >= self.token_timeout_s:
-                    await self.cancel("timeout")
-                    raise APIError(504, f"no output from the mesh within {self.token_timeout_s:g} s", type=TIMEOUT,
-                                   code="timeout") from None
-                continue
-            self._heard_mono = time.monotonic()
-            try:
-                delta = decode(OutputDelta, msg.data)
-            except ProtocolError as exc:
-                log.warning("%s: dropping an invalid output delta: %s", self.request_id, exc)
-                continue
-            if delta.index >= self._next_index:
-                self._pending[delta.index] = delta
+                msg = None
+            if msg is not None:
+                self._heard_mono = time.monotonic()
+                try:
+                    delta = decode(OutputDelta, msg.data)
+                except ProtocolError as exc:
+                    log.warning("%s: dropping an invalid output delta: %s", self.request_id, exc)
+                    continue
+                if delta.index >= self._next_index:
+                    self._pending[delta.index] = delta
+            why = self._lost()
+            if why is not None:
+                await self._take_over(why)
+                waiting_since = time.monotonic()
+            elif msg is None and time.monotonic() - waiting_since >= self.token_timeout_s:
+                await self.cancel("timeout")
+                raise APIError(504, f"no output from the mesh within {self.token_timeout_s:g} s", type=TIMEOUT,
+                               code="timeout") from None
         self._next_index += 1
         delta = self._pending.pop(self._next_index - 1)
         self.output_ids.extend(delta.token_ids)

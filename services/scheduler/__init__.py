@@ -1,4 +1,4 @@
 """The global scheduler: admission, routing, batching, microbatch dispatch and failure handling.
 
-Entry point: `services.scheduler.service.run(settings)`.
+Entry point: `services.scheduler.main.run(settings)`.
 """

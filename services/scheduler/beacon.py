@@ -22,7 +22,7 @@ log = logging.getLogger("aflex.scheduler")
 
 async def heartbeat_loop(nc: Client, scheduler_id: str, instance: str, period_s: float) -> None:
     await bus.publish_every(nc, subjects.SCHED_HEARTBEAT, lambda: encode(SchedulerHeartbeat(
-        scheduler_id=scheduler_id, instance=instance, ts=time.time())), period_s)
+        scheduler_id=scheduler_id, instance=instance, ts=time.time(), reconnects=nc.stats["reconnects"])), period_s)
 
 
 async def telemetry_loop(nc: Client, scheduler_id: str, hz: float, telemetry: Callable[[], SchedulerTelemetry]

@@ -27,7 +27,8 @@ from services.scheduler.admission import Mesh, rejection
 from services.scheduler.batcher import Pass, PassPlan, plan_passes, release_only, share_energy
 from services.scheduler.gateways import GatewayWatch
 from services.scheduler.governor import Governor
-from services.scheduler.model_info import ModelInfo, load_model_info
+from services.scheduler.model_info import ModelInfo
+from services.scheduler.outputs import OutputStream
 from services.scheduler.recovery import BusLostError, InFlight
 from services.scheduler.registry import Registry, Worker
 from services.scheduler.state import RequestState, Status
@@ -57,7 +58,6 @@ from shared.transport import bus
 log = logging.getLogger("aflex.scheduler")
 
 
-
 class Scheduler:
     def __init__(self, settings: SchedulerSettings, nc: Client, model: ModelInfo) -> None:
         self.settings, self.nc, self.model = settings, nc, model
@@ -69,6 +69,7 @@ class Scheduler:
         self._tasks: set[asyncio.Task[None]] = set()
         self.governor = Governor(settings, model, self.registry)
         self.gateways = GatewayWatch(settings.gateway_silence_s)
+        self.outputs = OutputStream(nc)
 
     # -- lifecycle ------------------------------------------------------------------------------
 
@@ -200,7 +201,14 @@ class Scheduler:
             await msg.respond(encode(SubmitReply(request_id="", accepted=False, error=ErrorBody(
                 type=ErrorType.INVALID_REQUEST, message=str(exc), code="invalid_message"))))
             return
-        reply = self._admit(req)
+        known = (self.requests.get(req.request_id) or self.outputs.finished(req.request_id)) if req.resync else None
+        if known is not None:  # its gateway may have missed deltas: send them again
+            sent = await self.outputs.resend(known, req.first_index)
+            log.info("request %s: sent %d deltas again from index %d", req.request_id, sent, req.first_index)
+            self.gateways.heard(req.gateway_id, time.monotonic())
+            reply = SubmitReply(request_id=req.request_id, accepted=True, scheduler_instance=self._run_token)
+        else:
+            reply = self._admit(req)
         await msg.respond(encode(reply))
 
     def _admit(self, req: SubmitRequest) -> SubmitReply:
@@ -214,6 +222,7 @@ class Scheduler:
             return SubmitReply(request_id=req.request_id, accepted=False, retry_after_s=retry_after_s, error=error)
         state = RequestState(req.request_id, list(req.prompt_ids), req.sampling, req.arrival_ts,
                              output_ids=list(req.generated_ids), next_index=req.first_index,  # a continuation
+                             base_index=req.first_index, base_tokens=len(req.generated_ids),
                              gateway_id=req.gateway_id)
         self.gateways.heard(req.gateway_id, time.monotonic())
         self.requests[req.request_id] = state
@@ -384,8 +393,7 @@ class Scheduler:
         if reason is not None:
             await self._finish(state, reason, last_tokens=[token])
             return
-        await self._publish(state, OutputDelta(request_id=state.request_id, index=state.next_index,
-                                               token_ids=[token]))
+        await self.outputs.token(state, token)
 
     async def _finish(self, state: RequestState, reason: FinishReason, error: ErrorBody | None = None,
                       last_tokens: list[int] | None = None) -> None:
@@ -406,13 +414,9 @@ class Scheduler:
         self.governor.finished(state, reason, time.monotonic())
         usage = Usage(prompt_tokens=len(state.prompt_ids), completion_tokens=len(state.output_ids),
                       total_tokens=state.num_tokens, energy_j=state.energy_j)
-        await self._publish(state, OutputDelta(request_id=state.request_id, index=state.next_index,
-                                               token_ids=last_tokens or [], finish_reason=reason, usage=usage,
-                                               error=error))
-
-    async def _publish(self, state: RequestState, delta: OutputDelta) -> None:
-        state.next_index += 1
-        await self.nc.publish(subjects.req_out(state.request_id), encode(delta))
+        await self.outputs.final(state, OutputDelta(request_id=state.request_id, index=state.next_index,
+                                                    token_ids=last_tokens or [], finish_reason=reason, usage=usage,
+                                                    error=error))
 
     # -- frequency commands and telemetry (governor.py decides, dispatch publishes) -----------------
 
@@ -426,25 +430,3 @@ class Scheduler:
         for cmd in self.governor.window(time.monotonic(), self.requests.values()):
             await self.nc.publish(subjects.freq(cmd.worker_id), encode(cmd))
 
-
-async def run(settings: SchedulerSettings, *, stop: asyncio.Event | None = None,
-              model: ModelInfo | None = None) -> None:
-    """Run the scheduler until `stop` is set (or forever). `model` overrides reading the model card."""
-    if model is None:
-        model = await asyncio.to_thread(load_model_info, settings.model)
-    scheduler: Scheduler | None = None
-
-    def bus_lost() -> None:
-        if scheduler is not None:
-            scheduler.on_bus_lost()
-
-    nc = await bus.connect(settings.nats_url, f"scheduler {settings.scheduler_id}", on_disconnect=bus_lost,
-                           user=settings.nats_user, password=settings.nats_password)
-    scheduler = Scheduler(settings, nc, model)
-    try:
-        await scheduler.start()
-        log.info("scheduler %s serving %s on %s", settings.scheduler_id, model.model_id, settings.nats_url)
-        await (stop or asyncio.Event()).wait()
-    finally:
-        await scheduler.stop()
-        await bus.close(nc)

@@ -40,6 +40,8 @@ class RequestState(TokenHistory):
     failures: int = 0  # passes lost to worker errors, timeouts or worker loss
     preemptions: int = 0  # passes refused for lack of KV (failed_seq_ids)
     next_index: int = 0  # index of the next OutputDelta
+    base_index: int = 0  # a continuation's first delta index here (outputs.py counts from it)
+    base_tokens: int = 0  # and the tokens it was streamed before (its `generated_ids`)
     in_flight: bool = False  # part of a microbatch whose MicrobatchDone has not come back
     gateway_id: str = ""  # the gateway run its client is on ("": not watched)
 

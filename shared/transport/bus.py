@@ -44,7 +44,9 @@ class NoRespondersBusError(BusError):
 
 
 def server_list(url: str) -> list[str]:
-    """`url` may name several servers of one cluster, comma-separated: nats-py fails over among them."""
+    """`url` may name several servers of one cluster, comma-separated: the first is tried first, and
+    when a connection drops nats-py goes on to the next (`aflex up --nats-cluster` lists them from a
+    different node for each service, to spread them)."""
     return [u.strip() for u in url.split(",") if u.strip()]
 
 
@@ -76,7 +78,8 @@ async def connect(url: str, name: str, *, connect_timeout_s: float = 5.0, first_
     try:
         nc: Client = await asyncio.wait_for(nats.connect(
             servers=server_list(url), name=name, connect_timeout=connect_timeout_s,
-            reconnect_time_wait=reconnect_wait_s, max_reconnect_attempts=-1, allow_reconnect=True, error_cb=error_cb,
+            reconnect_time_wait=reconnect_wait_s, max_reconnect_attempts=-1, allow_reconnect=True,
+            dont_randomize=True, error_cb=error_cb,
             disconnected_cb=disconnected_cb, reconnected_cb=reconnected_cb, closed_cb=closed_cb, **options,
         ), timeout=first_connect_timeout_s)
     except TimeoutError:

@@ -20,8 +20,8 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 
 from services.scheduler.batcher import Pass, plan_passes
+from services.scheduler.main import run
 from services.scheduler.model_info import ModelInfo
-from services.scheduler.service import run
 from services.scheduler.state import RequestState
 from shared import subjects
 from shared.messages import (
