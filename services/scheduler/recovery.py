@@ -4,12 +4,12 @@ A request's token history lives in dispatch, a worker's KV is disposable. A sequ
 refuses (`failed_seq_ids`, e.g. KV exhausted), a microbatch that errs or times out, and an attention
 worker that stops heartbeating or restarts all lead to the same thing: the sequence is taken off
 its worker and recomputed from its prompt + output tokens (`take_back`). After MAX_FAILURES errors
-(not KV refusals, not a dropped bus) a request ends with finish_reason "error".
+(not KV refusals, not a lost message) a request ends with finish_reason "error".
 
 `InFlight` tracks every microbatch sent and not yet settled; the ways it can fail are typed:
-`WorkerLostError` (its worker stopped heartbeating or restarted), `MicrobatchLostError` (the worker
-is alive, its heartbeat does not list it: the descriptor or its `MicrobatchDone` was lost) and
-`BusLostError` (the scheduler's NATS connection dropped while it was out).
+`WorkerLostError` (its worker stopped heartbeating or restarted) and `MicrobatchLostError` (the
+worker is alive, its heartbeat does not list it: the descriptor or its `MicrobatchDone` was lost,
+e.g. while the scheduler's NATS connection was down; not the sequences' fault).
 """
 
 from __future__ import annotations
@@ -35,10 +35,6 @@ class MicrobatchLostError(AFlexError):
     """A microbatch's descriptor or its MicrobatchDone was lost: its worker, alive, does not have it."""
 
 
-class BusLostError(AFlexError):
-    """The scheduler's NATS connection dropped while a microbatch was in flight: its result may be lost."""
-
-
 @dataclass(frozen=True)
 class Sent:
     """A microbatch the scheduler sent and awaits."""
@@ -53,6 +49,7 @@ class InFlight:
 
     def __init__(self) -> None:
         self.sent: dict[str, Sent] = {}
+        self.bus_suspects: set[str] = set()  # in flight when the connection dropped: their Done may be lost
 
     def track(self, mb_id: str, worker_id: str, now: float) -> asyncio.Future[MicrobatchDone]:
         fut: asyncio.Future[MicrobatchDone] = asyncio.get_running_loop().create_future()
@@ -61,6 +58,7 @@ class InFlight:
 
     def forget(self, mb_id: str) -> None:
         self.sent.pop(mb_id, None)
+        self.bus_suspects.discard(mb_id)
 
     def settle(self, done: MicrobatchDone) -> None:
         entry = self.sent.get(done.mb_id)
@@ -76,9 +74,11 @@ class InFlight:
         self._fail(worker_id, WorkerLostError, "attention worker {worker} lost while running {mb_id}")
 
     def bus_lost(self) -> None:
-        """A `MicrobatchDone` (or the descriptor itself) may have gone with the connection: give every
-        in-flight microbatch up now instead of waiting `microbatch_timeout_s` for it."""
-        self._fail(None, BusLostError, "NATS connection lost while {worker} was running {mb_id}")
+        """A `MicrobatchDone` (or the descriptor itself) may have gone with the connection: every in-flight
+        microbatch is a suspect that the worker's next heartbeat settles (still running: wait for it; not
+        there: lost now). Not given up at once: on a NATS cluster the worker may be running it still, and
+        would refuse its sequences sent again (`sequence_busy`)."""
+        self.bus_suspects |= {mb_id for mb_id, e in self.sent.items() if not e.done.done()}
 
     def check_heartbeat(self, worker_id: str, active: set[str], now: float, grace_s: float) -> None:
         """Microbatches of `worker_id` sent over `grace_s` ago that its heartbeat does not list are
@@ -86,7 +86,7 @@ class InFlight:
         may still be in the scheduler's queue) was lost and fails now, not at its timeout."""
         suspects = [mb_id for mb_id, e in self.sent.items()
                     if e.worker_id == worker_id and not e.done.done() and mb_id not in active
-                    and now - e.sent_at > grace_s]
+                    and (now - e.sent_at > grace_s or mb_id in self.bus_suspects)]
         if suspects:
             asyncio.get_running_loop().call_later(LOST_CONFIRM_S, self._fail_lost, worker_id, suspects)
 
@@ -94,8 +94,9 @@ class InFlight:
         for mb_id in mb_ids:
             entry = self.sent.get(mb_id)
             if entry is not None and not entry.done.done():
+                when = " (in flight when the NATS connection dropped)" if mb_id in self.bus_suspects else ""
                 entry.done.set_exception(MicrobatchLostError(
-                    f"{worker_id} is alive but does not have microbatch {mb_id}: its descriptor or its "
+                    f"{worker_id} is alive but does not have microbatch {mb_id}{when}: its descriptor or its "
                     "MicrobatchDone was lost"))
 
 

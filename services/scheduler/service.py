@@ -29,7 +29,7 @@ from services.scheduler.gateways import GatewayWatch
 from services.scheduler.governor import Governor
 from services.scheduler.model_info import ModelInfo
 from services.scheduler.outputs import OutputStream
-from services.scheduler.recovery import BusLostError, InFlight
+from services.scheduler.recovery import InFlight, MicrobatchLostError
 from services.scheduler.registry import Registry, Worker
 from services.scheduler.state import RequestState, Status
 from shared import subjects
@@ -173,7 +173,7 @@ class Scheduler:
                 await self._finish(state, "abort")
 
     def on_bus_lost(self) -> None:
-        """The NATS connection dropped: every in-flight microbatch is given up now (recovery.py)."""
+        """The NATS connection dropped: every in-flight microbatch is a suspect the next heartbeat settles."""
         self.in_flight.bus_lost()
 
     async def _on_status(self, msg: Msg) -> None:
@@ -317,12 +317,12 @@ class Scheduler:
                 continue
             reason = str(fut.exception()) if fut.done() else f"no MicrobatchDone for {mb_id} within " \
                 f"{self.settings.microbatch_timeout_s:.1f} s"
-            bus_lost = fut.done() and isinstance(fut.exception(), BusLostError)  # not the sequences' fault
+            lost = fut.done() and isinstance(fut.exception(), MicrobatchLostError)  # not the sequences' fault
             if not fut.done():
                 fut.cancel()
             log.warning("microbatch %s failed: %s", mb_id, reason)
             for p in group:
-                await self._requeue(worker, p.state, failure=not bus_lost, reason=reason)
+                await self._requeue(worker, p.state, failure=not lost, reason=reason)
 
     async def _on_done(self, msg: Msg) -> None:
         done = decode(MicrobatchDone, msg.data)

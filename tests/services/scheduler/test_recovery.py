@@ -1,0 +1,42 @@
+"""`InFlight` after the scheduler's NATS connection dropped: nothing is given up at once; the worker's
+next heartbeat settles each microbatch (still running: waited for; not there: lost, no one's fault)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from services.scheduler import recovery
+from services.scheduler.recovery import InFlight, MicrobatchLostError
+from shared.messages import MicrobatchDone
+
+
+def test_after_a_dropped_connection_the_next_heartbeat_settles_each_microbatch(monkeypatch: pytest.MonkeyPatch
+                                                                              ) -> None:
+    monkeypatch.setattr(recovery, "LOST_CONFIRM_S", 0.01)
+
+    async def main() -> None:
+        in_flight = InFlight()
+        running = in_flight.track("mb-running", "a0", now=100.0)
+        done_lost = in_flight.track("mb-done-lost", "a0", now=100.0)
+        other = in_flight.track("mb-other", "a1", now=100.0)
+        in_flight.bus_lost()
+        await asyncio.sleep(0.02)
+        assert not any(f.done() for f in (running, done_lost, other))  # none given up at once
+        in_flight.check_heartbeat("a0", {"mb-running"}, now=100.5, grace_s=3.0)  # well within the grace
+        await asyncio.sleep(0.05)
+        with pytest.raises(MicrobatchLostError, match="in flight when the NATS connection dropped"):
+            done_lost.result()
+        assert not running.done() and not other.done()  # still running, and a1 has not beaten yet
+        in_flight.settle(MicrobatchDone(mb_id="mb-running", worker_id="a0", results=[], kv_free_blocks=1,
+                                        kv_total_blocks=1))
+        assert running.result().mb_id == "mb-running"
+        in_flight.check_heartbeat("a1", {"mb-other"}, now=100.6, grace_s=3.0)
+        await asyncio.sleep(0.05)
+        assert not other.done()
+        late = in_flight.track("mb-late", "a1", now=101.0)  # sent after the drop: the usual grace holds
+        in_flight.check_heartbeat("a1", {"mb-other"}, now=101.5, grace_s=3.0)
+        await asyncio.sleep(0.05)
+        assert not late.done()
+    asyncio.run(main())
