@@ -21,10 +21,9 @@ back to `slo`; `max`, `fixed` and `slo` are clocks.py's.
 from __future__ import annotations
 
 import logging
-import statistics
 import time
 from collections import deque
-from collections.abc import Collection, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from services.scheduler.aflex import (
@@ -39,6 +38,7 @@ from services.scheduler.aflex import (
 from services.scheduler.batcher import Pass
 from services.scheduler.clocks import PHASES, PhaseSignal, parse_fixed_clocks, percentile, plan_clocks
 from services.scheduler.model_info import ModelInfo
+from services.scheduler.overload import QueueDrain, RunningGuard
 from services.scheduler.registry import Registry, Worker
 from services.scheduler.state import RequestState
 from shared.gpu.base import GPUError
@@ -50,8 +50,6 @@ from shared.policy.iteration import DecodeAwareCap
 from shared.settings import SchedulerSettings
 
 log = logging.getLogger("aflex.scheduler")
-DRAIN_WINDOW_S = 10.0  # the drain rate admission estimates queue waits from covers this much history
-DRAIN_MIN_FINISHED = 5  # requests finished in it before an estimate is trusted
 
 Planned = tuple[dict[ClockPhase, int], str]  # a worker's clocks for the window, and why
 
@@ -73,8 +71,8 @@ class Governor:
         self.commanded: dict[str, dict[ClockPhase, int]] = {}  # worker -> clocks of its latest command
         self.finished_total = 0
         self.finished_log: deque[Finished] = deque()
-        self.finish_times: deque[tuple[float, float]] = deque()  # (monotonic, time in the scheduler s) lately
-        self._service_s = 0.0  # the median time in the scheduler when enough finished lately
+        self.drain = QueueDrain()  # how fast the waiting queue empties while it is never empty
+        self.guards: dict[str, RunningGuard] = {}  # each attention worker's decode steps against the TPOT SLO
         self.ttft_log: deque[tuple[float, float]] = deque()  # (monotonic time of the first token, TTFT ms)
         self.samples: dict[str, deque[IterationSample]] = {}  # each attention worker's iterations of the window
         self.plans: dict[str, dict[ClockPhase, PairPlan]] = {}  # the latest aflex plans
@@ -105,7 +103,6 @@ class Governor:
 
     def finished(self, state: RequestState, reason: FinishReason, mono: float) -> None:
         self.finished_total += 1
-        self.finish_times.append((mono, mono - state.received_mono))
         ttft, tpot = state.ttft_s, state.tpot_s
         self.finished_log.append(Finished(mono, reason, None if ttft is None else ttft * 1000.0,
                                           None if tpot is None else tpot * 1000.0))
@@ -140,6 +137,19 @@ class Governor:
     def worker_restarted(self, worker_id: str) -> None:
         """A (re)started worker starts over: at max for "slo", and aflex holds nothing for it."""
         self.commanded.pop(worker_id, None)
+        self.guards.pop(worker_id, None)
+
+    def started(self, mono: float, n: int, waiting_after: int) -> None:
+        """`n` waiting requests went into a running set; `waiting_after` still wait (all workers)."""
+        self.drain.started(mono, n, waiting_after)
+
+    def iteration_done(self, worker: Worker, plan_phase: str, n_running: int, wall_s: float, mono: float) -> None:
+        """An iteration of `worker` took `wall_s`: a decode-only one is a step of its running set."""
+        if plan_phase == "decode":
+            self._guard(worker).step(mono, n_running, wall_s)
+
+    def _guard(self, worker: Worker) -> RunningGuard:
+        return self.guards.setdefault(worker.worker_id, RunningGuard(self.settings.tpot_slo_ms / 1000.0))
 
     # -- the iteration policy -------------------------------------------------------------------
 
@@ -149,7 +159,11 @@ class Governor:
         planned: dict[str, int] = {}
         if s.microbatch_depth == "auto" and self.aflex_clocks is not None:
             planned = {phase: plan.op.depth for phase, plan in self.plans.get(worker.worker_id, {}).items()}
-        return IterationPolicy(s.max_batch_tokens, s.max_num_seqs, self.batching, now_mono, self._prefill_cap(worker),
+        n_running = len(worker.lane.running)
+        max_num_seqs = s.max_num_seqs
+        if s.tpot_guard and self._guard(worker).full(now_mono, n_running):
+            max_num_seqs = min(max_num_seqs, n_running)  # no more start until the steps are back within the SLO
+        return IterationPolicy(s.max_batch_tokens, max_num_seqs, self.batching, now_mono, self._prefill_cap(worker),
                                s.microbatch_depth, planned)
 
     def _prefill_cap(self, worker: Worker) -> DecodeAwareCap | None:
@@ -183,24 +197,9 @@ class Governor:
 
     # -- SLO observation ------------------------------------------------------------------------
 
-    def queue_wait_s(self, unfinished: Collection[RequestState], now: float) -> float | None:
-        """The wait a new request would add to the usual service time. By Little's law the unfinished
-        requests (waiting and running) over the rate requests finished lately is the time one spends
-        in the scheduler, and the median of the finished ones' is what serving takes without a
-        backlog. When too few finished lately to measure a rate, the oldest unfinished request's age
-        stands in for it (a burst after an idle spell is young; a backlog is old). None: the
-        scheduler has not served enough to say; admission then holds to `max_queue` alone."""
-        times = self.finish_times
-        while times and now - times[0][0] > DRAIN_WINDOW_S:
-            times.popleft()
-        if self.finished_total < DRAIN_MIN_FINISHED:
-            return None
-        if len(times) >= DRAIN_MIN_FINISHED:
-            self._service_s = statistics.median(t for _, t in times)
-            in_scheduler_s = len(unfinished) / (len(times) / max(now - times[0][0], 1.0))
-        else:
-            in_scheduler_s = max((now - r.received_mono for r in unfinished), default=0.0)
-        return max(0.0, in_scheduler_s - self._service_s)
+    def queue_wait_s(self, now: float, waiting: int) -> float | None:
+        """How long a request arriving now would wait to start (overload.py); None: not measured."""
+        return self.drain.wait_s(now, waiting)
 
     @property
     def stats_window_s(self) -> float:
