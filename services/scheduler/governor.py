@@ -73,6 +73,7 @@ class Governor:
         self.finished_log: deque[Finished] = deque()
         self.drain = QueueDrain()  # how fast the waiting queue empties while it is never empty
         self.guards: dict[str, RunningGuard] = {}  # each attention worker's decode steps against the TPOT SLO
+        self._held: set[str] = set()  # the workers whose running set the guard holds now
         self.ttft_log: deque[tuple[float, float]] = deque()  # (monotonic time of the first token, TTFT ms)
         self.samples: dict[str, deque[IterationSample]] = {}  # each attention worker's iterations of the window
         self.plans: dict[str, dict[ClockPhase, PairPlan]] = {}  # the latest aflex plans
@@ -144,8 +145,9 @@ class Governor:
         self.drain.started(mono, n, waiting_after)
 
     def iteration_done(self, worker: Worker, plan_phase: str, n_running: int, wall_s: float, mono: float) -> None:
-        """An iteration of `worker` took `wall_s`: a decode-only one is a step of its running set."""
-        if plan_phase == "decode":
+        """An iteration of `worker` took `wall_s`: one with decodes in it is a token of each running sequence
+        (prefill chunks beside them slow it, as the running requests see)."""
+        if plan_phase != "prefill":
             self._guard(worker).step(mono, n_running, wall_s)
 
     def _guard(self, worker: Worker) -> RunningGuard:
@@ -161,8 +163,13 @@ class Governor:
             planned = {phase: plan.op.depth for phase, plan in self.plans.get(worker.worker_id, {}).items()}
         n_running = len(worker.lane.running)
         max_num_seqs = s.max_num_seqs
-        if s.tpot_guard and self._guard(worker).full(now_mono, n_running):
+        held = s.tpot_guard and self._guard(worker).full(now_mono, n_running)
+        if held:
             max_num_seqs = min(max_num_seqs, n_running)  # no more start until the steps are back within the SLO
+        if held != (worker.worker_id in self._held):
+            self._held.symmetric_difference_update({worker.worker_id})
+            log.info("%s: %s", worker.worker_id, f"holding its running set at {n_running}: its steps are over "
+                     f"tpot_slo_ms={s.tpot_slo_ms:g}" if held else "its running set may grow again")
         return IterationPolicy(s.max_batch_tokens, max_num_seqs, self.batching, now_mono, self._prefill_cap(worker),
                                s.microbatch_depth, planned)
 

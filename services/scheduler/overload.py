@@ -7,7 +7,8 @@ When more arrives than the mesh serves, two bounds keep a served request's laten
   while it was never empty. That rate is the mesh's capacity only while it is saturated, so it is
   measured only then: a burst after an idle spell has no rate yet and is let in (up to `max_queue`).
 - **The running set** (`RunningGuard`, one per attention worker). While requests wait, a worker takes
-  no more sequences into its running set once its decode steps take longer than `tpot_slo_ms`, as
+  no more sequences into its running set once its steps (iterations with decodes in them: a token
+  of each running sequence) take longer than `tpot_slo_ms`, as
   long as it has run within that SLO with a running set at least this large lately. If it never
   has, the SLO is out of its reach at any size and it runs for throughput, up to `max_num_seqs`.
 
@@ -69,7 +70,7 @@ class RunningGuard:
         self._within: deque[tuple[float, int]] = deque()  # (monotonic, running set) of steps within the SLO
 
     def step(self, now: float, n_running: int, step_s: float) -> None:
-        """A decode-only iteration of `n_running` sequences took `step_s` (one token each)."""
+        """An iteration with `n_running` sequences decoding took `step_s` (one token each)."""
         self._steps.append(step_s)
         if step_s <= self.tpot_slo_s:
             self._within.append((now, n_running))
