@@ -13,12 +13,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import secrets
 import time
 import uuid
 from collections.abc import Coroutine, Iterator
-from dataclasses import dataclass, field
-from typing import Annotated, Any, TypeVar
+from typing import Any, TypeVar
 
 import uvicorn
 from fastapi import APIRouter, Depends, FastAPI, Request
@@ -26,28 +24,25 @@ from nats.aio.client import Client
 from starlette.concurrency import run_in_threadpool
 from starlette.responses import Response, StreamingResponse
 
-from services.gateway import liveness
+from services.gateway import liveness, tokenize
 from services.gateway import metrics as gateway_metrics
 from services.gateway.body_limit import BodyLimit
+from services.gateway.context import Gateway, GatewayDep, check_api_key, check_model, new_gateway_id, render_chat
 from services.gateway.errors import (
-    AUTHENTICATION,
-    NOT_FOUND,
     APIError,
     JSONResponse,
     install_error_handlers,
     invalid,
 )
 from services.gateway.generation import Generation
-from services.gateway.liveness import SchedulerWatch
 from services.gateway.openai_schema import ChatCompletionRequest, CompletionRequest, _GenerationRequest
 from services.gateway.openapi_doc import document
 from services.gateway.streaming import SSE_HEADERS, ResponseShape, collect, stream
 from shared import subjects
-from shared.errors import InvalidRequestError, TokenizerError
+from shared.errors import TokenizerError
 from shared.lifecycle import stop_on_signals
 from shared.messages import ProtocolError, SchedulerStatus, decode
 from shared.model.checkpoint import ModelCard, open_model_card
-from shared.model.tokenizer import Tokenizer
 from shared.settings import GatewaySettings
 from shared.transport import bus
 
@@ -58,49 +53,6 @@ DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 STATUS_TIMEOUT_S = 2.0  # /ready: how long the scheduler may take to answer
 
 T = TypeVar("T")
-
-
-def new_gateway_id() -> str:
-    return f"gw-{uuid.uuid4().hex[:8]}"
-
-
-@dataclass
-class Gateway:
-    """What every route needs: settings, the model card and the NATS connection."""
-
-    settings: GatewaySettings
-    card: ModelCard
-    tokenizer: Tokenizer
-    nc: Client
-    served_model: str
-    started: int
-    schedulers: SchedulerWatch = field(default_factory=SchedulerWatch)  # subscribed by `serve`
-    gateway_id: str = field(default_factory=new_gateway_id)  # this run's
-
-    @property
-    def max_seq_len(self) -> int:
-        return self.card.args.max_seq_len
-
-
-def _gateway(request: Request) -> Gateway:
-    gateway: Gateway = request.app.state.gateway
-    return gateway
-
-
-GatewayDep = Annotated[Gateway, Depends(_gateway)]
-
-
-def _check_api_key(request: Request) -> None:
-    keys = _gateway(request).settings.api_keys
-    if not keys:
-        return
-    scheme, _, key = request.headers.get("authorization", "").partition(" ")
-    given = key.strip().encode()
-    # every key compared, in constant time each: which one matched (or none) does not show in the timing
-    matches = [secrets.compare_digest(given, expected.encode()) for expected in keys]
-    if scheme.lower() != "bearer" or not any(matches):
-        raise APIError(401, "Incorrect or missing API key: send `Authorization: Bearer <key>`.",
-                       type=AUTHENTICATION, code="invalid_api_key")
 
 
 # -- probes ---------------------------------------------------------------------------------------
@@ -131,7 +83,7 @@ async def ready(gateway: GatewayDep) -> Response:
 
 # -- OpenAI API -----------------------------------------------------------------------------------
 
-api = APIRouter(prefix="/v1", dependencies=[Depends(_check_api_key)])
+api = APIRouter(prefix="/v1", dependencies=[Depends(check_api_key)])
 
 
 def _model_entry(gateway: Gateway) -> dict[str, Any]:
@@ -146,7 +98,7 @@ async def list_models(gateway: GatewayDep) -> Response:
 
 @api.get("/models/{model:path}")
 async def retrieve_model(model: str, gateway: GatewayDep) -> Response:
-    _check_model(gateway, model)
+    check_model(gateway, model)
     return JSONResponse(_model_entry(gateway))
 
 
@@ -160,7 +112,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, gatewa
                     for m in body.messages]
     except ValueError as exc:
         raise invalid(str(exc), "messages") from None
-    prompt_ids = await run_in_threadpool(_render_chat, gateway.tokenizer, messages)
+    prompt_ids = await run_in_threadpool(render_chat, gateway.tokenizer, messages)
     return await _generate(request, gateway, body, prompt_ids, chat=True, param="messages")
 
 
@@ -187,33 +139,14 @@ async def completions(body: CompletionRequest, request: Request, gateway: Gatewa
     return await _generate(request, gateway, body, prompt_ids, chat=False, param="prompt")
 
 
-def _check_model(gateway: Gateway, model: str | None) -> None:
-    if model is not None and model not in (gateway.served_model, gateway.card.model_id):
-        raise APIError(404, f"The model `{model}` does not exist.", type=NOT_FOUND, param="model",
-                       code="model_not_found")
-
-
 def _check_common(gateway: Gateway, body: _GenerationRequest) -> None:
-    _check_model(gateway, body.model)
+    check_model(gateway, body.model)
     if body.n != 1:
         raise invalid(f"only n=1 is supported, got n={body.n}", "n")
     if body.stream_options is not None and not body.stream:
         raise invalid("Stream options can only be defined when `stream=True`.", "stream_options")
     if body.logprobs:
         raise invalid("logprobs are not supported", "logprobs")
-
-
-def _render_chat(tokenizer: Tokenizer, messages: list[dict[str, Any]]) -> list[int]:
-    try:
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-    except InvalidRequestError as exc:
-        raise invalid(str(exc), exc.param or "messages") from None
-    except TokenizerError as exc:
-        raise invalid(str(exc), "messages") from None
-    if "\x00" in text:
-        raise invalid("the messages hold a NUL character (\\u0000), which no prompt may contain", "messages")
-    # The rendered template carries its own BOS when the model wants one: add no special tokens.
-    return tokenizer.encode(text)
 
 
 def _max_tokens(gateway: Gateway, body: _GenerationRequest, n_prompt: int, param: str, chat: bool) -> int:
@@ -310,6 +243,7 @@ def create_app(settings: GatewaySettings, card: ModelCard, nc: Client) -> FastAP
     gateway_metrics.install(app)
     app.include_router(probes)
     app.include_router(api)
+    app.include_router(tokenize.router)
     return app
 
 

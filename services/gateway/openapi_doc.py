@@ -89,6 +89,17 @@ class ModelList(_Body):
     data: list[Model]
 
 
+class Tokenized(_Body):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str | None] | None = None
+
+
+class Detokenized(_Body):
+    prompt: str
+
+
 class Health(_Body):
     status: Literal["ok"]
 
@@ -120,6 +131,8 @@ ROUTES: dict[tuple[str, str], tuple[type[BaseModel], tuple[int, ...], bool]] = {
     ("/v1/models/{model}", "get"): (Model, (401, 404), False),
     ("/v1/chat/completions", "post"): (ChatCompletion, GENERATION_ERRORS, True),
     ("/v1/completions", "post"): (Completion, GENERATION_ERRORS, True),
+    ("/tokenize", "post"): (Tokenized, (400, 401, 404, 413), False),
+    ("/detokenize", "post"): (Detokenized, (400, 401, 404, 413), False),
 }
 
 

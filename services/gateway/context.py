@@ -1,0 +1,82 @@
+"""What every gateway route needs: the `Gateway` (settings, model card, tokenizer, NATS), the API-key
+check, the model-name check and the chat template, shared by the OpenAI routes and /tokenize."""
+
+from __future__ import annotations
+
+import secrets
+import uuid
+from dataclasses import dataclass, field
+from typing import Annotated, Any
+
+from fastapi import Depends, Request
+from nats.aio.client import Client
+
+from services.gateway.errors import AUTHENTICATION, NOT_FOUND, APIError, invalid
+from services.gateway.liveness import SchedulerWatch
+from shared.errors import InvalidRequestError, TokenizerError
+from shared.model.checkpoint import ModelCard
+from shared.model.tokenizer import Tokenizer
+from shared.settings import GatewaySettings
+
+
+def new_gateway_id() -> str:
+    return f"gw-{uuid.uuid4().hex[:8]}"
+
+
+@dataclass
+class Gateway:
+    """What every route needs: settings, the model card and the NATS connection."""
+
+    settings: GatewaySettings
+    card: ModelCard
+    tokenizer: Tokenizer
+    nc: Client
+    served_model: str
+    started: int
+    schedulers: SchedulerWatch = field(default_factory=SchedulerWatch)  # subscribed by `serve`
+    gateway_id: str = field(default_factory=new_gateway_id)  # this run's
+
+    @property
+    def max_seq_len(self) -> int:
+        return self.card.args.max_seq_len
+
+
+def _gateway(request: Request) -> Gateway:
+    gateway: Gateway = request.app.state.gateway
+    return gateway
+
+
+GatewayDep = Annotated[Gateway, Depends(_gateway)]
+
+
+def check_api_key(request: Request) -> None:
+    keys = _gateway(request).settings.api_keys
+    if not keys:
+        return
+    scheme, _, key = request.headers.get("authorization", "").partition(" ")
+    given = key.strip().encode()
+    # every key compared, in constant time each: which one matched (or none) does not show in the timing
+    matches = [secrets.compare_digest(given, expected.encode()) for expected in keys]
+    if scheme.lower() != "bearer" or not any(matches):
+        raise APIError(401, "Incorrect or missing API key: send `Authorization: Bearer <key>`.",
+                       type=AUTHENTICATION, code="invalid_api_key")
+
+
+def check_model(gateway: Gateway, model: str | None) -> None:
+    if model is not None and model not in (gateway.served_model, gateway.card.model_id):
+        raise APIError(404, f"The model `{model}` does not exist.", type=NOT_FOUND, param="model",
+                       code="model_not_found")
+
+
+def render_chat(tokenizer: Tokenizer, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True,
+                add_special_tokens: bool = False) -> list[int]:
+    try:
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+    except InvalidRequestError as exc:
+        raise invalid(str(exc), exc.param or "messages") from None
+    except TokenizerError as exc:
+        raise invalid(str(exc), "messages") from None
+    if "\x00" in text:
+        raise invalid("the messages hold a NUL character (\\u0000), which no prompt may contain", "messages")
+    # The rendered template carries its own BOS when the model wants one: add no special tokens.
+    return tokenizer.encode(text, add_special_tokens)

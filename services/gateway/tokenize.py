@@ -1,0 +1,75 @@
+"""`POST /tokenize` and `POST /detokenize`, with vLLM's request and response fields.
+
+Clients (lm-evaluation-harness, vLLM's benchmark tools) count and split prompts here when the server
+has these routes. `tokenize` takes a `prompt`, or `messages` rendered with the chat template exactly
+as /v1/chat/completions renders them; it returns the ids the mesh would be fed. Like /v1, they ask
+for the API key when one is set (vLLM leaves them open).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Depends
+from pydantic import Field, Strict
+from starlette.concurrency import run_in_threadpool
+from starlette.responses import Response
+
+from services.gateway.context import GatewayDep, check_api_key, check_model, render_chat
+from services.gateway.errors import JSONResponse, invalid
+from services.gateway.openai_schema import Bool, ChatMessage, TokenId, _Model
+
+router = APIRouter(dependencies=[Depends(check_api_key)])
+
+
+class TokenizeRequest(_Model):
+    """vLLM's `TokenizeCompletionRequest` (`prompt`) or `TokenizeChatRequest` (`messages`)."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: Bool | None = None  # default: true for a prompt, false for messages (vLLM's)
+    add_generation_prompt: Bool = True
+    return_token_strs: Bool = False
+
+
+class DetokenizeRequest(_Model):
+    model: str | None = None
+    tokens: Annotated[list[TokenId], Strict()] = Field(max_length=1 << 20)
+
+
+@router.post("/tokenize")
+async def tokenize(body: TokenizeRequest, gateway: GatewayDep) -> Response:
+    check_model(gateway, body.model)
+    if (body.prompt is None) == (body.messages is None):
+        raise invalid("give exactly one of `prompt` and `messages`", "prompt" if body.prompt is None else "messages")
+    tokenizer = gateway.tokenizer
+    if body.messages is not None:
+        try:
+            messages = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})}
+                        for m in body.messages]
+        except ValueError as exc:
+            raise invalid(str(exc), "messages") from None
+        ids = await run_in_threadpool(lambda: render_chat(tokenizer, messages,
+                                                          add_generation_prompt=body.add_generation_prompt,
+                                                          add_special_tokens=bool(body.add_special_tokens)))
+    else:
+        assert body.prompt is not None
+        if "\x00" in body.prompt:
+            raise invalid("the prompt holds a NUL character (\\u0000), which no prompt may contain", "prompt")
+        special = True if body.add_special_tokens is None else body.add_special_tokens
+        ids = await run_in_threadpool(tokenizer.encode, body.prompt, special)
+    answer: dict[str, Any] = {"count": len(ids), "max_model_len": gateway.max_seq_len, "tokens": ids}
+    if body.return_token_strs:
+        answer["token_strs"] = [tokenizer.backend.id_to_token(i) for i in ids]
+    return JSONResponse(answer)
+
+
+@router.post("/detokenize")
+async def detokenize(body: DetokenizeRequest, gateway: GatewayDep) -> Response:
+    check_model(gateway, body.model)
+    vocab = gateway.tokenizer.vocab_size
+    if any(t >= vocab for t in body.tokens):
+        raise invalid(f"token ids must be below the vocabulary size {vocab}", "tokens")
+    text = await run_in_threadpool(gateway.tokenizer.decode, body.tokens, False)
+    return JSONResponse({"prompt": text})
