@@ -47,12 +47,13 @@ def main() -> int:
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--concurrency", type=int, default=32, help="closed-loop clients measuring capacity")
     parser.add_argument("--max-queue-wait", type=float, default=None, help="the scheduler's max_queue_wait_s")
-    parser.add_argument("--no-tpot-guard", action="store_true", help="let the running sets grow to max_num_seqs")
+    parser.add_argument("--tpot-guard", action="store_true", help="hold the running sets where their steps pass "
+                        "tpot_slo_ms (the scheduler's tpot_guard)")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     env = {} if args.max_queue_wait is None else {"AFLEX_MAX_QUEUE_WAIT_S": str(args.max_queue_wait)}
-    if args.no_tpot_guard:
-        env["AFLEX_TPOT_GUARD"] = "false"
+    if args.tpot_guard:
+        env["AFLEX_TPOT_GUARD"] = "true"
     with aflex_up(args.model, env_extra=env) as mesh:
         model = mesh.served_model()
         rss_before = {name: round(mesh.rss_mb(name), 1) for name in ("gateway", "scheduler")}
@@ -68,7 +69,7 @@ def main() -> int:
         held = [line.split("holding its running set at ", 1)[1].split(":")[0] for line in mesh.output().splitlines()
                 if "holding its running set at " in line]
     report = {"capacity_per_s": round(rate, 2), "factor": args.factor, "max_tokens": args.max_tokens,
-              "tpot_guard": not args.no_tpot_guard, "running_set_held_at": held[:20],
+              "tpot_guard": args.tpot_guard, "running_set_held_at": held[:20],
               "half_capacity": summary(calm), "overload": summary(heavy), "after": summary(after),
               "rss_mb_before": rss_before, "rss_mb_after": rss_after}
     print(json.dumps(report, indent=2))

@@ -8,6 +8,7 @@ default here; `aflex up` hands its children their settings as `AFLEX_*` variable
 
 from __future__ import annotations
 
+import math
 from typing import Literal
 
 from pydantic import Field
@@ -58,11 +59,12 @@ class SchedulerSettings(ServiceSettings):
     model: str = Field(default="default", description="the model served: its card gives the context and EOS ids")
     max_queue: int = Field(default=1024, description="waiting requests beyond this are rejected with 429")
     max_queue_wait_s: float = Field(
-        default=10.0, description="a request that would wait longer than this to start (the waiting requests over the "
-                                  "rate they started while the queue was never empty) is rejected with 429; inf: off")
+        default=math.inf, description="a request that would wait longer than this beyond the usual service time (the "
+                                      "unfinished requests over the recent finish rate) is rejected with 429; inf: "
+                                      "off (the estimate takes a lightly loaded mesh's finish rate for its capacity)")
     tpot_guard: bool = Field(
-        default=True, description="while requests wait, a worker starts no more sequences once its decode steps take "
-                                  "longer than tpot_slo_ms (if it met the SLO lately with as many running)")
+        default=False, description="while requests wait, a worker starts no more sequences once its decode steps "
+                                   "take longer than tpot_slo_ms (if it met the SLO lately with as many running)")
     max_batch_tokens: int = Field(
         default=2048, description="tokens per iteration per attention worker (chunked prefill)")
     max_num_seqs: int = Field(default=256, description="running sequences per attention worker")

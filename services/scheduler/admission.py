@@ -32,7 +32,7 @@ class Mesh:
     vocab_size: int | None
     queue_depth: int
     max_queue: int
-    queue_wait_s: float | None = None  # how long a request arriving now would wait to start (None: unknown)
+    queue_wait_s: float | None = None  # the backlog's wait beyond the usual service time (None: unknown)
     max_queue_wait_s: float = math.inf
 
 
@@ -60,8 +60,8 @@ def rejection(req: SubmitRequest, mesh: Mesh) -> tuple[ErrorBody, float | None] 
                          "waiting requests); retry later", code="queue_full"), RETRY_AFTER_S
     if mesh.queue_wait_s is not None and mesh.queue_wait_s > mesh.max_queue_wait_s:  # served ones keep their bound
         return ErrorBody(type=ErrorType.OVERLOADED, message=f"the mesh is overloaded: a request would wait about "
-                         f"{mesh.queue_wait_s:.1f} s to start (max_queue_wait_s={mesh.max_queue_wait_s:g}); "
-                         "retry later", code="queue_full"), \
+                         f"{mesh.queue_wait_s:.1f} s more than serving takes (max_queue_wait_s="
+                         f"{mesh.max_queue_wait_s:g}); retry later", code="queue_full"), \
             max(RETRY_AFTER_S, min(mesh.queue_wait_s - mesh.max_queue_wait_s, MAX_RETRY_AFTER_S))
     return None
 

@@ -21,9 +21,10 @@ back to `slo`; `max`, `fixed` and `slo` are clocks.py's.
 from __future__ import annotations
 
 import logging
+import statistics
 import time
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 
 from services.scheduler.aflex import (
@@ -38,7 +39,7 @@ from services.scheduler.aflex import (
 from services.scheduler.batcher import Pass
 from services.scheduler.clocks import PHASES, PhaseSignal, parse_fixed_clocks, percentile, plan_clocks
 from services.scheduler.model_info import ModelInfo
-from services.scheduler.overload import QueueDrain, RunningGuard
+from services.scheduler.overload import RunningGuard
 from services.scheduler.registry import Registry, Worker
 from services.scheduler.state import RequestState
 from shared.gpu.base import GPUError
@@ -50,6 +51,8 @@ from shared.policy.iteration import DecodeAwareCap
 from shared.settings import SchedulerSettings
 
 log = logging.getLogger("aflex.scheduler")
+DRAIN_WINDOW_S = 10.0  # the drain rate admission estimates queue waits from covers this much history
+DRAIN_MIN_FINISHED = 5  # requests finished in it before an estimate is trusted
 
 Planned = tuple[dict[ClockPhase, int], str]  # a worker's clocks for the window, and why
 
@@ -71,7 +74,8 @@ class Governor:
         self.commanded: dict[str, dict[ClockPhase, int]] = {}  # worker -> clocks of its latest command
         self.finished_total = 0
         self.finished_log: deque[Finished] = deque()
-        self.drain = QueueDrain()  # how fast the waiting queue empties while it is never empty
+        self.finish_times: deque[tuple[float, float]] = deque()  # (monotonic, time in the scheduler s) lately
+        self._service_s = 0.0  # the median time in the scheduler when enough finished lately
         self.guards: dict[str, RunningGuard] = {}  # each attention worker's decode steps against the TPOT SLO
         self._held: set[str] = set()  # the workers whose running set the guard holds now
         self.ttft_log: deque[tuple[float, float]] = deque()  # (monotonic time of the first token, TTFT ms)
@@ -104,6 +108,7 @@ class Governor:
 
     def finished(self, state: RequestState, reason: FinishReason, mono: float) -> None:
         self.finished_total += 1
+        self.finish_times.append((mono, mono - state.received_mono))
         ttft, tpot = state.ttft_s, state.tpot_s
         self.finished_log.append(Finished(mono, reason, None if ttft is None else ttft * 1000.0,
                                           None if tpot is None else tpot * 1000.0))
@@ -139,10 +144,6 @@ class Governor:
         """A (re)started worker starts over: at max for "slo", and aflex holds nothing for it."""
         self.commanded.pop(worker_id, None)
         self.guards.pop(worker_id, None)
-
-    def started(self, mono: float, n: int, waiting_after: int) -> None:
-        """`n` waiting requests went into a running set; `waiting_after` still wait (all workers)."""
-        self.drain.started(mono, n, waiting_after)
 
     def iteration_done(self, worker: Worker, plan_phase: str, n_running: int, wall_s: float, mono: float) -> None:
         """An iteration of `worker` took `wall_s`: one with decodes in it is a token of each running sequence
@@ -204,9 +205,24 @@ class Governor:
 
     # -- SLO observation ------------------------------------------------------------------------
 
-    def queue_wait_s(self, now: float, waiting: int) -> float | None:
-        """How long a request arriving now would wait to start (overload.py); None: not measured."""
-        return self.drain.wait_s(now, waiting)
+    def queue_wait_s(self, unfinished: Collection[RequestState], now: float) -> float | None:
+        """The wait a new request would add to the usual service time. By Little's law the unfinished
+        requests (waiting and running) over the rate requests finished lately is the time one spends
+        in the scheduler, and the median of the finished ones' is what serving takes without a
+        backlog. When too few finished lately to measure a rate, the oldest unfinished request's age
+        stands in for it (a burst after an idle spell is young; a backlog is old). None: the
+        scheduler has not served enough to say; admission then holds to `max_queue` alone."""
+        times = self.finish_times
+        while times and now - times[0][0] > DRAIN_WINDOW_S:
+            times.popleft()
+        if self.finished_total < DRAIN_MIN_FINISHED:
+            return None
+        if len(times) >= DRAIN_MIN_FINISHED:
+            self._service_s = statistics.median(t for _, t in times)
+            in_scheduler_s = len(unfinished) / (len(times) / max(now - times[0][0], 1.0))
+        else:
+            in_scheduler_s = max((now - r.received_mono for r in unfinished), default=0.0)
+        return max(0.0, in_scheduler_s - self._service_s)
 
     @property
     def stats_window_s(self) -> float:

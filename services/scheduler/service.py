@@ -214,7 +214,7 @@ class Scheduler:
     def _admit(self, req: SubmitRequest) -> SubmitReply:
         limit = min(self.registry.context_limit(), self.model.max_seq_len or 1 << 62)  # 0: the card says none
         depth = self.queue_depth
-        wait_s = self.governor.queue_wait_s(time.monotonic(), depth)  # to start, behind the waiting ones
+        wait_s = self.governor.queue_wait_s(self.requests.values(), time.monotonic())  # waiting and running
         refused = rejection(req, Mesh(self.requests, self.registry.ready, limit, self.model.vocab_size, depth,
                                       self.settings.max_queue, wait_s, self.settings.max_queue_wait_s))
         if refused is not None:
@@ -282,7 +282,6 @@ class Scheduler:
                 lane.waiting.remove(state)
                 lane.running.append(state)
                 state.status = Status.RUNNING
-            self.governor.started(now, len(plan.admitted), self.queue_depth)
             n_running = len(lane.running)
             await self._run_iteration(worker, plan)
             self.governor.iteration_done(worker, plan.phase, n_running, time.monotonic() - now, time.monotonic())
