@@ -2,8 +2,8 @@
 
 Three embedded nats-servers joined by routes; the services spread over them, each listing the nodes
 from its own on. With 8 greedy streams decoding, the node the gateway is on is SIGKILLed; then,
-again, the node it moved to. Every client fails over to the next node, the gateway asks for the
-deltas it may have missed (`resync`), and every stream ends whole with the no-fault text.
+again, the node it moved to. Every client fails over to the next node, the gateway asks for any
+deltas it missed (`resync`), and every stream ends whole with the no-fault text.
 """
 
 from __future__ import annotations
@@ -34,4 +34,6 @@ def test_killing_nats_nodes_mid_stream_loses_nothing(tiny_chat_checkpoint: Path)
             assert after_fault == baseline
         assert len(set(killed)) == 2 and len(mesh.nats_nodes()) == 1
         log = mesh.output()
-    assert "a NATS connection came back: deltas may be lost; resubmitting" in log  # the gateway resynced
+    # the gateway's connection was the one cut, both times (whether deltas were lost with it, and resent
+    # after a resync, depends on timing: tests/services/scheduler/test_scheduler_resync.py covers resending)
+    assert log.count("aflex-gateway: disconnected from NATS") >= 2

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import re
 import time
 import uuid
 from collections.abc import Coroutine, Iterator
@@ -53,6 +54,7 @@ DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 STATUS_TIMEOUT_S = 2.0  # /ready: how long the scheduler may take to answer
 
 T = TypeVar("T")
+REQUEST_ID = re.compile(r"[A-Za-z0-9_:-]{1,128}")  # a client's x-request-id: it becomes a NATS subject token
 
 
 # -- probes ---------------------------------------------------------------------------------------
@@ -174,7 +176,10 @@ async def _generate(request: Request, gateway: Gateway, body: _GenerationRequest
     max_tokens = _max_tokens(gateway, body, len(prompt_ids), param, chat)
     if body.min_tokens > max_tokens:
         raise invalid(f"min_tokens must be at most max_tokens={max_tokens}, got {body.min_tokens}", "min_tokens")
-    request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+    client_id = request.headers.get("x-request-id")  # vLLM's: the request's id, echoed back
+    request_id = f"{'chatcmpl' if chat else 'cmpl'}-{client_id or uuid.uuid4().hex}"
+    if client_id is not None and not REQUEST_ID.fullmatch(client_id):
+        raise invalid("the x-request-id header may hold 1 to 128 letters, digits, '-', '_' or ':'", "x-request-id")
     generation = Generation(
         nc=gateway.nc, request_id=request_id, model_id=gateway.card.model_id, prompt_ids=prompt_ids,
         sampling=body.sampling(max_tokens), stop=body.stop_strings(), tokenizer=gateway.tokenizer,
@@ -184,7 +189,7 @@ async def _generate(request: Request, gateway: Gateway, body: _GenerationRequest
         failover_deadline_s=gateway.settings.failover_deadline_s,
     )
     shape = ResponseShape(request_id, int(time.time()), body.model or gateway.served_model, chat)
-    headers = {"X-Request-Id": request_id}
+    headers = {"X-Request-Id": client_id or request_id}
     try:
         await generation.submit()
     except APIError as exc:
@@ -195,8 +200,10 @@ async def _generate(request: Request, gateway: Gateway, body: _GenerationRequest
         await generation.release("submit_failed")
         raise
     if body.stream:
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return StreamingResponse(stream(shape, generation, include_usage), media_type="text/event-stream",
+        options = body.stream_options
+        include_usage = bool(options and options.include_usage)
+        continuous = bool(include_usage and options and options.continuous_usage_stats)
+        return StreamingResponse(stream(shape, generation, include_usage, continuous), media_type="text/event-stream",
                                  headers={**SSE_HEADERS, **headers})
     try:
         result = await _unless_disconnected(request, collect(shape, generation))

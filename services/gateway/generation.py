@@ -53,6 +53,8 @@ UNAVAILABLE_RETRY_AFTER_S = 1.0
 FAILOVER_FIRST_WAIT_S = 0.1  # between resubmissions while no scheduler takes a request over, doubling
 FAILOVER_MAX_WAIT_S = 1.0
 GAP_WAIT_S = 0.5  # a later delta came first and the next one has not come this long: it was lost
+QUIET_RESYNC_S = 5.0  # no delta this long from a live scheduler: ask it again (cheap; covers a lost last delta)
+QUIET = "no delta lately from a live scheduler"
 
 
 class _Unanswered(Exception):
@@ -176,6 +178,8 @@ class Generation:
             return f"scheduler {self._instance} is gone"
         if self.watch.loss_epoch(self._instance) != self._synced_epoch:
             return "a NATS connection came back: deltas may be lost"
+        if now - self._heard_mono >= QUIET_RESYNC_S:  # a resent delta lost too (a route not yet aware of us)
+            return QUIET
         if not self._pending:
             self._gap_since = None
         elif self._gap_since is None:
@@ -187,7 +191,8 @@ class Generation:
     async def _take_over(self, why: str) -> None:
         """Resubmit, as a continuation, until a scheduler takes it; `APIError` 503 at the failover deadline.
         A scheduler that still holds it sends the missing deltas again (`resync`)."""
-        log.warning("%s: %s; resubmitting after %d streamed tokens", self.request_id, why, len(self.output_ids))
+        log.log(logging.DEBUG if why == QUIET else logging.WARNING, "%s: %s; resubmitting after %d streamed tokens",
+                self.request_id, why, len(self.output_ids))
         self._gap_since = None
         deadline = time.monotonic() + self.failover_deadline_s
         wait_s = FAILOVER_FIRST_WAIT_S

@@ -9,6 +9,10 @@ Cluster metrics come from telemetry: the gateway subscribes to `aflex.v1.telemet
 exports each worker's latest reading at scrape time. A worker silent for `STALE_AFTER_S` drops out of the
 export, so a dead worker does not report its last clock and power forever.
 
+Beside the `aflex_*` series, the ones with a vLLM counterpart are exported under vLLM's names too
+(`vllm:num_requests_running`, `vllm:time_to_first_token_seconds`, ..., with vLLM's `model_name`
+label), so that dashboards made for vLLM work unchanged.
+
 Each app has its own `CollectorRegistry`: several gateways (tests) in one process do not share counts.
 """
 
@@ -46,8 +50,9 @@ E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 60.0
 class TelemetryCollector(Collector):
     """The latest telemetry of every worker and scheduler, exported as gauges when scraped."""
 
-    def __init__(self, stale_after_s: float = STALE_AFTER_S) -> None:
+    def __init__(self, stale_after_s: float = STALE_AFTER_S, model_name: str = "") -> None:
         self.stale_after_s = stale_after_s
+        self.model_name = model_name
         self.workers: dict[str, tuple[float, WorkerTelemetry]] = {}  # worker id -> (received, latest)
         self.schedulers: dict[str, tuple[float, SchedulerTelemetry]] = {}
 
@@ -84,6 +89,12 @@ class TelemetryCollector(Collector):
         util = GaugeMetricFamily("aflex_worker_utilization", "Busy fraction of the last telemetry period (0..1)",
                                  labels=labels)
         kv_used = GaugeMetricFamily("aflex_kv_blocks_used", "KV-cache blocks in use", labels=["worker"])
+        kv_use = GaugeMetricFamily("vllm:kv_cache_usage_perc", "KV-cache usage of the attention workers. 1 means "
+                                   "100 percent usage.", labels=["model_name"])
+        kv_blocks = [(w.kv_blocks_used, w.kv_blocks_total) for w in workers if w.role == "attention"]
+        total_blocks = sum(total for _, total in kv_blocks)
+        if total_blocks:
+            kv_use.add_metric([self.model_name], sum(used for used, _ in kv_blocks) / total_blocks)
         for w in workers:
             values = [w.worker_id, w.role]
             clock.add_metric(values, w.clock_mhz)
@@ -94,28 +105,35 @@ class TelemetryCollector(Collector):
             util.add_metric(values, w.utilization)
             if w.role == "attention" or w.kv_blocks_total:
                 kv_used.add_metric([w.worker_id], w.kv_blocks_used)
-        yield from (clock, target, power, energy, util, kv_used)
+        yield from (clock, target, power, energy, util, kv_used, kv_use)
 
         queue = GaugeMetricFamily("aflex_scheduler_queue_depth", "Requests waiting at the scheduler")
         running = GaugeMetricFamily("aflex_scheduler_running", "Sequences the scheduler is running")
         slo = GaugeMetricFamily("aflex_slo_attainment",
                                 "Fraction of recent requests within their TTFT and TPOT SLOs (0..1)")
+        vllm_running = GaugeMetricFamily("vllm:num_requests_running", "Number of requests in model execution "
+                                         "batches.", labels=["model_name"])
+        vllm_waiting = GaugeMetricFamily("vllm:num_requests_waiting", "Number of requests waiting to be "
+                                         "processed.", labels=["model_name"])
         schedulers: list[SchedulerTelemetry] = self._fresh(self.schedulers)
         if schedulers:
             latest = max(schedulers, key=lambda s: s.ts)
             queue.add_metric([], latest.queue_depth)
             running.add_metric([], latest.running)
+            vllm_waiting.add_metric([self.model_name], latest.queue_depth)
+            vllm_running.add_metric([self.model_name], latest.running)
             if latest.slo_attainment is not None:
                 slo.add_metric([], latest.slo_attainment)
-        yield from (queue, running, slo)
+        yield from (queue, running, slo, vllm_running, vllm_waiting)
 
 
 class GatewayMetrics:
     """Every metric of one gateway, in its own registry."""
 
-    def __init__(self) -> None:
+    def __init__(self, model_name: str = "") -> None:
         self.registry = CollectorRegistry()
         r = self.registry
+        self.model_name = model_name
         self.requests = Counter("aflex_requests", "HTTP requests by endpoint and status", ["endpoint", "status"],
                                 registry=r)
         self.prompt_tokens = Counter("aflex_prompt_tokens", "Prompt tokens of finished requests", registry=r)
@@ -130,7 +148,19 @@ class GatewayMetrics:
                               buckets=TPOT_BUCKETS, registry=r)
         self.e2e = Histogram("aflex_e2e_request_latency_seconds", "Request latency, submission to last token",
                              buckets=E2E_BUCKETS, registry=r)
-        self.telemetry = TelemetryCollector()
+        # the same observations under vLLM's names and label
+        m = ["model_name"]
+        self.vllm_prompt_tokens = Counter("vllm:prompt_tokens", "Number of prefill tokens processed.", m,
+                                          registry=r).labels(model_name)
+        self.vllm_generation_tokens = Counter("vllm:generation_tokens", "Number of generation tokens processed.", m,
+                                              registry=r).labels(model_name)
+        self.vllm_ttft = Histogram("vllm:time_to_first_token_seconds", "Histogram of time to first token in "
+                                   "seconds.", m, buckets=TTFT_BUCKETS, registry=r).labels(model_name)
+        self.vllm_tpot = Histogram("vllm:time_per_output_token_seconds", "Histogram of time per output token in "
+                                   "seconds.", m, buckets=TPOT_BUCKETS, registry=r).labels(model_name)
+        self.vllm_e2e = Histogram("vllm:e2e_request_latency_seconds", "Histogram of end to end request latency in "
+                                  "seconds.", m, buckets=E2E_BUCKETS, registry=r).labels(model_name)
+        self.telemetry = TelemetryCollector(model_name=model_name)
         r.register(self.telemetry)
 
     # -- requests ---------------------------------------------------------------------------------
@@ -138,15 +168,20 @@ class GatewayMetrics:
     def request_finished(self, *, ttft_s: float | None, e2e_s: float, prompt_tokens: int,
                          completion_tokens: int, energy_j: float | None) -> None:
         """One request that ended with a finish reason (stop, length, stop string)."""
-        self.prompt_tokens.inc(prompt_tokens)
-        self.generation_tokens.inc(completion_tokens)
+        for tokens in (self.prompt_tokens, self.vllm_prompt_tokens):
+            tokens.inc(prompt_tokens)
+        for tokens in (self.generation_tokens, self.vllm_generation_tokens):
+            tokens.inc(completion_tokens)
         if energy_j is not None and energy_j >= 0:
             self.energy.inc(energy_j)
-        self.e2e.observe(e2e_s)
+        for e2e in (self.e2e, self.vllm_e2e):
+            e2e.observe(e2e_s)
         if ttft_s is not None:
-            self.ttft.observe(ttft_s)
+            for ttft in (self.ttft, self.vllm_ttft):
+                ttft.observe(ttft_s)
             if completion_tokens > 1:
-                self.tpot.observe(max(0.0, e2e_s - ttft_s) / (completion_tokens - 1))
+                for tpot in (self.tpot, self.vllm_tpot):
+                    tpot.observe(max(0.0, e2e_s - ttft_s) / (completion_tokens - 1))
 
     # -- telemetry --------------------------------------------------------------------------------
 
@@ -188,7 +223,8 @@ class RequestCounter:
 
 def install(app: FastAPI) -> GatewayMetrics:
     """Give `app` its metrics: the request-counting middleware and `GET /metrics` (no API key)."""
-    metrics = GatewayMetrics()
+    gateway = getattr(app.state, "gateway", None)
+    metrics = GatewayMetrics(model_name=gateway.served_model if gateway is not None else "")
     app.state.metrics = metrics
     app.add_middleware(RequestCounter, metrics=metrics)
 

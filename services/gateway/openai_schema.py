@@ -28,6 +28,7 @@ class _Model(BaseModel):
 
 class StreamOptions(_Model):
     include_usage: Bool = False
+    continuous_usage_stats: Bool = False  # vLLM's: the usage so far on every chunk (with include_usage)
 
 
 class ContentPart(_Model):

@@ -3,7 +3,8 @@
 Streaming follows OpenAI and vLLM: the role chunk goes out with the first token's text (an early role
 chunk would fake a tiny TTFT in benchmarks), content chunks follow, the last content chunk carries
 `finish_reason`; with `stream_options.include_usage` every chunk has `"usage": null` and one more chunk
-with `"choices": []` carries the usage; `data: [DONE]` ends the stream, also after an error event.
+with `"choices": []` carries the usage (and with vLLM's `continuous_usage_stats` every chunk carries
+the usage so far); `data: [DONE]` ends the stream, also after an error event.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import anyio
 import orjson
 
 from services.gateway.errors import APIError
-from services.gateway.generation import Generation
+from services.gateway.generation import Generation, usage_dict
 
 DONE = b"data: [DONE]\n\n"
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -72,19 +73,27 @@ async def collect(shape: ResponseShape, generation: Generation) -> dict[str, Any
     raise AssertionError("events() ended without a finish reason")
 
 
-async def stream(shape: ResponseShape, generation: Generation, include_usage: bool) -> AsyncIterator[bytes]:
+async def stream(shape: ResponseShape, generation: Generation, include_usage: bool, continuous_usage: bool = False
+                 ) -> AsyncIterator[bytes]:
     """SSE bytes of a streamed request. Cancels the request when the client goes away before the end."""
-    extra: dict[str, Any] = {"usage": None} if include_usage else {}
+
+    def extra() -> dict[str, Any]:
+        if not include_usage:
+            return {}
+        if not continuous_usage:
+            return {"usage": None}
+        return {"usage": usage_dict(len(generation.prompt_ids), len(generation.output_ids))}
+
     sent_role = not shape.chat
     try:
         async for event in generation.events():
             if not sent_role:
                 sent_role = True
-                yield sse({**shape.chunk("", role=True), **extra})
+                yield sse({**shape.chunk("", role=True), **extra()})
             if event.finish_reason is None:
-                yield sse({**shape.chunk(event.text), **extra})
+                yield sse({**shape.chunk(event.text), **extra()})
                 continue
-            yield sse({**shape.chunk(event.text, event.finish_reason), **extra})
+            yield sse({**shape.chunk(event.text, event.finish_reason), **extra()})
             if include_usage:
                 yield sse(shape.usage_chunk(event.usage or {}))
         yield DONE

@@ -232,6 +232,17 @@ def test_chat_streaming_with_usage(h: Harness) -> None:
     assert h.fake.submissions[-1].sampling.max_tokens == 50
 
 
+def test_continuous_usage_stats_put_the_usage_so_far_on_every_chunk(h: Harness) -> None:
+    chunks = list(h.client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, stream=True, max_tokens=50,
+        stream_options={"include_usage": True, "continuous_usage_stats": True}))  # type: ignore[typeddict-unknown-key]
+    *body, last = chunks
+    assert last.choices == [] and last.usage is not None and last.usage.completion_tokens == len(h.fake.script)
+    counts = [c.usage.completion_tokens for c in body if c.usage is not None]
+    assert len(counts) == len(body) and counts == sorted(counts) and 0 < counts[-1] == len(h.fake.script)
+    assert {c.usage.prompt_tokens for c in body if c.usage is not None} == {last.usage.prompt_tokens}
+
+
 def test_stream_without_usage_has_no_usage_chunk(h: Harness) -> None:
     with httpx.stream("POST", f"{h.base}/v1/chat/completions", json={"model": MODEL, "messages": MESSAGES,
                                                                       "stream": True}) as r:
@@ -256,6 +267,16 @@ def test_completions_with_token_ids(h: Harness) -> None:
     assert h.fake.submissions[-1].sampling.max_tokens == 16  # OpenAI's completions default
     stream = list(h.client.completions.create(model=MODEL, prompt=["Hello"], max_tokens=100, stream=True))
     assert "".join(c.choices[0].text for c in stream) == TEXT and stream[-1].choices[0].finish_reason == "stop"
+
+
+def test_a_clients_x_request_id_is_the_requests_id_and_comes_back(h: Harness) -> None:
+    raw = h.client.chat.completions.with_raw_response.create(model=MODEL, messages=MESSAGES, max_tokens=3,
+                                                             extra_headers={"X-Request-Id": "bench-42_a:1"})
+    assert raw.headers["x-request-id"] == "bench-42_a:1"
+    assert raw.parse().id == "chatcmpl-bench-42_a:1" == h.fake.submissions[-1].request_id
+    r = httpx.post(f"{h.base}/v1/completions", json={"model": MODEL, "prompt": "Hi"},
+                   headers={"X-Request-Id": "a.b"})  # a dot cannot be a NATS subject token
+    assert r.status_code == 400 and r.json()["error"]["param"] == "x-request-id"
 
 
 def test_models(h: Harness) -> None:

@@ -89,6 +89,13 @@ def test_request_metrics(h: Harness) -> None:
     assert ttft_sum is not None and e2e_sum is not None and 0 < ttft_sum < e2e_sum < 10
     # the fake scheduler spaces deltas by 10 ms: the first token comes after one sleep, the rest after more
     assert e2e_sum / 3 >= 0.05
+    # the same observations under vLLM's names, for vLLM's dashboards
+    vllm = {"model_name": MODEL}
+    assert value(m, "vllm:prompt_tokens_total", **vllm) == value(m, "aflex_prompt_tokens_total")
+    assert value(m, "vllm:generation_tokens_total", **vllm) == value(m, "aflex_generation_tokens_total")
+    for name in ("time_to_first_token_seconds", "time_per_output_token_seconds", "e2e_request_latency_seconds"):
+        assert value(m, f"vllm:{name}_count", **vllm) == 3, name
+        assert value(m, f"vllm:{name}_sum", **vllm) == value(m, f"aflex_{name}_sum"), name
 
 
 def test_telemetry_gauges(h: Harness) -> None:
@@ -126,6 +133,9 @@ def test_telemetry_gauges(h: Harness) -> None:
     assert value(m, "aflex_kv_blocks_used", worker="attn-0") == 17
     assert value(m, "aflex_scheduler_queue_depth") == 4 and value(m, "aflex_scheduler_running") == 9
     assert value(m, "aflex_slo_attainment") == 0.875
+    vllm = {"model_name": MODEL}
+    assert value(m, "vllm:num_requests_waiting", **vllm) == 4 and value(m, "vllm:num_requests_running", **vllm) == 9
+    assert value(m, "vllm:kv_cache_usage_perc", **vllm) == pytest.approx(17 / 256)  # the attention workers' KV
     assert not any(("worker", "bad") in labels for _, labels in m)
 
 
