@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from services.children import ChildSpec
 from shared.settings_flags import env_of
 from shared.transport import nats_auth
+from shared.transport.bus import server_list
 from shared.transport.nats_server import EmbeddedNatsCluster, EmbeddedNatsServer
 
 
@@ -41,7 +42,7 @@ class UpNats:
         else:
             say(f"nats-server at {self.url}, a user per role")
         telemetry = ",".join(nats_auth.url_for(url, "telemetry", self.passwords["telemetry"])
-                             for url in self.url.split(","))
+                             for url in server_list(self.url))
         say(f"telemetry subscribers: {telemetry}")
 
     def stop(self) -> None:

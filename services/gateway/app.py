@@ -28,7 +28,15 @@ from starlette.responses import Response, StreamingResponse
 from services.gateway import liveness, tokenize
 from services.gateway import metrics as gateway_metrics
 from services.gateway.body_limit import BodyLimit
-from services.gateway.context import Gateway, GatewayDep, check_api_key, check_model, new_gateway_id, render_chat
+from services.gateway.context import (
+    Gateway,
+    GatewayDep,
+    chat_messages,
+    check_api_key,
+    check_model,
+    new_gateway_id,
+    render_chat,
+)
 from services.gateway.errors import (
     APIError,
     JSONResponse,
@@ -109,12 +117,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, gatewa
     _check_common(gateway, body)
     if not body.messages:
         raise invalid("messages must be a non-empty list", "messages")
-    try:
-        messages = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})}
-                    for m in body.messages]
-    except ValueError as exc:
-        raise invalid(str(exc), "messages") from None
-    prompt_ids = await run_in_threadpool(render_chat, gateway.tokenizer, messages)
+    prompt_ids = await run_in_threadpool(render_chat, gateway.tokenizer, chat_messages(body.messages))
     return await _generate(request, gateway, body, prompt_ids, chat=True, param="messages")
 
 

@@ -13,6 +13,7 @@ from nats.aio.client import Client
 
 from services.gateway.errors import AUTHENTICATION, NOT_FOUND, APIError, invalid
 from services.gateway.liveness import SchedulerWatch
+from services.gateway.openai_schema import ChatMessage
 from shared.errors import InvalidRequestError, TokenizerError
 from shared.model.checkpoint import ModelCard
 from shared.model.tokenizer import Tokenizer
@@ -68,6 +69,14 @@ def check_model(gateway: Gateway, model: str | None) -> None:
                        code="model_not_found")
 
 
+def chat_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """The messages as the chat template takes them; 400 for content it cannot hold (non-text parts)."""
+    try:
+        return [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})} for m in messages]
+    except ValueError as exc:
+        raise invalid(str(exc), "messages") from None
+
+
 def render_chat(tokenizer: Tokenizer, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True,
                 add_special_tokens: bool = False) -> list[int]:
     try:
@@ -78,5 +87,5 @@ def render_chat(tokenizer: Tokenizer, messages: list[dict[str, Any]], *, add_gen
         raise invalid(str(exc), "messages") from None
     if "\x00" in text:
         raise invalid("the messages hold a NUL character (\\u0000), which no prompt may contain", "messages")
-    # The rendered template carries its own BOS when the model wants one: add no special tokens.
+    # The rendered template carries its own BOS when the model wants one: by default add no special tokens.
     return tokenizer.encode(text, add_special_tokens)

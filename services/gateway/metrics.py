@@ -133,7 +133,6 @@ class GatewayMetrics:
     def __init__(self, model_name: str = "") -> None:
         self.registry = CollectorRegistry()
         r = self.registry
-        self.model_name = model_name
         self.requests = Counter("aflex_requests", "HTTP requests by endpoint and status", ["endpoint", "status"],
                                 registry=r)
         self.prompt_tokens = Counter("aflex_prompt_tokens", "Prompt tokens of finished requests", registry=r)

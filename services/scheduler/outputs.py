@@ -28,12 +28,11 @@ class OutputStream:
         self._finished: OrderedDict[str, tuple[float, RequestState, bytes]] = OrderedDict()
 
     async def token(self, state: RequestState, token_id: int) -> None:
-        await self._publish(state, encode(OutputDelta(request_id=state.request_id, index=state.next_index,
-                                                      token_ids=[token_id])))
+        await self._publish(state, _token_delta(state, state.next_index, token_id))
 
     async def final(self, state: RequestState, delta: OutputDelta) -> None:
-        """The last delta (finish_reason set); the request is remembered a while for a resync."""
-        data = encode(delta.model_copy(update={"index": state.next_index}))
+        """The last delta (finish_reason set, index `state.next_index`); remembered a while for a resync."""
+        data = encode(delta)
         self._finished[state.request_id] = (time.monotonic(), state, data)
         self._forget_old(time.monotonic())
         await self._publish(state, data)
@@ -55,8 +54,7 @@ class OutputStream:
         first = max(from_index, state.base_index)
         for index in range(first, last):
             token_id = state.output_ids[state.base_tokens + index - state.base_index]
-            await self.nc.publish(subjects.req_out(state.request_id), encode(OutputDelta(
-                request_id=state.request_id, index=index, token_ids=[token_id])))
+            await self.nc.publish(subjects.req_out(state.request_id), _token_delta(state, index, token_id))
         if entry is not None and from_index <= last:
             await self.nc.publish(subjects.req_out(state.request_id), entry[2])
         return max(0, last - first) + (entry is not None and from_index <= last)
@@ -67,3 +65,7 @@ class OutputStream:
             if len(self._finished) <= self.max_finished and now - finished_mono < self.keep_finished_s:
                 return
             self._finished.popitem(last=False)
+
+
+def _token_delta(state: RequestState, index: int, token_id: int) -> bytes:
+    return encode(OutputDelta(request_id=state.request_id, index=index, token_ids=[token_id]))

@@ -284,7 +284,8 @@ class Scheduler:
                 state.status = Status.RUNNING
             n_running = len(lane.running)
             await self._run_iteration(worker, plan)
-            self.governor.iteration_done(worker, plan.phase, n_running, time.monotonic() - now, time.monotonic())
+            done_mono = time.monotonic()
+            self.governor.iteration_done(worker, plan.phase, n_running, done_mono - now, done_mono)
 
     async def _run_iteration(self, worker: Worker, plan: PassPlan) -> None:
         lane = worker.lane
