@@ -29,32 +29,21 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from shared.transport.nats_server import EmbeddedNatsServer, free_port
 from tools.launch import Mesh, aflex_up
+from tools.story_stream import StoryStream, stream_story
 
 FAULTS = ("attention-worker", "ffn-worker", "scheduler", "gateway", "nats-restart", "nats-node")
 
 
 async def stream(client: openai.AsyncOpenAI, model: str, i: int, started: asyncio.Event, max_tokens: int
                  ) -> dict[str, object]:
-    text, tokens, last, longest_gap = "", 0, time.monotonic(), 0.0
+    story = StoryStream()
     try:
-        response = await client.chat.completions.create(
-            model=model, messages=[{"role": "user", "content": f"Tell me story number {i}."}], max_tokens=max_tokens,
-            temperature=0, stream=True, stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
-        async for chunk in response:
-            now = time.monotonic()
-            if text:
-                longest_gap = max(longest_gap, now - last)
-            last = now
-            if chunk.choices:
-                text += chunk.choices[0].delta.content or ""
-                if text:
-                    started.set()
-            if chunk.usage:
-                tokens = chunk.usage.completion_tokens
+        await stream_story(client, model, i, started, max_tokens, story)
     except openai.APIError as exc:
         started.set()
-        return {"text": text, "tokens": tokens, "gap_s": longest_gap, "error": f"{type(exc).__name__}: {exc}"}
-    return {"text": text, "tokens": tokens, "gap_s": longest_gap, "error": None}
+        return {"text": story.text, "tokens": story.tokens, "gap_s": story.longest_gap_s,
+                "error": f"{type(exc).__name__}: {exc}"}
+    return {"text": story.text, "tokens": story.tokens, "gap_s": story.longest_gap_s, "error": None}
 
 
 async def batch(base_url: str, n: int, max_tokens: int, fault: Callable[[], None] | None,

@@ -19,6 +19,7 @@ import pytest
 
 from shared.transport.nats_server import EmbeddedNatsServer, free_port
 from tools.launch import Mesh, aflex_up
+from tools.story_stream import stream_story
 
 MAX_TOKENS = 160
 
@@ -41,19 +42,9 @@ def _child(mesh: Mesh, worker_id: str) -> tuple[int, list[str], dict[str, str]]:
 
 async def _stream(client: openai.AsyncOpenAI, model: str, i: int, started: asyncio.Event, sampled: bool = False
                   ) -> tuple[str, int]:
-    stream = await client.chat.completions.create(
-        model=model, messages=[{"role": "user", "content": f"Tell me story number {i}."}], max_tokens=MAX_TOKENS,
-        temperature=0.8 if sampled else 0, seed=1000 + i if sampled else None, stream=True,
-        stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
-    text, tokens = "", 0
-    async for chunk in stream:
-        if chunk.choices:
-            text += chunk.choices[0].delta.content or ""
-            if text:
-                started.set()
-        if chunk.usage:
-            tokens = chunk.usage.completion_tokens
-    return text, tokens
+    story = await stream_story(client, model, i, started, MAX_TOKENS, temperature=0.8 if sampled else 0,
+                               seed=1000 + i if sampled else None)
+    return story.text, story.tokens
 
 
 async def _run(mesh: Mesh, kill: str | None = None, fault: Callable[[], None] | None = None, count: int = 8,

@@ -1,21 +1,9 @@
 """Discrete-event simulator: the same policy objects against emulated GPUs, iteration by iteration.
 
-Virtual time only. Events are arrivals, the end of a pool's iteration, KV transfers landing in the
-decode pool, GPUs finishing a rejoin, and policy ticks (margin every `tick_s`, provisioning every
-`window_s`). A pool is one aggregate of GPUs that iterate together (instances of a colocated or P/D
-deployment, or the attention and FFN GPUs of a split pool) with its work spread evenly over them.
-Each iteration:
-
-1. the batching rule forms the batch (decode sequences + a prefill chunk);
-2. the policy picks depth and clocks from the *predictors* under the SLO budget;
-3. the iteration's true time and energy come from `operator_cost` of the emulated profile at those
-   clocks, combined by the same pipeline formulas (shared.policy.pipeline). A clock change takes
-   `switch_delay_s`: that share of the iteration runs at the previous clocks.
-
-Energy (ledger.py): every GPU of the cluster is accounted for the whole run, in both accountings:
-iterations, context-idle power (at the clock each GPU is locked at) between them, GPUs outside the
-plan at their parking state's power, and GPUs rejoining the plan: after one clock switch from warm,
-after a modelled model load (their weights over the host link plus a new context) from cold.
+Virtual time only. The batching rule forms each iteration, the policy picks depth and clocks from
+the *predictors*, and the iteration's true time and energy come from the emulated profile at those
+clocks through the same pipeline formulas (shared.policy.pipeline); every GPU is accounted for the
+whole run (ledger.py). Events and accounting in full: docs/architecture.md, "The simulator".
 """
 
 from __future__ import annotations

@@ -1,22 +1,9 @@
 """The FFN worker: a stateless server of per-layer FFNs, merging microbatches that wait together.
 
-Seam frames ("to_ffn") arrive from any attention worker through the worker's seam
-(`shared/transport/`: torch.distributed by default, whose address the worker advertises in its
-registration and heartbeats), on the seam's receiving thread (one per attention worker on the torch
-seam, the event loop on the nats seam), and go to the `ServingQueue` (serving.py: which thread
-serves, and which frames share a forward). A forward stacks its frames' rows into one [sum T, D]
-tensor and runs the layer's FFN once: with several attention workers, one bigger GEMM replaces
-several small ones, which is where an FFN worker's throughput comes from. The output is split back
-by row counts and each part goes back to its sender as a "to_attention" frame with the same mb_id
-and layer.
-
-Before each forward the worker asks its DVFS controller for the clock of the batch's phase (a batch
-with any prefill frame runs the prefill clock). The forward is accounted on the GPU (`GPU.run`:
-modelled time), and the GPU's energy over it is shared among the merged frames by rows: each reply's
-header carries its share as `energy_j`, and the forward's time as `compute_s`.
-
-A frame that cannot be served (bad layer, bad shape, a failing forward) is answered with an error
-frame whose payload is the reason.
+Frames from any attention worker that queue for the same layer are stacked into one matrix product
+(one bigger GEMM instead of several small ones: an FFN worker's throughput), split back by rows and
+answered to their senders, each with its share of the forward's energy. What arrives on which thread,
+the per-phase clock and the error frames: docs/architecture.md, "Inside the FFN worker".
 """
 
 from __future__ import annotations

@@ -1,22 +1,9 @@
 """Clock planning for the frequency commands: pure functions, no I/O, no clock of their own.
 
-Every frequency window the scheduler asks `plan_clocks` for each healthy worker's per-phase SM
-clock (prefill, decode), and publishes the answer as a `FrequencyCommand`. Policies:
-
-- `max`: the worker's highest supported clock (the vLLM/SGLang default; a baseline).
-- `fixed`: clocks from `SchedulerSettings.fixed_clocks` (`"attention.decode=900,ffn=1200"`: a
-  `role.phase` or a whole `role`), snapped to the worker's supported clocks; unnamed ones run at max.
-- `slo`: feedback on the observed latency of the phase's SLO metric (prefill -> TTFT, decode ->
-  TPOT). It starts at max; each window it steps the clock down a few supported steps while the
-  observed p90 is comfortably under the SLO (below `low` of it, and no miss), up (more steps, so
-  recovery is quicker than descent) when the p90 exceeds `high` of the SLO or any request missed
-  it, and holds otherwise or when nothing was observed. State is the previous command, per worker
-  and phase, so each role (and each worker's clock table) moves on its own.
-- `aflex` (the default): shared/policy's clock selection on predictors of the worker's GPU profile
-  and the served model (aflex.py; the service plans it, not `plan_clocks`). A worker whose profile
-  is unknown, or a model whose shape is unknown, falls back to `slo`.
-
-A clock is always one of the worker's supported clocks.
+The `max`, `fixed` and `slo` rules (`plan_clocks`, one call per worker per window); `aflex` is planned
+by aflex.py and falls back to `slo` where a worker's GPU profile or the model's shape is unknown.
+A clock is always one of the worker's supported clocks. The rules in words: docs/architecture.md,
+"Clock policies".
 """
 
 from __future__ import annotations

@@ -1,21 +1,9 @@
 """The scheduler's clock governor: SLO observation, the batching and clock policies, frequency commands.
 
-It is fed events by dispatch (a first token, a finished request, an iteration sent, a microbatch done)
-and answers two questions: how to form an attention worker's next iteration (`iteration_policy`) and
-what clock every worker should run at for the next window (`window`). It never imports the service
-and publishes nothing: the service sends what it answers.
-
-Batching (`SchedulerSettings.batching`): `aflex` is the simulator's rule (shortest remaining prompt
-first with aging, `shared.policy.prefill_order`) with, where the worker's GPU profile and the model's
-shape are known, an iteration's prefill tokens capped by `AflexPlanner.prefill_tokens`; `fcfs` is the
-in-process engine's order within `max_batch_tokens`.
-
-Clocks (`SchedulerSettings.freq_policy`): with `aflex` the clocks of each attention worker come from
-shared/policy's operating-point choice on the iterations it ran in the window, under SLO margins fed
-by the TTFT/TPOT observed in it; each FFN worker runs at the highest FFN clock any pair asks for.
-`MicrobatchDone` timings correct the predictors online, and its depth choice is the microbatch depth
-under `microbatch_depth = "auto"`. A worker whose GPU profile (or the model's shape) is unknown falls
-back to `slo`; `max`, `fixed` and `slo` are clocks.py's.
+Dispatch feeds it events (a first token, a finished request, an iteration sent, a microbatch done);
+it answers how to form an attention worker's next iteration (`iteration_policy`) and what clock every
+worker runs at in the next window (`window`). It never imports the service and publishes nothing, so
+the policies are testable without NATS. The rules: docs/architecture.md, "The aflex policy, live".
 """
 
 from __future__ import annotations

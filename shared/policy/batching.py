@@ -1,23 +1,9 @@
 """Adaptive request batching: how many prefill tokens and decode sequences go into one iteration.
 
-- Fixed (vLLM/SGLang default): a chunked-prefill budget of `chunk_tokens` per iteration and at most
-  `max_running` decode sequences.
-- Adaptive: a prefill-only pool takes everything queued up to `max_chunk_tokens` (one big batch
-  reads the weights once for all of it), but with `prefill_iter_frac` > 0 no more than an iteration of
-  that fraction of the TTFT SLO at the top clock holds (prefill is compute-bound well below that size,
-  so smaller iterations cost little and a prompt arriving mid-iteration waits less); a pool that
-  mixes in decode takes the largest chunk whose predicted time (at the top clock) keeps the
-  iteration inside the TPOT budget, never less than `min_chunk_tokens` so prefill cannot starve.
-  Decode admits sequences while the KV cache has room.
-
-Order (`order`): "fcfs" serves prompts in arrival order (vLLM/SGLang default). "srpt" is AFlex's
-adaptive ordering: shortest remaining prompt first, with aging so long prompts are not starved: a
-prompt's key is its remaining tokens × max(0, 1 − wait/`aging_s`), so after `aging_s` of waiting
-it ranks with the shortest and the aged are served in arrival order (`prefill_order`). Under bursts
-short prompts no longer queue behind long ones, which is what the TTFT percentiles measure.
-
-`ttft_budget` turns the queue into this iteration's latency budget: a request with slack s that
-needs k more iterations (this one included) allows s/k per iteration; the tightest request wins.
+A fixed chunked-prefill budget (the vLLM/SGLang default) or AFlex's adaptive one, sized by the
+predictors against the TTFT/TPOT budgets; first-come first-served or shortest remaining prompt first
+with aging (`prefill_order`); and `ttft_budget`, the queue's latency budget for this iteration. The
+rules in full: docs/architecture.md, "Batching rules".
 """
 
 from __future__ import annotations

@@ -1,24 +1,10 @@
 """One iteration former, shared by the live scheduler, the in-process engine and the simulator. Pure.
 
-The simulator's latency and energy figures say something about the mesh only if it forms iterations
-as the scheduler does, and the engine is the token reference for both; so all three form an
-iteration (which sequences, how many tokens each) and cut it into microbatches with this code.
-What stays with each caller is what only it has: KV reservation and preemption (the engine, from a
-form it applies in order), KV estimates (the scheduler's `KvRoom`), and the decode batch as one
-aggregate (the simulator, which forms only its prefill chunk here).
-
-An iteration, in order: decode steps first (`decodes`), then the prefill work (`queue`: unfinished
-prefills and waiting requests), in the rule's order (`shared.policy.prefill_order`), within the
-token budget and, with `prefill_cap`, at most that many prefill tokens. Waiting requests are
-admitted while `max_num_seqs` and `can_admit` allow; admission stops at the first refusal, so a
-request that has aged to the front is not overtaken while it waits for room, and admitted work
-goes on. The engine's first-come first-served rule is the same walk with every running sequence
-in `queue`, in its order, and no rule.
-
-`plan_iteration` is the scheduler's whole decision for one worker in one pure call: the form above
-(with the KV estimate as data, `KvRoom`), the microbatch cut (`split_microbatches`) and the depth
-(`microbatch_depth`, or the clock plan's under "auto"), returned as `IterationPlan(groups, phase,
-admitted)`; the service only publishes and applies it.
+The simulator's figures say something about the mesh only if it forms iterations as the scheduler
+does, and the engine is the token reference for both; so all three form an iteration (which
+sequences, how many tokens each) and cut it into microbatches with this code. `plan_iteration` is
+the scheduler's whole decision for one worker (form, microbatch cut, depth) in one pure call.
+The walk's order and admission rule: docs/architecture.md, "One iteration former".
 """
 
 from __future__ import annotations

@@ -1,21 +1,9 @@
 """Placements of the baselines that do not split attention from FFN, and where GPUs outside a plan go.
 
-AFlex's own pools (attention/FFN split, prefill and decode) are `provision.provision`. The paper's
-baselines place whole-model instances (replicas of `tp` GPUs running both halves at one clock):
-
-- `colocated_tp`: the TP of a static colocated deployment (SGLang, phase-dvfs): the smallest that
-  holds the model and runs the trace's p90 prompt alone within the TTFT budget at the top clock.
-- `provision_colocated`: DynamoLLM's per-window re-provisioning: instance count and TP of one pool
-  that serves prefill and decode together, least predicted power under the SLOs.
-- `provision_pd`: P/D disaggregated instances (BiScale per window; DistServe once): a prefill pool
-  and a decode pool of instances, each with its own count and TP.
-- `distserve_placement`: DistServe's goodput-optimal placement, fixed once for the trace: among the
-  P/D placements that use every GPU, the one that sustains the largest multiple of the trace's peak
-  load with both pools feasible (its goodput), least power among equals.
-
-`parking_state` is the one rule for where a GPU outside a plan waits (warm: context kept, clock at
-the minimum; cold: context released, bare idle), the same for every policy that scales.
-Every decision uses the same predictors and `choose_operating_point` as the iterations themselves.
+AFlex's own pools are `provision.provision`; the paper's baselines place whole-model instances
+(replicas of `tp` GPUs running both halves at one clock): SGLang's static TP, DynamoLLM's per-window
+colocated pool, BiScale's and DistServe's prefill/decode pools. `parking_state` is the one rule for
+where a GPU outside a plan waits. Each placement in full: docs/architecture.md, "Baseline placements".
 """
 
 from __future__ import annotations
