@@ -109,12 +109,23 @@ class Usage(Message):
 FinishReason = Literal["stop", "length", "abort", "error"]
 
 
+class TokenLogprob(Message):
+    """One token's log-probability under the model's raw logits, and its `top` alternatives, best first."""
+
+    logprob: float
+    top_ids: list[int] = Field(default_factory=list)
+    top_logprobs: list[float] = Field(default_factory=list)
+
+
 class OutputDelta(Message):
     """`aflex.v1.req.<rid>.out`: new tokens of a request; the last one has finish_reason."""
 
     request_id: str
     index: int  # 0, 1, 2, ... per request, so a subscriber can see a gap
     token_ids: list[int]
+    logprobs: list[TokenLogprob] | None = None  # one per token of `token_ids`, when `sampling.logprobs` asks
+    # with `sampling.prompt_logprobs`, on the delta of the first token: one per prompt token (the first: None)
+    prompt_logprobs: list[TokenLogprob | None] | None = None
     finish_reason: FinishReason | None = None
     usage: Usage | None = None
     error: ErrorBody | None = None
@@ -158,6 +169,10 @@ class MicrobatchDescriptor(Message):
 class SeqResult(Message):
     seq_id: str
     token_id: int | None  # None when the pass did not sample (a prompt chunk)
+    logprob: TokenLogprob | None = None  # the sampled token's, when its sampling asks for logprobs
+    # with `prompt_logprobs`: the fed tokens' from position `prompt_logprobs_start` on (each from the row before)
+    prompt_logprobs: list[TokenLogprob] = Field(default_factory=list)
+    prompt_logprobs_start: int = 0
 
 
 class MicrobatchDone(Message):

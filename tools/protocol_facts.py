@@ -149,6 +149,7 @@ EXAMPLES: dict[str, Callable[[], Message]] = {
     "SubmitReply": lambda: messages.SubmitReply(request_id="req-3f2a", accepted=False, error=_error(),
                                                 retry_after_s=1.0),  # (accepted: with scheduler_instance)
     "Usage": lambda: messages.Usage(prompt_tokens=4, completion_tokens=12, total_tokens=16),
+    "TokenLogprob": lambda: messages.TokenLogprob(logprob=-0.31, top_ids=[2, 28], top_logprobs=[-0.31, -1.62]),
     "OutputDelta": lambda: messages.OutputDelta(request_id="req-3f2a", index=11, token_ids=[2], finish_reason="stop",
                                                 usage=messages.Usage(prompt_tokens=4, completion_tokens=12,
                                                                      total_tokens=16)),

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from torch import Tensor
+
 from shared.error_types import ErrorType
 from shared.errors import AFlexError, KVCacheExhaustedError
 from shared.messages import SeqWork
@@ -30,6 +32,7 @@ class SequenceRefused(AFlexError):
 class SequenceState:
     sampler: SequenceSampler
     num_computed: int = 0  # tokens whose K/V are in this worker's cache
+    held: Tensor | None = None  # prompt logprobs: the last chunk's last row ([1, V]) until its target comes
 
 
 @dataclass(frozen=True)
@@ -121,6 +124,7 @@ class SequenceTable:
                                   ErrorType.OVERLOADED) from None
         if is_new:
             self._states[work.seq_id] = state
+        state.sampler.saw(work.token_ids)
         seq_pass = SequencePass(work.start_pos, n_new, self.block_tables.slots(work.seq_id, 0, end),
                                 wants_logits=work.sample)
         return Admitted(work, state, seq_pass, is_new)

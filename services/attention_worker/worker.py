@@ -23,6 +23,7 @@ from nats.aio.msg import Msg
 from torch import Tensor
 
 from services.attention_worker.ffn_hops import FFNHops, FFNReplyError
+from services.attention_worker.logprob_rows import PromptPart, prompt_parts, sampled_logprobs
 from services.attention_worker.sequences import Admitted, SequenceRefused, SequenceTable
 from services.worker_common import (
     Presence,
@@ -46,6 +47,7 @@ from shared.messages import (
     MicrobatchDone,
     ProtocolError,
     SeqResult,
+    TokenLogprob,
     decode,
     encode,
 )
@@ -278,8 +280,7 @@ class AttentionWorker:
                 self._busy.add(work.seq_id)
                 claimed.append(work.seq_id)
             if admitted:
-                tokens = await self._compute(desc, admitted, timing)
-                results = self._commit(admitted, tokens)
+                results = self._commit(admitted, *await self._compute(desc, admitted, timing))
         except asyncio.CancelledError:
             self._fail_all(desc, admitted, failures, "worker stopped before the microbatch finished")
             results = []
@@ -321,17 +322,25 @@ class AttentionWorker:
             if work.seq_id not in failures.seq_ids:
                 failures.seq_ids.append(work.seq_id)
 
-    def _commit(self, admitted: list[Admitted], tokens: list[int]) -> list[SeqResult]:
+    def _commit(self, admitted: list[Admitted], tokens: list[int], logprobs: list[TokenLogprob | None],
+                prompt: dict[int, PromptPart]) -> list[SeqResult]:
         """Advance the sequences' computed counts and record the sampled tokens in their samplers."""
         results = []
-        sampled = iter(tokens)
-        for item in admitted:
+        sampled = iter(zip(tokens, logprobs, strict=True))
+        for index, item in enumerate(admitted):
             item.state.num_computed = item.end
             token: int | None = None
+            logprob: TokenLogprob | None = None
             if item.work.sample:
-                token = next(sampled)
+                token, logprob = next(sampled)
                 item.state.sampler.record(token)
-            results.append(SeqResult(seq_id=item.work.seq_id, token_id=token))
+            part = prompt.get(index)
+            if part is None:
+                results.append(SeqResult(seq_id=item.work.seq_id, token_id=token, logprob=logprob))
+                continue
+            item.state.held = part.held
+            results.append(SeqResult(seq_id=item.work.seq_id, token_id=token, logprob=logprob,
+                                     prompt_logprobs=part.entries, prompt_logprobs_start=part.start))
         return results
 
     def _finish(self, desc: MicrobatchDescriptor, results: list[SeqResult], failures: _Failures,
@@ -356,8 +365,8 @@ class AttentionWorker:
             log.error("could not publish the result of microbatch %s: %s", done.mb_id, exc)
 
     async def _compute(self, desc: MicrobatchDescriptor, admitted: list[Admitted], timing: dict[str, float]
-                       ) -> list[int]:
-        """Embed, every layer's attention with an FFN round trip, then logits and sampling.
+                       ) -> tuple[list[int], list[TokenLogprob | None], dict[int, PromptPart]]:
+        """Embed, every layer's attention with an FFN round trip, then logits, sampling and logprobs.
 
         Each attention layer and the lm_head run at the phase's clock and are accounted on the GPU
         (modelled time, energy); the FFN replies bring the energy of their share of each forward.
@@ -402,16 +411,19 @@ class AttentionWorker:
         t = time.perf_counter()
         with torch.inference_mode():
             samplers = [a.state.sampler for a in admitted if a.work.sample]
-            tokens = []
+            tokens: list[int] = []
+            logprobs: list[TokenLogprob | None] = []
             if samplers:
                 logits = model.logits(residual, ffn_out, meta.logits_rows)
                 tokens = sample_next_tokens(logits, samplers)
+                logprobs = sampled_logprobs(logits, samplers, tokens)
+            prompt = prompt_parts(model, residual, ffn_out, admitted)
         logits_s = time.perf_counter() - t
         if samplers:
             meter.busy(logits_s, gpu.run(lm_head_work(model.args, len(samplers), dtype_bytes=dtype_bytes), logits_s))
         timing["attention_energy_j"] += gpu.total_energy_j() - energy0
         timing["attention_s"] += logits_s
-        return tokens
+        return tokens, logprobs, prompt
 
     def _account_attention(self, phase: str, work: OperatorWork, attend_s: float, energy0_j: float,
                            timing: dict[str, float]) -> None:

@@ -44,9 +44,10 @@ from services.gateway.errors import (
     invalid,
 )
 from services.gateway.generation import Generation
+from services.gateway.logprobs import LogprobFormat
 from services.gateway.openai_schema import ChatCompletionRequest, CompletionRequest, _GenerationRequest
 from services.gateway.openapi_doc import document
-from services.gateway.streaming import SSE_HEADERS, ResponseShape, collect, stream
+from services.gateway.streaming import SSE_HEADERS, Extras, ResponseShape, collect, stream
 from shared import subjects
 from shared.errors import TokenizerError
 from shared.lifecycle import stop_on_signals
@@ -117,6 +118,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, gatewa
     _check_common(gateway, body)
     if not body.messages:
         raise invalid("messages must be a non-empty list", "messages")
+    if body.top_logprobs is not None and not body.logprobs:
+        raise invalid("when using `top_logprobs`, `logprobs` must be set to true", "top_logprobs")
     prompt_ids = await run_in_threadpool(render_chat, gateway.tokenizer, chat_messages(body.messages))
     return await _generate(request, gateway, body, prompt_ids, chat=True, param="messages")
 
@@ -124,8 +127,6 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, gatewa
 @api.post("/completions")
 async def completions(body: CompletionRequest, request: Request, gateway: GatewayDep) -> Response:
     _check_common(gateway, body)
-    if body.echo:
-        raise invalid("echo is not supported", "echo")
     prompt = body.prompt
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
         if len(prompt) != 1:
@@ -141,7 +142,10 @@ async def completions(body: CompletionRequest, request: Request, gateway: Gatewa
         vocab = gateway.tokenizer.vocab_size
         if any(t >= vocab for t in prompt_ids):
             raise invalid(f"prompt token ids must be below the vocabulary size {vocab}", "prompt")
-    return await _generate(request, gateway, body, prompt_ids, chat=False, param="prompt")
+    echo_text = None
+    if body.echo:
+        echo_text = prompt if isinstance(prompt, str) else await run_in_threadpool(gateway.tokenizer.decode, prompt_ids)
+    return await _generate(request, gateway, body, prompt_ids, chat=False, param="prompt", echo_text=echo_text)
 
 
 def _check_common(gateway: Gateway, body: _GenerationRequest) -> None:
@@ -150,8 +154,6 @@ def _check_common(gateway: Gateway, body: _GenerationRequest) -> None:
         raise invalid(f"only n=1 is supported, got n={body.n}", "n")
     if body.stream_options is not None and not body.stream:
         raise invalid("Stream options can only be defined when `stream=True`.", "stream_options")
-    if body.logprobs:
-        raise invalid("logprobs are not supported", "logprobs")
 
 
 def _max_tokens(gateway: Gateway, body: _GenerationRequest, n_prompt: int, param: str, chat: bool) -> int:
@@ -175,8 +177,9 @@ def _max_tokens(gateway: Gateway, body: _GenerationRequest, n_prompt: int, param
 
 
 async def _generate(request: Request, gateway: Gateway, body: _GenerationRequest, prompt_ids: list[int], *,
-                    chat: bool, param: str) -> Response:
+                    chat: bool, param: str, echo_text: str | None = None) -> Response:
     max_tokens = _max_tokens(gateway, body, len(prompt_ids), param, chat)
+    sampling = body.sampling(max_tokens)
     if body.min_tokens > max_tokens:
         raise invalid(f"min_tokens must be at most max_tokens={max_tokens}, got {body.min_tokens}", "min_tokens")
     client_id = request.headers.get("x-request-id")  # vLLM's: the request's id, echoed back
@@ -185,13 +188,17 @@ async def _generate(request: Request, gateway: Gateway, body: _GenerationRequest
         raise invalid("the x-request-id header may hold 1 to 128 letters, digits, '-', '_' or ':'", "x-request-id")
     generation = Generation(
         nc=gateway.nc, request_id=request_id, model_id=gateway.card.model_id, prompt_ids=prompt_ids,
-        sampling=body.sampling(max_tokens), stop=body.stop_strings(), tokenizer=gateway.tokenizer,
+        sampling=sampling, stop=body.stop_strings(), tokenizer=gateway.tokenizer,
         submit_timeout_s=gateway.settings.submit_timeout_s, token_timeout_s=gateway.settings.request_timeout_s,
         metrics=request.app.state.metrics, watch=gateway.schedulers, gateway_id=gateway.gateway_id,
         scheduler_silence_s=gateway.settings.scheduler_silence_s,
         failover_deadline_s=gateway.settings.failover_deadline_s,
     )
     shape = ResponseShape(request_id, int(time.time()), body.model or gateway.served_model, chat)
+    top_n = sampling.logprobs
+    logprob_format = None if top_n is None else LogprobFormat(gateway.tokenizer, chat=chat, top_n=top_n,
+                                                                as_ids=body.return_tokens_as_token_ids)
+    extras = Extras(logprob_format, echo_text, tuple(prompt_ids))
     headers = {"X-Request-Id": client_id or request_id}
     try:
         await generation.submit()
@@ -206,10 +213,10 @@ async def _generate(request: Request, gateway: Gateway, body: _GenerationRequest
         options = body.stream_options
         include_usage = bool(options and options.include_usage)
         continuous = bool(include_usage and options and options.continuous_usage_stats)
-        return StreamingResponse(stream(shape, generation, include_usage, continuous), media_type="text/event-stream",
-                                 headers={**SSE_HEADERS, **headers})
+        return StreamingResponse(stream(shape, generation, include_usage, continuous, extras),
+                                 media_type="text/event-stream", headers={**SSE_HEADERS, **headers})
     try:
-        result = await _unless_disconnected(request, collect(shape, generation))
+        result = await _unless_disconnected(request, collect(shape, generation, extras))
     except APIError as exc:
         exc.headers.update(headers)
         raise

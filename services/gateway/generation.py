@@ -35,6 +35,7 @@ from shared.messages import (
     SamplingSpec,
     SubmitReply,
     SubmitRequest,
+    TokenLogprob,
     Usage,
     decode,
     encode,
@@ -67,11 +68,17 @@ class _Unanswered(Exception):
 
 @dataclass
 class TextEvent:
-    """New text of a request; the last event has `finish_reason` and `usage` (an OpenAI usage dict)."""
+    """New text of a request; the last event has `finish_reason` and `usage` (an OpenAI usage dict).
+
+    `logprobs`: the tokens consumed since the last event, with their logprobs where the request asked
+    (a token whose text is held back, for a character or a possible stop string, comes with a later
+    event); `prompt_logprobs`: on the first event, the prompt's, where asked."""
 
     text: str
     finish_reason: str | None = None
     usage: dict[str, Any] | None = None
+    logprobs: list[tuple[int, TokenLogprob | None]] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 def usage_dict(prompt_tokens: int, completion_tokens: int, energy_j: float | None = None) -> dict[str, Any]:
@@ -227,6 +234,15 @@ class Generation:
         detok = IncrementalDetokenizer(self.tokenizer, self.prompt_ids)
         matcher = StopStringMatcher(self.stop)
         n_tokens = 0
+        consumed: list[tuple[int, TokenLogprob | None]] = []  # since the last event
+        prompt_logprobs: list[TokenLogprob | None] | None = None
+
+        def event(text: str, finish_reason: str | None = None, usage: dict[str, Any] | None = None) -> TextEvent:
+            nonlocal consumed, prompt_logprobs
+            made = TextEvent(text, finish_reason, usage, consumed, prompt_logprobs)
+            consumed, prompt_logprobs = [], None
+            return made
+
         while True:
             delta = await self._next_delta()
             if self._first_token_at is None and delta.token_ids:
@@ -234,20 +250,24 @@ class Generation:
             if delta.error is not None:
                 self.finished = True
                 raise from_error_body(delta.error)
+            if delta.prompt_logprobs is not None:
+                prompt_logprobs = delta.prompt_logprobs
+            logprobs = delta.logprobs or []
             pieces: list[str] = []
-            for token_id in delta.token_ids:
+            for i, token_id in enumerate(delta.token_ids):
                 n_tokens += 1
+                consumed.append((token_id, logprobs[i] if i < len(logprobs) else None))
                 text, hit = matcher.feed(detok.push(token_id))
                 pieces.append(text)
                 if hit:  # tokens after the stop string in this delta are dropped, as is everything later
                     await self.cancel("stop_string")
                     usage = usage_dict(len(self.prompt_ids), n_tokens)
                     self._record(usage)
-                    yield TextEvent("".join(pieces), "stop", usage)
+                    yield event("".join(pieces), "stop", usage)
                     return
             if delta.finish_reason is None:
                 if any(pieces):
-                    yield TextEvent("".join(pieces))
+                    yield event("".join(pieces))
                 continue
             self.finished = True
             if delta.finish_reason == "error":
@@ -256,7 +276,7 @@ class Generation:
             pieces.append(text if hit else text + matcher.flush())
             usage = self._final_usage(delta.usage, n_tokens)
             self._record(usage)
-            yield TextEvent("".join(pieces), "stop" if hit else delta.finish_reason, usage)
+            yield event("".join(pieces), "stop" if hit else delta.finish_reason, usage)
             return
 
     def _record(self, usage: dict[str, Any]) -> None:

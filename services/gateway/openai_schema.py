@@ -2,8 +2,8 @@
 
 Numbers and booleans are strict (`"temperature": "hot"` or `"stream": "yes"` is a 400, an int where a
 float is expected is fine). Ranges follow OpenAI and vLLM; `SamplingSpec` is built from the validated
-fields. vLLM's extensions `top_k`, `min_tokens`, `ignore_eos` and `stop_token_ids` are honoured, the
-trace replayer needs them to force output lengths.
+fields. vLLM's extensions `top_k`, `min_tokens`, `ignore_eos`, `stop_token_ids` and `repetition_penalty`
+are honoured (the trace replayer needs the first four to force output lengths).
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field, Strict, field_validator
 
 from shared.messages import SamplingSpec
+from shared.model.params import MAX_LOGPROBS
 
 Int = Annotated[int, Strict()]
 Float = Annotated[float, Strict()]
@@ -68,8 +69,9 @@ class _GenerationRequest(_Model):
     presence_penalty: Annotated[float, Strict(), Field(ge=-2.0, le=2.0)] | None = None
     frequency_penalty: Annotated[float, Strict(), Field(ge=-2.0, le=2.0)] | None = None
     user: str | None = None
-    logprobs: Bool | None = None
     # vLLM extensions
+    repetition_penalty: Annotated[float, Strict(), Field(gt=0.0, le=2.0)] | None = None
+    return_tokens_as_token_ids: Bool = False  # logprobs name tokens "token_id:<id>", as vLLM can
     top_k: Annotated[int, Strict(), Field(ge=-1)] | None = None
     min_tokens: Annotated[int, Strict(), Field(ge=0)] = 0
     ignore_eos: Bool = False
@@ -89,7 +91,12 @@ class _GenerationRequest(_Model):
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens
 
+    def logprob_counts(self) -> tuple[int | None, int | None]:
+        """(top alternatives per sampled token, per prompt token); None: not asked."""
+        return None, None
+
     def sampling(self, max_tokens: int) -> SamplingSpec:
+        logprobs, prompt_logprobs = self.logprob_counts()
         return SamplingSpec(
             temperature=1.0 if self.temperature is None else self.temperature,
             top_p=1.0 if self.top_p is None else self.top_p,
@@ -101,12 +108,23 @@ class _GenerationRequest(_Model):
             min_tokens=self.min_tokens,
             stop_token_ids=tuple(self.stop_token_ids or ()),
             ignore_eos=self.ignore_eos,
+            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
         )
+
+
+LogprobCount = Annotated[int, Strict(), Field(ge=0, le=MAX_LOGPROBS)]
 
 
 class ChatCompletionRequest(_GenerationRequest):
     messages: list[ChatMessage]
     max_completion_tokens: Annotated[int, Strict(), Field(ge=1)] | None = None
+    logprobs: Bool | None = None
+    top_logprobs: LogprobCount | None = None  # needs `logprobs: true` (the route says so)
+
+    def logprob_counts(self) -> tuple[int | None, int | None]:
+        return (self.top_logprobs or 0) if self.logprobs else None, None
 
     def requested_max_tokens(self) -> int | None:
         """`max_completion_tokens` wins over the deprecated `max_tokens`, as in vLLM."""
@@ -118,4 +136,8 @@ Prompt = str | list[str] | list[TokenId] | list[list[TokenId]]
 
 class CompletionRequest(_GenerationRequest):
     prompt: Prompt
-    echo: Bool = False
+    echo: Bool = False  # the prompt comes back before the completion (with `logprobs`, its logprobs too)
+    logprobs: LogprobCount | None = None
+
+    def logprob_counts(self) -> tuple[int | None, int | None]:
+        return self.logprobs, self.logprobs if self.echo else None

@@ -42,10 +42,24 @@ class ChatMessageOut(_Body):
     content: str
 
 
+class TopLogprob(_Body):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(_Body):
+    content: list[TokenLogprob]
+
+
 class ChatChoice(_Body):
     index: int
     message: ChatMessageOut
-    logprobs: None
+    logprobs: ChatLogprobs | None  # with `logprobs: true`
     finish_reason: str
 
 
@@ -58,10 +72,17 @@ class ChatCompletion(_Body):
     usage: Usage
 
 
+class CompletionLogprobs(_Body):
+    tokens: list[str]
+    token_logprobs: list[float | None]  # with `echo`, the prompt's first token has none
+    top_logprobs: list[dict[str, float] | None]
+    text_offset: list[int]
+
+
 class CompletionChoice(_Body):
     index: int
     text: str
-    logprobs: None
+    logprobs: CompletionLogprobs | None  # with `logprobs: n`
     finish_reason: str
 
 

@@ -17,7 +17,8 @@ import anyio
 import orjson
 
 from services.gateway.errors import APIError
-from services.gateway.generation import Generation, usage_dict
+from services.gateway.generation import Generation, TextEvent, usage_dict
+from services.gateway.logprobs import Entry, LogprobFormat, prompt_entries
 
 DONE = b"data: [DONE]\n\n"
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -39,42 +40,66 @@ class ResponseShape:
     def _envelope(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices}
 
-    def _choice(self, text: str, finish_reason: str | None, *, delta: dict[str, Any] | None = None
-                ) -> dict[str, Any]:
+    def _choice(self, text: str, finish_reason: str | None, *, delta: dict[str, Any] | None = None,
+                logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
         if self.chat:
             key, value = ("delta", delta) if delta is not None else ("message", {"role": "assistant",
                                                                                   "content": text})
-            return {"index": 0, key: value, "logprobs": None, "finish_reason": finish_reason}
-        return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+            return {"index": 0, key: value, "logprobs": logprobs, "finish_reason": finish_reason}
+        return {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
 
-    def response(self, text: str, finish_reason: str, usage: dict[str, Any]) -> dict[str, Any]:
+    def response(self, text: str, finish_reason: str, usage: dict[str, Any], logprobs: dict[str, Any] | None = None
+                 ) -> dict[str, Any]:
         obj = "chat.completion" if self.chat else "text_completion"
-        return {**self._envelope(obj, [self._choice(text, finish_reason)]), "usage": usage}
+        return {**self._envelope(obj, [self._choice(text, finish_reason, logprobs=logprobs)]), "usage": usage}
 
-    def chunk(self, text: str, finish_reason: str | None = None, *, role: bool = False) -> dict[str, Any]:
+    def chunk(self, text: str, finish_reason: str | None = None, *, role: bool = False,
+              logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
         if self.chat:
             delta: dict[str, Any] = {"role": "assistant", "content": text} if role else (
                 {"content": text} if text or finish_reason is None else {})
-            return self._envelope("chat.completion.chunk", [self._choice(text, finish_reason, delta=delta)])
-        return self._envelope("text_completion", [self._choice(text, finish_reason)])
+            return self._envelope("chat.completion.chunk",
+                                  [self._choice(text, finish_reason, delta=delta, logprobs=logprobs)])
+        return self._envelope("text_completion", [self._choice(text, finish_reason, logprobs=logprobs)])
 
     def usage_chunk(self, usage: dict[str, Any]) -> dict[str, Any]:
         obj = "chat.completion.chunk" if self.chat else "text_completion"
         return {**self._envelope(obj, []), "usage": usage}
 
 
-async def collect(shape: ResponseShape, generation: Generation) -> dict[str, Any]:
+@dataclass(frozen=True)
+class Extras:
+    """What a choice carries besides the text: logprobs (`format`), and an echoed prompt (completions)."""
+
+    format: LogprobFormat | None = None
+    echo_text: str | None = None  # None: no echo
+    prompt_ids: tuple[int, ...] = ()
+
+    def first(self, event: TextEvent) -> tuple[str, list[Entry]]:
+        """The first event's text and entries, with the echoed prompt (and its logprobs) before them."""
+        if self.echo_text is None:
+            return event.text, event.logprobs
+        return self.echo_text + event.text, prompt_entries(self.prompt_ids, event.prompt_logprobs) + event.logprobs
+
+    def render(self, entries: list[Entry]) -> dict[str, Any] | None:
+        return None if self.format is None else self.format.render(entries)
+
+
+async def collect(shape: ResponseShape, generation: Generation, extras: Extras = Extras()) -> dict[str, Any]:
     """The whole response of a non-streamed request; `APIError` when the request failed."""
     texts: list[str] = []
+    entries: list[Entry] = []
     async for event in generation.events():
-        texts.append(event.text)
+        text, new = extras.first(event) if not texts else (event.text, event.logprobs)
+        texts.append(text)
+        entries += new
         if event.finish_reason is not None:
-            return shape.response("".join(texts), event.finish_reason, event.usage or {})
+            return shape.response("".join(texts), event.finish_reason, event.usage or {}, extras.render(entries))
     raise AssertionError("events() ended without a finish reason")
 
 
-async def stream(shape: ResponseShape, generation: Generation, include_usage: bool, continuous_usage: bool = False
-                 ) -> AsyncIterator[bytes]:
+async def stream(shape: ResponseShape, generation: Generation, include_usage: bool, continuous_usage: bool = False,
+                 extras: Extras = Extras()) -> AsyncIterator[bytes]:
     """SSE bytes of a streamed request. Cancels the request when the client goes away before the end."""
 
     def extra() -> dict[str, Any]:
@@ -85,16 +110,16 @@ async def stream(shape: ResponseShape, generation: Generation, include_usage: bo
         return {"usage": usage_dict(len(generation.prompt_ids), len(generation.output_ids))}
 
     sent_role = not shape.chat
+    first = True
     try:
         async for event in generation.events():
             if not sent_role:
                 sent_role = True
                 yield sse({**shape.chunk("", role=True), **extra()})
-            if event.finish_reason is None:
-                yield sse({**shape.chunk(event.text), **extra()})
-                continue
-            yield sse({**shape.chunk(event.text, event.finish_reason), **extra()})
-            if include_usage:
+            text, entries = extras.first(event) if first else (event.text, event.logprobs)
+            first = False
+            yield sse({**shape.chunk(text, event.finish_reason, logprobs=extras.render(entries)), **extra()})
+            if event.finish_reason is not None and include_usage:
                 yield sse(shape.usage_chunk(event.usage or {}))
         yield DONE
     except APIError as exc:  # the status line is sent already: an error event, then the end

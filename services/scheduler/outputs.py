@@ -4,14 +4,16 @@ NATS core delivers at most once: when a node of a NATS cluster dies, or a connec
 back, deltas published around it may be lost. A gateway that suspects so (its own connection or the
 scheduler's came back, or a later index arrived first) resubmits the request with `resync`, and
 the scheduler sends again every delta from the gateway's `first_index` on. Every delta but the last
-carries exactly one token, so delta k is the request's token `base_tokens + k - base_index`; nothing
-is stored for a running request. A finished one is kept `keep_finished_s` for its final delta.
+carries exactly one token, so delta k is the request's token `base_tokens + k - base_index` (and its
+logprob, when asked, `logprobs[k - base_index]`): nothing more is stored for a running request. A
+finished one is kept `keep_finished_s` for its final delta.
 """
 
 from __future__ import annotations
 
 import time
 from collections import OrderedDict
+from typing import Any
 
 from nats.aio.client import Client
 
@@ -27,8 +29,9 @@ class OutputStream:
         # request id -> (finished at, monotonic; the state; its final delta, encoded)
         self._finished: OrderedDict[str, tuple[float, RequestState, bytes]] = OrderedDict()
 
-    async def token(self, state: RequestState, token_id: int) -> None:
-        await self._publish(state, _token_delta(state, state.next_index, token_id))
+    async def token(self, state: RequestState) -> None:
+        """The delta of the request's latest token (`state.output_ids[-1]`)."""
+        await self._publish(state, encode(token_delta(state, state.next_index)))
 
     async def final(self, state: RequestState, delta: OutputDelta) -> None:
         """The last delta (finish_reason set, index `state.next_index`); remembered a while for a resync."""
@@ -53,8 +56,7 @@ class OutputStream:
         last = state.next_index - 1 if entry is not None else state.next_index  # the final delta's index
         first = max(from_index, state.base_index)
         for index in range(first, last):
-            token_id = state.output_ids[state.base_tokens + index - state.base_index]
-            await self.nc.publish(subjects.req_out(state.request_id), _token_delta(state, index, token_id))
+            await self.nc.publish(subjects.req_out(state.request_id), encode(token_delta(state, index)))
         if entry is not None and from_index <= last:
             await self.nc.publish(subjects.req_out(state.request_id), entry[2])
         return max(0, last - first) + (entry is not None and from_index <= last)
@@ -67,5 +69,12 @@ class OutputStream:
             self._finished.popitem(last=False)
 
 
-def _token_delta(state: RequestState, index: int, token_id: int) -> bytes:
-    return encode(OutputDelta(request_id=state.request_id, index=index, token_ids=[token_id]))
+def token_delta(state: RequestState, index: int, **final: Any) -> OutputDelta:
+    """Delta `index`: its token with its logprob (and, for the request's first token, the prompt's
+    logprobs) where the sampling asks; `final` adds what the last delta carries (finish_reason, usage)."""
+    k = index - state.base_index
+    token_id = state.output_ids[state.base_tokens + k]
+    logprob = state.logprobs[k] if state.sampling.logprobs is not None and k < len(state.logprobs) else None
+    prompt = state.prompt_logprobs if state.base_tokens + k == 0 else None
+    return OutputDelta(request_id=state.request_id, index=index, token_ids=[token_id],
+                       logprobs=None if logprob is None else [logprob], prompt_logprobs=prompt, **final)

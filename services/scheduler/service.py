@@ -28,7 +28,7 @@ from services.scheduler.batcher import Pass, PassPlan, plan_passes, release_only
 from services.scheduler.gateways import GatewayWatch
 from services.scheduler.governor import Governor
 from services.scheduler.model_info import ModelInfo
-from services.scheduler.outputs import OutputStream
+from services.scheduler.outputs import OutputStream, token_delta
 from services.scheduler.recovery import InFlight, MicrobatchLostError
 from services.scheduler.registry import Registry, Worker
 from services.scheduler.state import RequestState, Status
@@ -48,6 +48,7 @@ from shared.messages import (
     SchedulerStatus,
     SubmitReply,
     SubmitRequest,
+    TokenLogprob,
     Usage,
     decode,
     encode,
@@ -342,7 +343,7 @@ class Scheduler:
         failed = set(done.failed_seq_ids)
         if done.error is not None and not failed:
             failed = {p.state.request_id for p in group}
-        tokens = {r.seq_id: r.token_id for r in done.results}
+        results = {r.seq_id: r for r in done.results}
         for p in group:
             state = p.state
             state.in_flight = False
@@ -355,13 +356,15 @@ class Scheduler:
                 await self._requeue(worker, state, failure=not blameless, reason=reason)
                 continue
             state.num_computed += p.n_new
+            result = results.get(state.request_id)
+            if result is not None and result.prompt_logprobs:
+                state.note_prompt_logprobs(result.prompt_logprobs_start, result.prompt_logprobs)
             if not p.samples:
                 continue
-            token = tokens.get(state.request_id)
-            if token is None:
+            if result is None or result.token_id is None:
                 await self._requeue(worker, state, failure=True, reason="the worker sampled no token")
                 continue
-            await self._append(state, token)
+            await self._append(state, result.token_id, result.logprob)
 
     async def _requeue(self, worker: Worker, state: RequestState, *, failure: bool, reason: str) -> None:
         """Take `state` off `worker` and route it again for recomputation (or fail it for good)."""
@@ -383,9 +386,10 @@ class Scheduler:
 
     # -- streaming ------------------------------------------------------------------------------
 
-    async def _append(self, state: RequestState, token: int) -> None:
+    async def _append(self, state: RequestState, token: int, logprob: TokenLogprob | None = None) -> None:
         reason = state.finish_reason_after(token, self.model.eos_token_ids)
         state.output_ids.append(token)
+        state.logprobs.append(logprob)
         now = time.time()
         state.last_token_ts = now
         if state.first_token_ts is None:
@@ -394,12 +398,12 @@ class Scheduler:
             assert ttft is not None
             self.governor.first_token(time.monotonic(), ttft * 1000.0)
         if reason is not None:
-            await self._finish(state, reason, last_tokens=[token])
+            await self._finish(state, reason, last_token=True)
             return
-        await self.outputs.token(state, token)
+        await self.outputs.token(state)
 
     async def _finish(self, state: RequestState, reason: FinishReason, error: ErrorBody | None = None,
-                      last_tokens: list[int] | None = None) -> None:
+                      last_token: bool = False) -> None:
         """End a request: free its place (KV released with the worker's next descriptor), send the final delta."""
         state.status = Status.FINISHED
         state.finish_reason = reason
@@ -417,9 +421,10 @@ class Scheduler:
         self.governor.finished(state, reason, time.monotonic())
         usage = Usage(prompt_tokens=len(state.prompt_ids), completion_tokens=len(state.output_ids),
                       total_tokens=state.num_tokens, energy_j=state.energy_j)
-        await self.outputs.final(state, OutputDelta(request_id=state.request_id, index=state.next_index,
-                                                    token_ids=last_tokens or [], finish_reason=reason, usage=usage,
-                                                    error=error))
+        delta = (token_delta(state, state.next_index, finish_reason=reason, usage=usage, error=error) if last_token
+                 else OutputDelta(request_id=state.request_id, index=state.next_index, token_ids=[],
+                                  finish_reason=reason, usage=usage, error=error))
+        await self.outputs.final(state, delta)
 
     # -- frequency commands and telemetry (governor.py decides, dispatch publishes) -----------------
 

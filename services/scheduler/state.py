@@ -11,7 +11,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-from shared.messages import FinishReason, SamplingSpec
+from shared.messages import FinishReason, SamplingSpec, TokenLogprob
 from shared.token_history import TokenHistory
 
 
@@ -44,6 +44,8 @@ class RequestState(TokenHistory):
     base_tokens: int = 0  # and the tokens it was streamed before (its `generated_ids`)
     in_flight: bool = False  # part of a microbatch whose MicrobatchDone has not come back
     gateway_id: str = ""  # the gateway run its client is on ("": not watched)
+    logprobs: list[TokenLogprob | None] = field(default_factory=list)  # per token generated here (past base_tokens)
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # per prompt token, as the prefill passes report them
 
     @property
     def finished(self) -> bool:
@@ -61,6 +63,14 @@ class RequestState(TokenHistory):
         if n < 2 or self.first_token_ts is None or self.last_token_ts is None:
             return None
         return (self.last_token_ts - self.first_token_ts) / (n - 1)
+
+    def note_prompt_logprobs(self, start: int, entries: list[TokenLogprob]) -> None:
+        """Prompt logprobs for positions `start`, `start + 1`, ...; by position, so a recompute's are the same."""
+        if self.prompt_logprobs is None:
+            self.prompt_logprobs = [None] * len(self.prompt_ids)
+        for position, entry in enumerate(entries, start):
+            if position < len(self.prompt_ids):
+                self.prompt_logprobs[position] = entry
 
     def reset_for_recompute(self) -> None:
         """Forget the placement: the next worker rebuilds the KV from prompt + output tokens."""

@@ -113,6 +113,7 @@ class Engine:
                 f"prompt ({len(prompt_ids)} tokens) plus max_tokens ({params.max_tokens}) is {total} tokens, "
                 f"more than this model's context of {limit} tokens", param="max_tokens")
         seq = Sequence(seq_id, list(prompt_ids), params, SequenceSampler(params, self.eos_token_ids))
+        seq.sampler.saw(prompt_ids)
         if self.tokenizer is not None:
             from shared.model.tokenizer import IncrementalDetokenizer
 

@@ -13,6 +13,7 @@ from shared.errors import InvalidRequestError
 
 # Below this temperature, logits / T overflows or is numerically greedy anyway: treat it as greedy.
 GREEDY_TEMPERATURE_EPS = 1e-5
+MAX_LOGPROBS = 20  # top alternatives per token, as vLLM's default `max_logprobs`
 
 
 @dataclass(frozen=True)
@@ -21,7 +22,11 @@ class SamplingParams:
 
     `top_k` of 0 or -1 means off; `temperature == 0` means greedy. Penalties follow OpenAI over the
     tokens generated so far: `logit -= presence_penalty * (count > 0) + frequency_penalty * count`.
-    `min_tokens` tokens are generated before an EOS or a stop token id may be.
+    `min_tokens` tokens are generated before an EOS or a stop token id may be. `repetition_penalty`
+    is vLLM's: every token already in the prompt or the output has its logit divided by it (if
+    positive) or multiplied by it (if not). `logprobs` asks for each sampled token's log-probability
+    and that many top alternatives; `prompt_logprobs` the same for the prompt's tokens (from the
+    prefill's logits, the first token excepted). Both come from the model's raw logits.
     """
 
     temperature: float = 1.0
@@ -35,6 +40,9 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+    repetition_penalty: float = 1.0
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         # Requests arrive as JSON: accept a single stop string and lists, store tuples (hashable).
@@ -54,6 +62,10 @@ class SamplingParams:
         return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
     @property
+    def has_repetition_penalty(self) -> bool:
+        return self.repetition_penalty != 1.0
+
+    @property
     def truncates(self) -> bool:
         """Whether top-k or top-p cut the distribution (needs a sort of the vocabulary)."""
         return self.top_k > 1 or self.top_p < 1.0
@@ -63,7 +75,7 @@ class SamplingParams:
         for name in ("top_k", "max_tokens", "min_tokens"):
             if not _is_int(getattr(self, name)):
                 raise InvalidRequestError(f"{name} must be an integer, got {getattr(self, name)!r}", name)
-        for name in ("temperature", "top_p", "presence_penalty", "frequency_penalty"):
+        for name in ("temperature", "top_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
             value = getattr(self, name)
             if not (isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)):
                 raise InvalidRequestError(f"{name} must be a finite number, got {value!r}", name)
@@ -78,6 +90,13 @@ class SamplingParams:
             value = getattr(self, name)
             if not -2.0 <= value <= 2.0:
                 raise InvalidRequestError(f"{name} must be in [-2, 2], got {value}", name)
+        if not 0.0 < self.repetition_penalty <= 2.0:
+            raise InvalidRequestError(f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}",
+                                      "repetition_penalty")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and not (_is_int(value) and 0 <= value <= MAX_LOGPROBS):
+                raise InvalidRequestError(f"{name} must be an integer in [0, {MAX_LOGPROBS}], got {value!r}", name)
         if self.max_tokens < 1:
             raise InvalidRequestError(f"max_tokens must be >= 1, got {self.max_tokens}", "max_tokens")
         if not 0 <= self.min_tokens <= self.max_tokens:

@@ -42,6 +42,7 @@ class SequenceSampler:
         self.seed: int = params.seed if params.seed is not None else secrets.randbits(63)
         self.num_generated = 0
         self.token_counts: dict[int, int] = {}
+        self.seen_ids: set[int] = set()  # prompt and output tokens, for `repetition_penalty` (kept only then)
         self.finish_reason: str | None = None
         self._stop_ids = frozenset(params.stop_token_ids) | (
             frozenset() if params.ignore_eos else frozenset(self.eos_token_ids)
@@ -81,24 +82,41 @@ class SequenceSampler:
             return "length"
         return None
 
+    def saw(self, token_ids: Sequence[int]) -> None:
+        """Tokens fed to the sequence (its prompt, in one piece or chunk by chunk): `repetition_penalty` counts them."""
+        if self.params.has_repetition_penalty:
+            self.seen_ids.update(token_ids)
+
     def record(self, token_id: int) -> str | None:
         """Count `token_id` as generated (for penalties and limits); return the finish reason, if any."""
         reason = self.finish_reason_after(token_id)
         self.num_generated += 1
         self.token_counts[token_id] = self.token_counts.get(token_id, 0) + 1
+        if self.params.has_repetition_penalty:
+            self.seen_ids.add(token_id)
         if reason is not None and self.finish_reason is None:
             self.finish_reason = reason
         return reason
 
 
 def apply_penalties_(logits: torch.Tensor, rows: Sequence[int], samplers: Sequence[SequenceSampler]) -> None:
-    """In place: `logits[r, t] -= presence * (count > 0) + frequency * count` for each row in `rows`."""
+    """In place, as vLLM orders them: the repetition penalty over the prompt and output tokens (divide a
+    positive logit by it, multiply a negative one), then `logits[r, t] -= presence * (count > 0) +
+    frequency * count` over the output tokens, for each row in `rows`."""
     # logits: [B, V]
+    for r in rows:
+        penalty = samplers[r].params.repetition_penalty
+        if penalty != 1.0 and samplers[r].seen_ids:
+            ids = torch.tensor(sorted(samplers[r].seen_ids), device=logits.device)
+            seen = logits[r, ids]
+            logits[r, ids] = torch.where(seen > 0, seen / penalty, seen * penalty)
     row_idx: list[int] = []
     tok_idx: list[int] = []
     amounts: list[float] = []
     for r in rows:
         p = samplers[r].params
+        if not p.has_penalties:
+            continue
         for tok, count in samplers[r].token_counts.items():
             row_idx.append(r)
             tok_idx.append(tok)
@@ -157,7 +175,8 @@ def sample_next_tokens(logits: torch.Tensor, samplers: Sequence[SequenceSampler]
         raise ValueError(f"logits must be [B, V] with B == len(samplers) == {len(samplers)}, "
                          f"got shape {list(logits.shape)}")
     batch = len(samplers)
-    penalised = [i for i, s in enumerate(samplers) if s.params.has_penalties and s.token_counts]
+    penalised = [i for i, s in enumerate(samplers)
+                 if (s.params.has_penalties and s.token_counts) or (s.params.has_repetition_penalty and s.seen_ids)]
     masked = [i for i, s in enumerate(samplers) if s.masks_stop_tokens]
     greedy = [i for i, s in enumerate(samplers) if s.params.is_greedy]
 

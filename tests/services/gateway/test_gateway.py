@@ -372,6 +372,13 @@ LONG = "hello " * 9000
     ({"model": "gpt-4", "messages": MESSAGES}, 404, "model"),
     ({"model": MODEL, "messages": [{"role": "user", "content": LONG}]}, 400, "messages"),
     ({"model": MODEL, "messages": MESSAGES, "max_tokens": 8192}, 400, "messages"),
+    ({"model": MODEL, "messages": MESSAGES, "top_logprobs": 2}, 400, "top_logprobs"),  # without logprobs
+    ({"model": MODEL, "messages": MESSAGES, "logprobs": False, "top_logprobs": 2}, 400, "top_logprobs"),
+    ({"model": MODEL, "messages": MESSAGES, "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs"),
+    ({"model": MODEL, "messages": MESSAGES, "logprobs": True, "top_logprobs": -1}, 400, "top_logprobs"),
+    ({"model": MODEL, "messages": MESSAGES, "logprobs": 1}, 400, "logprobs"),
+    ({"model": MODEL, "messages": MESSAGES, "repetition_penalty": 0}, 400, "repetition_penalty"),
+    ({"model": MODEL, "messages": MESSAGES, "repetition_penalty": 2.5}, 400, "repetition_penalty"),
 ])
 def test_bad_chat_requests(h: Harness, body: dict[str, Any], status: int, param: str) -> None:
     r = httpx.post(f"{h.base}/v1/chat/completions", json=body)
@@ -389,6 +396,10 @@ def test_bad_chat_requests(h: Harness, body: dict[str, Any], status: int, param:
     ({"model": MODEL, "prompt": [1, -2]}, "prompt"),
     ({"model": MODEL, "prompt": [10**7]}, "prompt"),
     ({"model": MODEL, "prompt": [1, 2], "max_tokens": 8191}, "prompt"),
+    ({"model": MODEL, "prompt": "a", "logprobs": 21}, "logprobs"),
+    ({"model": MODEL, "prompt": "a", "logprobs": -1}, "logprobs"),
+    ({"model": MODEL, "prompt": "a", "logprobs": True}, "logprobs"),
+    ({"model": MODEL, "prompt": "a", "echo": "yes"}, "echo"),
 ])
 def test_bad_completion_requests(h: Harness, body: dict[str, Any], param: str) -> None:
     r = httpx.post(f"{h.base}/v1/completions", json=body)

@@ -201,6 +201,23 @@ def test_penalties_follow_the_openai_formula_exactly() -> None:
     assert torch.equal(got, expected)
 
 
+def test_repetition_penalty_divides_positive_and_multiplies_negative_logits_of_seen_tokens() -> None:
+    """vLLM's rule over the prompt (seen chunk by chunk) and the output, before the OpenAI penalties."""
+    logits = torch.tensor([[2.0, -1.0, 3.0, -4.0, 1.0, 0.5]])  # [1, 6]
+    sampler = SequenceSampler(SamplingParams(temperature=0.0, repetition_penalty=2.0, frequency_penalty=0.5))
+    sampler.saw([0, 1])
+    sampler.saw([1])  # a later chunk, or a recompute feeding it again: each token counts once
+    sampler.record(3)
+    got = logits.clone()
+    apply_penalties_(got, [0], [sampler])
+    assert torch.equal(got, torch.tensor([[1.0, -2.0, 3.0, -8.0 - 0.5, 1.0, 0.5]]))
+    assert sample_next_tokens(logits, [sampler]) == [2]
+    assert sample_next_tokens(torch.tensor([[2.0, 0.0, 1.5, 0.0, 0.0, 0.0]]), [sampler]) == [2]  # 2 / 2 < 1.5
+    plain = SequenceSampler(SamplingParams(temperature=0.0))
+    plain.saw([0])
+    assert not plain.seen_ids  # nothing kept when the penalty is off
+
+
 def test_penalties_change_greedy_choice_and_caller_logits_are_untouched() -> None:
     logits = torch.tensor([[5.0, 4.0, 0.0, 0.0]])  # [1, 4]
     original = logits.clone()

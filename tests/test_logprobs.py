@@ -1,0 +1,178 @@
+"""Logprobs through the whole mesh (`aflex up`, the official `openai` client) equal the model's own.
+
+The reference is transformers' forward of the same tiny checkpoint over the whole sequence in float32:
+log_softmax of its logits. The mesh reads them off its own passes instead (the sampled rows, and for an
+echoed prompt the prefill's rows, carried across chunks of 16 tokens), and must agree on every position.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+import torch
+
+from tools.launch import Mesh, aflex_up
+
+TOL = 2e-4  # float32 over two layers, a different summation order
+CHUNK_TOKENS = 16  # the scheduler's max_batch_tokens: a 40-token prompt is prefilled in three chunks
+
+
+@pytest.fixture(scope="module")
+def mesh(tiny_chat_checkpoint: Path) -> Iterator[Mesh]:
+    with aflex_up(str(tiny_chat_checkpoint), env_extra={"AFLEX_MAX_BATCH_TOKENS": str(CHUNK_TOKENS)}) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def client(mesh: Mesh) -> openai.OpenAI:
+    return openai.OpenAI(base_url=mesh.base_url, api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_chat_checkpoint: Path) -> Callable[[list[int]], torch.Tensor]:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_chat_checkpoint, dtype=torch.float32).eval()
+
+    def logprobs(ids: list[int]) -> torch.Tensor:
+        """[len(ids), V]: row p is log p(next token | ids[:p + 1])."""
+        with torch.no_grad():
+            return torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), dim=-1)
+
+    return logprobs
+
+
+def _model(client: openai.OpenAI) -> str:
+    return client.models.list().data[0].id
+
+
+def _ids(tokens: list[str]) -> list[int]:
+    assert all(t.startswith("token_id:") for t in tokens), tokens
+    return [int(t.removeprefix("token_id:")) for t in tokens]
+
+
+def _check_against(reference: torch.Tensor, ids: list[int], token_logprobs: list[float | None],
+                   top_logprobs: list[dict[str, float] | None], top_n: int) -> None:
+    """Position p (p >= 1): the token's logprob and the top `top_n` agree with reference row p - 1."""
+    assert token_logprobs[0] is None and top_logprobs[0] is None
+    for p in range(1, len(ids)):
+        row = reference[p - 1]
+        assert token_logprobs[p] == pytest.approx(row[ids[p]].item(), abs=TOL), p
+        top = top_logprobs[p]
+        assert top is not None
+        best = row.topk(top_n)
+        expected = {f"token_id:{t}": v for t, v in zip(best.indices.tolist(), best.values.tolist(), strict=True)}
+        expected.setdefault(f"token_id:{ids[p]}", row[ids[p]].item())  # vLLM: the token itself is listed too
+        assert top.keys() == expected.keys(), p
+        assert all(top[k] == pytest.approx(v, abs=TOL) for k, v in expected.items()), p
+
+
+def test_echo_gives_the_prompt_and_output_logprobs_of_the_model(client: openai.OpenAI, reference: Any) -> None:
+    prompt = random.Random(7).sample(range(300, 40000), 40)  # token ids: three prefill chunks
+    r = client.completions.create(model=_model(client), prompt=prompt, max_tokens=5, temperature=0, echo=True,
+                                  logprobs=3, extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True})
+    choice = r.choices[0]
+    assert choice.logprobs is not None and r.usage is not None and r.usage.completion_tokens == 5
+    ids = _ids(choice.logprobs.tokens or [])
+    assert ids[:40] == prompt and len(ids) == 45
+    ref = reference(ids)
+    _check_against(ref, ids, choice.logprobs.token_logprobs or [], choice.logprobs.top_logprobs or [], 3)
+    assert ids[40:] == ref[39:44].argmax(dim=-1).tolist()  # greedy: each output token is the model's best
+    offsets = choice.logprobs.text_offset or []
+    assert offsets == [sum(len(t) for t in (choice.logprobs.tokens or [])[:i]) for i in range(45)]
+
+
+def test_echo_with_one_token_as_lm_eval_asks(client: openai.OpenAI, reference: Any) -> None:
+    """lm-evaluation-harness's loglikelihood request: context + continuation, echo, logprobs 1, max_tokens 1.
+    It sums token_logprobs[ctxlen:-1] and calls the continuation greedy when each is its row's best."""
+    context, continuation = [1, 5210, 314, 260, 3587], [28, 2362, 30]
+    r = client.completions.create(model=_model(client), prompt=context + continuation, max_tokens=1,
+                                  temperature=0, echo=True, logprobs=1,
+                                  extra_body={"return_tokens_as_token_ids": True})
+    logprobs = r.choices[0].logprobs
+    assert logprobs is not None
+    token_logprobs = logprobs.token_logprobs or []
+    top = logprobs.top_logprobs or []
+    assert len(token_logprobs) == len(context) + len(continuation) + 1
+    ref = reference(context + continuation)
+    expected = sum(ref[p - 1, t].item() for p, t in enumerate(continuation, start=len(context)))
+    assert sum(token_logprobs[len(context):-1]) == pytest.approx(expected, abs=3 * TOL)  # type: ignore[arg-type]
+    greedy = all(ref[p - 1].argmax().item() == t for p, t in enumerate(continuation, start=len(context)))
+    assert greedy == all(lp == max(t.values()) for lp, t in zip(token_logprobs[len(context):-1],
+                                                                 top[len(context):-1], strict=True) if t)
+
+
+def test_streamed_echo_equals_the_whole_response(client: openai.OpenAI) -> None:
+    body: dict[str, Any] = {"model": _model(client), "prompt": "The sea is", "max_tokens": 6, "temperature": 0,
+                            "echo": True, "logprobs": 2, "extra_body": {"ignore_eos": True}}
+    whole = client.completions.create(**body).choices[0]
+    chunks = [c.choices[0] for c in client.completions.create(**body, stream=True) if c.choices]
+    assert "".join(c.text for c in chunks) == whole.text and whole.text.startswith("The sea is")
+    assert chunks[0].text.startswith("The sea is")  # the prompt comes with the first chunk
+    streamed = [t for c in chunks if c.logprobs is not None for t in (c.logprobs.token_logprobs or [])]
+    assert whole.logprobs is not None and streamed == whole.logprobs.token_logprobs
+    assert streamed[0] is None and all(lp is not None for lp in streamed[1:])
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_chat_logprobs_and_top_logprobs(client: openai.OpenAI, stream: bool) -> None:
+    kwargs: dict[str, Any] = {"model": _model(client), "messages": [{"role": "user", "content": "Hi there"}],
+                              "max_tokens": 8, "temperature": 0, "logprobs": True, "top_logprobs": 3,
+                              "extra_body": {"ignore_eos": True}}
+    plain = client.chat.completions.create(**{**kwargs, "logprobs": None, "top_logprobs": None}).choices[0]
+    assert plain.logprobs is None
+    if stream:
+        chunks = [c.choices[0] for c in client.chat.completions.create(**kwargs, stream=True) if c.choices]
+        text = "".join(c.delta.content or "" for c in chunks)
+        content = [e for c in chunks if c.logprobs is not None for e in (c.logprobs.content or [])]
+    else:
+        choice = client.chat.completions.create(**kwargs).choices[0]
+        text, content = choice.message.content or "", (choice.logprobs.content or []) if choice.logprobs else []
+    assert text == plain.message.content  # asking for logprobs changes nothing else
+    assert len(content) == 8
+    for entry in content:
+        assert len(entry.top_logprobs) == 3
+        values = [t.logprob for t in entry.top_logprobs]
+        assert values == sorted(values, reverse=True) and entry.logprob == values[0]  # greedy: the best token
+        assert entry.token == entry.top_logprobs[0].token and entry.bytes == list(entry.token.encode())
+
+
+def test_sampled_logprobs_leave_the_seeded_tokens_alone(client: openai.OpenAI) -> None:
+    kwargs: dict[str, Any] = {"model": _model(client), "messages": [{"role": "user", "content": "Hi there"}],
+                              "max_tokens": 10, "temperature": 1.0, "seed": 11, "extra_body": {"ignore_eos": True}}
+    plain = client.chat.completions.create(**kwargs).choices[0]
+    choice = client.chat.completions.create(**kwargs, logprobs=True, top_logprobs=20).choices[0]
+    assert choice.message.content == plain.message.content
+    assert choice.logprobs is not None and len(choice.logprobs.content or []) == 10
+    for entry in choice.logprobs.content or []:
+        assert entry.logprob <= entry.top_logprobs[0].logprob and len(entry.top_logprobs) == 20
+
+
+@pytest.mark.parametrize(("temperature", "seed"), [(0.0, None), (0.9, 5)])
+def test_repetition_penalty_gives_the_engine_tokens(client: openai.OpenAI, tiny_chat_checkpoint: Path,
+                                                    temperature: float, seed: int | None) -> None:
+    """vLLM's `repetition_penalty` over prompt and output: the mesh's tokens are the in-process engine's;
+    greedy, the penalty changes them (without it the tiny model repeats a token on this prompt)."""
+    from shared.model.checkpoint import open_checkpoint
+    from shared.model.engine import Engine
+    from shared.model.params import SamplingParams
+
+    prompt = [400, 401, 402, 403] * 8  # two prefill chunks: the penalty sees both
+    engine = Engine.from_checkpoint(open_checkpoint(str(tiny_chat_checkpoint)), num_kv_blocks=64, block_size=16)
+    penalised = SamplingParams(temperature=temperature, seed=seed, max_tokens=16, ignore_eos=True,
+                               repetition_penalty=1.8)
+    expected = engine.generate([prompt], penalised)[0].token_ids
+    unpenalised = engine.generate([prompt], SamplingParams(temperature=temperature, seed=seed, max_tokens=16,
+                                                           ignore_eos=True))[0].token_ids
+    if temperature == 0.0:
+        assert expected != unpenalised and len(set(unpenalised)) < len(unpenalised)
+        assert len(set(expected)) == len(expected)
+    r = client.completions.create(model=_model(client), prompt=prompt, max_tokens=16, temperature=temperature,
+                                  seed=seed, logprobs=0, extra_body={"ignore_eos": True, "repetition_penalty": 1.8,
+                                                                     "return_tokens_as_token_ids": True})
+    assert r.choices[0].logprobs is not None and _ids(r.choices[0].logprobs.tokens or []) == expected
