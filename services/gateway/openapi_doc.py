@@ -121,6 +121,18 @@ class Detokenized(_Body):
     prompt: str
 
 
+class TokenizerInfo(_Body):
+    tokenizer_class: str
+    bos_token: str | None
+    eos_token: str | None
+    pad_token: str | None
+    unk_token: str | None
+    add_bos_token: bool
+    chat_template: str | None
+    model_max_length: int
+    vocab_size: int
+
+
 class Health(_Body):
     status: Literal["ok"]
 
@@ -154,6 +166,7 @@ ROUTES: dict[tuple[str, str], tuple[type[BaseModel], tuple[int, ...], bool]] = {
     ("/v1/completions", "post"): (Completion, GENERATION_ERRORS, True),
     ("/tokenize", "post"): (Tokenized, (400, 401, 404, 413), False),
     ("/detokenize", "post"): (Detokenized, (400, 401, 404, 413), False),
+    ("/tokenizer_info", "get"): (TokenizerInfo, (401,), False),
 }
 
 

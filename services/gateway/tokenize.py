@@ -1,9 +1,12 @@
-"""`POST /tokenize` and `POST /detokenize`, with vLLM's request and response fields.
+"""`POST /tokenize`, `POST /detokenize` and `GET /tokenizer_info`, with vLLM's request and response fields.
 
 Clients (lm-evaluation-harness, vLLM's benchmark tools) count and split prompts here when the server
 has these routes. `tokenize` takes a `prompt`, or `messages` rendered with the chat template exactly
 as /v1/chat/completions renders them; it returns the ids the mesh would be fed. Like /v1, they ask
-for the API key when one is set (vLLM leaves them open).
+for the API key when one is set (vLLM leaves them open). `tokenizer_info` (vLLM's, behind its
+`--enable-tokenizer-info-endpoint`) is what lets lm-evaluation-harness tokenize through the server
+(`tokenizer_backend=remote`, which it picks by itself when the route answers) instead of loading the
+model's tokenizer locally.
 """
 
 from __future__ import annotations
@@ -59,6 +62,16 @@ async def tokenize(body: TokenizeRequest, gateway: GatewayDep) -> Response:
     if body.return_token_strs:
         answer["token_strs"] = [tokenizer.backend.id_to_token(i) for i in ids]
     return JSONResponse(answer)
+
+
+@router.get("/tokenizer_info")
+async def tokenizer_info(gateway: GatewayDep) -> Response:
+    tokenizer = gateway.tokenizer
+    return JSONResponse({"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": tokenizer.bos_token,
+                         "eos_token": tokenizer.eos_token, "pad_token": tokenizer.pad_token,
+                         "unk_token": tokenizer.unk_token, "add_bos_token": tokenizer.add_bos_token,
+                         "chat_template": tokenizer.chat_template, "model_max_length": gateway.max_seq_len,
+                         "vocab_size": tokenizer.vocab_size})
 
 
 @router.post("/detokenize")

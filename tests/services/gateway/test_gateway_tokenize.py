@@ -87,3 +87,17 @@ def test_unknown_model_and_missing_key(post: Any) -> None:
     r = post("/tokenize", {"prompt": "a", "model": "nope"})
     assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
     assert post("/detokenize", {"tokens": [1]}, key="wrong").status_code == 401
+
+
+def test_tokenizer_info_names_the_special_tokens_and_template(hf_tokenizer: Any) -> None:
+    """vLLM's GET /tokenizer_info: what lm-eval's remote tokenizer reads (its eos_token, the chat template)."""
+    settings = GatewaySettings(nats_url="nats://127.0.0.1:1")
+    app = create_app(settings, open_model_card("default"), cast(Client, None))
+
+    async def go() -> httpx.Response:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw") as c:
+            return await c.get("/tokenizer_info")
+    info = asyncio.run(go()).json()
+    assert info["eos_token"] == hf_tokenizer.eos_token and info["bos_token"] == hf_tokenizer.bos_token
+    assert info["chat_template"] == hf_tokenizer.chat_template and info["model_max_length"] == 8192
+    assert info["vocab_size"] == len(hf_tokenizer)
