@@ -73,6 +73,9 @@ class SubmitRequest(Message):
     # the gateway may have missed deltas: a scheduler that holds the request (or finished it lately) sends
     # them again from `first_index`; one that does not takes it as a continuation
     resync: bool = False
+    # one of the n choices of a request: the request id of the first choice, whose prompt KV this one
+    # may share (same prompt) on the same attention worker, instead of prefilling it again
+    fork_of: str = ""
 
 
 class SubmitReply(Message):
@@ -150,6 +153,9 @@ class SeqWork(Message):
     sample: bool  # this pass ends at the sequence's last known token: sample the next one
     sampling: SamplingSpec | None = None  # sent on the sequence's first pass on this worker
     generated_ids: list[int] = Field(default_factory=list)  # on the first pass: tokens generated so far
+    # on the first pass: the sequence whose KV holds this one's first `start_pos` tokens (shared, copied
+    # on write); None: the first pass starts at 0
+    fork_of: str | None = None
 
 
 Phase = Literal["prefill", "decode", "mixed"]

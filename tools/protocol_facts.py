@@ -248,6 +248,9 @@ ERROR_CODES: tuple[tuple[str, str, str, str], ...] = (
      "a sequence's first pass on this worker did not carry `sampling`"),
     ("invalid_sampling", ErrorType.INVALID_REQUEST, "attention worker → `MicrobatchDone`",
      "the sampling parameters are out of range"),
+    ("fork_parent_missing", ErrorType.SERVER_ERROR, "attention worker → `MicrobatchDone`",
+     "a fork's first pass (`fork_of`) names a sequence this worker no longer holds that far; the scheduler "
+     "sends it again from 0"),
     ("kv_cache_exhausted", ErrorType.OVERLOADED, "attention worker → `MicrobatchDone`",
      "no KV blocks left for the sequence; the scheduler re-routes it"),
     ("microbatch_failed", ErrorType.SERVER_ERROR, "attention worker → `MicrobatchDone`",

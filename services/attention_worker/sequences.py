@@ -43,6 +43,7 @@ class Admitted:
     state: SequenceState
     seq_pass: SequencePass
     is_new: bool
+    copies: list[tuple[int, int]]  # (source, destination) KV blocks to copy before the pass writes
 
     @property
     def end(self) -> int:
@@ -92,8 +93,13 @@ class SequenceTable:
                                   f"the model's context of {self.max_seq_len}", ErrorType.INVALID_REQUEST)
         state = self._states.get(work.seq_id)
         is_new = state is None
+        parent = self._states.get(work.fork_of) if is_new and work.fork_of is not None else None
+        if is_new and work.fork_of is not None and (parent is None or parent.num_computed < work.start_pos):
+            raise SequenceRefused("fork_parent_missing", f"sequence {work.seq_id}: its first {work.start_pos} "
+                                  f"tokens were to be shared with {work.fork_of}, which this worker does not "
+                                  "hold that far (resend it from start_pos 0)", ErrorType.SERVER_ERROR)
         if state is None:
-            if work.start_pos != 0:
+            if work.start_pos != 0 and parent is None:
                 raise SequenceRefused("start_pos_mismatch", f"sequence {work.seq_id}: start_pos is "
                                       f"{work.start_pos} but this worker holds no KV for it (resend it from "
                                       "start_pos 0 with its sampling and generated_ids)", ErrorType.SERVER_ERROR)
@@ -109,14 +115,18 @@ class SequenceTable:
             state = SequenceState(SequenceSampler(params, self.eos_token_ids))
             for token_id in work.generated_ids:  # penalties and min_tokens see what came before
                 state.sampler.record(token_id)
+            state.num_computed = work.start_pos  # a fork's shared prefix (else 0)
         elif work.start_pos != state.num_computed:
             raise SequenceRefused("start_pos_mismatch", f"sequence {work.seq_id}: start_pos is {work.start_pos} "
                                   f"but this worker has computed {state.num_computed} of its tokens",
                                   ErrorType.SERVER_ERROR)
-        if is_new:
+        if is_new and work.fork_of is not None:
+            self.block_tables.fork(work.fork_of, work.seq_id, work.start_pos)
+        elif is_new:
             self.block_tables.add_sequence(work.seq_id)
         try:
             self.block_tables.reserve(work.seq_id, end)
+            copies = self.block_tables.copy_on_write(work.seq_id, work.start_pos, end)
         except KVCacheExhaustedError as exc:
             if is_new:
                 self.block_tables.free_sequence(work.seq_id)
@@ -127,7 +137,7 @@ class SequenceTable:
         state.sampler.saw(work.token_ids)
         seq_pass = SequencePass(work.start_pos, n_new, self.block_tables.slots(work.seq_id, 0, end),
                                 wants_logits=work.sample)
-        return Admitted(work, state, seq_pass, is_new)
+        return Admitted(work, state, seq_pass, is_new, copies)
 
     def seq_ids(self) -> list[str]:
         return list(self._states)

@@ -255,8 +255,9 @@ class AttentionWorker:
                   "ffn_energy_j": 0.0}
         claimed: list[str] = []
         owns_mb_id = False
+        forked = {w.fork_of for w in desc.seqs if w.fork_of is not None}  # released after their forks
         try:
-            self._release(desc.release)
+            self._release([s for s in desc.release if s not in forked])
             if not self._accepting:
                 raise AFlexError(f"attention worker {self.worker_id} is shutting down")
             if desc.mb_id in self._active_mbs:
@@ -277,6 +278,8 @@ class AttentionWorker:
                 except SequenceRefused as exc:
                     failures.add(work.seq_id, exc.error_type, exc.code, str(exc))
                     continue
+                if admitted[-1].copies and self.kv is not None:  # a shared block, before this pass writes it
+                    self.kv.copy_blocks(admitted[-1].copies, self.sequences.block_tables.block_size)
                 self._busy.add(work.seq_id)
                 claimed.append(work.seq_id)
             if admitted:
@@ -294,6 +297,7 @@ class AttentionWorker:
                 self._fail_all(desc, admitted, failures, str(exc))
             results = []
         finally:
+            self._release([s for s in desc.release if s in forked])
             if owns_mb_id:
                 self._active_mbs.discard(desc.mb_id)
                 if self.gpu is not None:

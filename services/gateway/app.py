@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import re
 import time
@@ -51,7 +52,7 @@ from services.gateway.streaming import SSE_HEADERS, Extras, ResponseShape, colle
 from shared import subjects
 from shared.errors import TokenizerError
 from shared.lifecycle import stop_on_signals
-from shared.messages import ProtocolError, SchedulerStatus, decode
+from shared.messages import ProtocolError, SamplingSpec, SchedulerStatus, decode
 from shared.model.checkpoint import ModelCard, open_model_card
 from shared.settings import GatewaySettings
 from shared.transport import bus
@@ -150,8 +151,6 @@ async def completions(body: CompletionRequest, request: Request, gateway: Gatewa
 
 def _check_common(gateway: Gateway, body: _GenerationRequest) -> None:
     check_model(gateway, body.model)
-    if body.n != 1:
-        raise invalid(f"only n=1 is supported, got n={body.n}", "n")
     if body.stream_options is not None and not body.stream:
         raise invalid("Stream options can only be defined when `stream=True`.", "stream_options")
 
@@ -186,43 +185,52 @@ async def _generate(request: Request, gateway: Gateway, body: _GenerationRequest
     request_id = f"{'chatcmpl' if chat else 'cmpl'}-{client_id or uuid.uuid4().hex}"
     if client_id is not None and not REQUEST_ID.fullmatch(client_id):
         raise invalid("the x-request-id header may hold 1 to 128 letters, digits, '-', '_' or ':'", "x-request-id")
-    generation = Generation(
-        nc=gateway.nc, request_id=request_id, model_id=gateway.card.model_id, prompt_ids=prompt_ids,
-        sampling=sampling, stop=body.stop_strings(), tokenizer=gateway.tokenizer,
-        submit_timeout_s=gateway.settings.submit_timeout_s, token_timeout_s=gateway.settings.request_timeout_s,
-        metrics=request.app.state.metrics, watch=gateway.schedulers, gateway_id=gateway.gateway_id,
+    generations = [Generation(
+        nc=gateway.nc, request_id=request_id if i == 0 else f"{request_id}-{i}", model_id=gateway.card.model_id,
+        prompt_ids=prompt_ids, sampling=_choice_sampling(sampling, i), stop=body.stop_strings(),
+        tokenizer=gateway.tokenizer, submit_timeout_s=gateway.settings.submit_timeout_s,
+        token_timeout_s=gateway.settings.request_timeout_s, metrics=request.app.state.metrics,
+        watch=gateway.schedulers, gateway_id=gateway.gateway_id,
         scheduler_silence_s=gateway.settings.scheduler_silence_s,
-        failover_deadline_s=gateway.settings.failover_deadline_s,
-    )
+        failover_deadline_s=gateway.settings.failover_deadline_s, fork_of=request_id if i else "",
+    ) for i in range(body.n)]
     shape = ResponseShape(request_id, int(time.time()), body.model or gateway.served_model, chat)
     top_n = sampling.logprobs
-    logprob_format = None if top_n is None else LogprobFormat(gateway.tokenizer, chat=chat, top_n=top_n,
-                                                                as_ids=body.return_tokens_as_token_ids)
-    extras = Extras(logprob_format, echo_text, tuple(prompt_ids))
+    extras = [Extras(None if top_n is None else LogprobFormat(gateway.tokenizer, chat=chat, top_n=top_n,
+                                                                as_ids=body.return_tokens_as_token_ids),
+                     echo_text, tuple(prompt_ids)) for _ in generations]
     headers = {"X-Request-Id": client_id or request_id}
     try:
-        await generation.submit()
-    except APIError as exc:
-        await generation.release("submit_failed")
-        exc.headers.update(headers)
-        raise
-    except BaseException:
-        await generation.release("submit_failed")
+        for generation in generations:  # choice 0 first: the others may share its prompt's KV
+            await generation.submit()
+    except BaseException as exc:
+        for generation in generations:
+            await generation.release("submit_failed")
+        if isinstance(exc, APIError):
+            exc.headers.update(headers)
         raise
     if body.stream:
         options = body.stream_options
         include_usage = bool(options and options.include_usage)
         continuous = bool(include_usage and options and options.continuous_usage_stats)
-        return StreamingResponse(stream(shape, generation, include_usage, continuous, extras),
+        return StreamingResponse(stream(shape, generations, include_usage, continuous, extras),
                                  media_type="text/event-stream", headers={**SSE_HEADERS, **headers})
     try:
-        result = await _unless_disconnected(request, collect(shape, generation, extras))
+        result = await _unless_disconnected(request, collect(shape, generations, extras))
     except APIError as exc:
         exc.headers.update(headers)
         raise
     finally:
-        await asyncio.shield(generation.release("client_disconnected"))
+        for generation in generations:
+            await asyncio.shield(generation.release("client_disconnected"))
     return JSONResponse(result, headers=headers)
+
+
+def _choice_sampling(sampling: SamplingSpec, index: int) -> SamplingSpec:
+    """Choice `index` of n: its own seed (seed + index, as vLLM's n does), so each choice reproduces alone."""
+    if index == 0 or sampling.seed is None:
+        return sampling
+    return dataclasses.replace(sampling, seed=sampling.seed + index)
 
 
 async def _unless_disconnected(request: Request, work: Coroutine[Any, Any, T]) -> T:

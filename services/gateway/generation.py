@@ -112,6 +112,7 @@ class Generation:
     gateway_id: str = ""  # this gateway run (the scheduler cancels the request when it is gone)
     scheduler_silence_s: float = 2.0
     failover_deadline_s: float = 30.0
+    fork_of: str = ""  # one of n choices: choice 0's request id, whose prompt KV it may share
     output_ids: list[int] = field(default_factory=list, init=False)  # every token streamed so far
     failovers: int = field(default=0, init=False)  # times the request was resubmitted (taken over or resynced)
     _instance: str = field(default="", init=False)  # the scheduler run that holds it
@@ -131,7 +132,8 @@ class Generation:
         scheduler that holds it sends the deltas from `first_index` again instead of refusing a duplicate."""
         return SubmitRequest(request_id=self.request_id, model=self.model_id, prompt_ids=self.prompt_ids,
                              sampling=self.sampling, arrival_ts=self._arrival_ts, generated_ids=list(self.output_ids),
-                             first_index=self._next_index, gateway_id=self.gateway_id, resync=resync)
+                             first_index=self._next_index, gateway_id=self.gateway_id, resync=resync,
+                             fork_of=self.fork_of)
 
     async def _ask(self, submission: SubmitRequest) -> SubmitReply:
         """One submission's reply; `_Unanswered` when no scheduler took it (none there, no answer, no bus)."""

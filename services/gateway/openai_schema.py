@@ -21,6 +21,7 @@ Bool = Annotated[bool, Strict()]
 TokenId = Annotated[int, Strict(), Field(ge=0)]
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+MAX_N = 16  # choices per request
 
 
 class _Model(BaseModel):
@@ -61,7 +62,7 @@ class _GenerationRequest(_Model):
     max_tokens: Annotated[int, Strict(), Field(ge=1)] | None = None
     temperature: Annotated[float, Strict(), Field(ge=0.0, le=2.0)] | None = None
     top_p: Annotated[float, Strict(), Field(gt=0.0, le=1.0)] | None = None
-    n: Int = 1
+    n: Annotated[int, Strict(), Field(ge=1, le=MAX_N)] = 1  # choices; they share the prompt's prefill
     stream: Bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None

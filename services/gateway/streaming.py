@@ -9,6 +9,7 @@ the usage so far); `data: [DONE]` ends the stream, also after an error event.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
@@ -16,7 +17,7 @@ from typing import Any
 import anyio
 import orjson
 
-from services.gateway.errors import APIError
+from services.gateway.errors import SERVER_ERROR, APIError
 from services.gateway.generation import Generation, TextEvent, usage_dict
 from services.gateway.logprobs import Entry, LogprobFormat, prompt_entries
 
@@ -40,27 +41,26 @@ class ResponseShape:
     def _envelope(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices}
 
-    def _choice(self, text: str, finish_reason: str | None, *, delta: dict[str, Any] | None = None,
-                logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
+    def choice(self, text: str, finish_reason: str | None, *, index: int = 0, delta: dict[str, Any] | None = None,
+               logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
         if self.chat:
             key, value = ("delta", delta) if delta is not None else ("message", {"role": "assistant",
                                                                                   "content": text})
-            return {"index": 0, key: value, "logprobs": logprobs, "finish_reason": finish_reason}
-        return {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+            return {"index": index, key: value, "logprobs": logprobs, "finish_reason": finish_reason}
+        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
 
-    def response(self, text: str, finish_reason: str, usage: dict[str, Any], logprobs: dict[str, Any] | None = None
-                 ) -> dict[str, Any]:
+    def response(self, choices: list[dict[str, Any]], usage: dict[str, Any]) -> dict[str, Any]:
         obj = "chat.completion" if self.chat else "text_completion"
-        return {**self._envelope(obj, [self._choice(text, finish_reason, logprobs=logprobs)]), "usage": usage}
+        return {**self._envelope(obj, choices), "usage": usage}
 
-    def chunk(self, text: str, finish_reason: str | None = None, *, role: bool = False,
+    def chunk(self, text: str, finish_reason: str | None = None, *, index: int = 0, role: bool = False,
               logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
         if self.chat:
             delta: dict[str, Any] = {"role": "assistant", "content": text} if role else (
                 {"content": text} if text or finish_reason is None else {})
             return self._envelope("chat.completion.chunk",
-                                  [self._choice(text, finish_reason, delta=delta, logprobs=logprobs)])
-        return self._envelope("text_completion", [self._choice(text, finish_reason, logprobs=logprobs)])
+                                  [self.choice(text, finish_reason, index=index, delta=delta, logprobs=logprobs)])
+        return self._envelope("text_completion", [self.choice(text, finish_reason, index=index, logprobs=logprobs)])
 
     def usage_chunk(self, usage: dict[str, Any]) -> dict[str, Any]:
         obj = "chat.completion.chunk" if self.chat else "text_completion"
@@ -85,8 +85,15 @@ class Extras:
         return None if self.format is None else self.format.render(entries)
 
 
-async def collect(shape: ResponseShape, generation: Generation, extras: Extras = Extras()) -> dict[str, Any]:
-    """The whole response of a non-streamed request; `APIError` when the request failed."""
+def total_usage(usages: list[dict[str, Any]]) -> dict[str, Any]:
+    """The n choices' usage as one: the prompt counted once (as vLLM does), the completions summed."""
+    energies = [u.get("energy_j") for u in usages]
+    energy_j = None if any(e is None for e in energies) else sum(e for e in energies if e is not None)
+    return usage_dict(usages[0]["prompt_tokens"], sum(u["completion_tokens"] for u in usages), energy_j)
+
+
+async def _collect_one(shape: ResponseShape, index: int, generation: Generation, extras: Extras
+                       ) -> tuple[dict[str, Any], dict[str, Any]]:
     texts: list[str] = []
     entries: list[Entry] = []
     async for event in generation.events():
@@ -94,37 +101,74 @@ async def collect(shape: ResponseShape, generation: Generation, extras: Extras =
         texts.append(text)
         entries += new
         if event.finish_reason is not None:
-            return shape.response("".join(texts), event.finish_reason, event.usage or {}, extras.render(entries))
+            return (shape.choice("".join(texts), event.finish_reason, index=index, logprobs=extras.render(entries)),
+                    event.usage or {})
     raise AssertionError("events() ended without a finish reason")
 
 
-async def stream(shape: ResponseShape, generation: Generation, include_usage: bool, continuous_usage: bool = False,
-                 extras: Extras = Extras()) -> AsyncIterator[bytes]:
-    """SSE bytes of a streamed request. Cancels the request when the client goes away before the end."""
+async def collect(shape: ResponseShape, generations: list[Generation], extras: list[Extras]) -> dict[str, Any]:
+    """The whole response of a non-streamed request (its n choices together); `APIError` when one failed."""
+    done = await asyncio.gather(*(_collect_one(shape, i, g, e)
+                                  for i, (g, e) in enumerate(zip(generations, extras, strict=True))))
+    return shape.response([choice for choice, _ in done], total_usage([usage for _, usage in done]))
+
+
+_END = object()  # a choice's events are over
+
+
+async def _events(index: int, generation: Generation, into: asyncio.Queue[tuple[int, Any]]) -> None:
+    try:
+        async for event in generation.events():
+            await into.put((index, event))
+        await into.put((index, _END))
+    except Exception as exc:  # an APIError, or a bug: the stream ends with an error event either way
+        await into.put((index, exc))
+
+
+async def stream(shape: ResponseShape, generations: list[Generation], include_usage: bool,
+                 continuous_usage: bool, extras: list[Extras]) -> AsyncIterator[bytes]:
+    """SSE bytes of a streamed request, its n choices' chunks as they come, each with its `index`.
+    Cancels the requests when the client goes away before the end."""
 
     def extra() -> dict[str, Any]:
         if not include_usage:
             return {}
         if not continuous_usage:
             return {"usage": None}
-        return {"usage": usage_dict(len(generation.prompt_ids), len(generation.output_ids))}
+        return {"usage": usage_dict(len(generations[0].prompt_ids), sum(len(g.output_ids) for g in generations))}
 
-    sent_role = not shape.chat
-    first = True
+    queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
+    readers = [asyncio.create_task(_events(i, g, queue)) for i, g in enumerate(generations)]
+    started = [False] * len(generations)
+    usages: list[dict[str, Any]] = [{}] * len(generations)
     try:
-        async for event in generation.events():
-            if not sent_role:
-                sent_role = True
-                yield sse({**shape.chunk("", role=True), **extra()})
-            text, entries = extras.first(event) if first else (event.text, event.logprobs)
-            first = False
-            yield sse({**shape.chunk(text, event.finish_reason, logprobs=extras.render(entries)), **extra()})
-            if event.finish_reason is not None and include_usage:
-                yield sse(shape.usage_chunk(event.usage or {}))
+        running = len(generations)
+        while running:
+            index, event = await queue.get()
+            if event is _END:
+                running -= 1
+                continue
+            if isinstance(event, APIError):
+                raise event
+            if isinstance(event, Exception):
+                raise APIError(500, f"the request failed: {event}", type=SERVER_ERROR) from event
+            if shape.chat and not started[index]:
+                yield sse({**shape.chunk("", index=index, role=True), **extra()})
+            text, entries = extras[index].first(event) if not started[index] else (event.text, event.logprobs)
+            started[index] = True
+            yield sse({**shape.chunk(text, event.finish_reason, index=index, logprobs=extras[index].render(entries)),
+                       **extra()})
+            if event.finish_reason is not None:
+                usages[index] = event.usage or {}
+        if include_usage:
+            yield sse(shape.usage_chunk(total_usage(usages)))
         yield DONE
     except APIError as exc:  # the status line is sent already: an error event, then the end
         yield sse(exc.body())
         yield DONE
     finally:
         with anyio.CancelScope(shield=True):  # runs inside Starlette's cancelled scope on disconnect
-            await generation.release("client_disconnected")
+            for reader in readers:
+                reader.cancel()
+            for generation in generations:
+                await generation.release("client_disconnected")

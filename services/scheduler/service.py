@@ -29,6 +29,7 @@ from services.scheduler.gateways import GatewayWatch
 from services.scheduler.governor import Governor
 from services.scheduler.model_info import ModelInfo
 from services.scheduler.outputs import OutputStream, token_delta
+from services.scheduler.placement import Placement
 from services.scheduler.recovery import InFlight, MicrobatchLostError
 from services.scheduler.registry import Registry, Worker
 from services.scheduler.state import RequestState, Status
@@ -64,7 +65,7 @@ class Scheduler:
         self.settings, self.nc, self.model = settings, nc, model
         self.registry = Registry()
         self.requests: dict[str, RequestState] = {}
-        self.unplaced: list[RequestState] = []  # waiting while no attention worker can take them
+        self.placement = Placement(self.registry)
         self.in_flight = InFlight()
         self._run_token = uuid.uuid4().hex[:8]  # this run: mb ids unique across restarts, the heartbeat's instance
         self._tasks: set[asyncio.Task[None]] = set()
@@ -155,9 +156,9 @@ class Scheduler:
         for worker in self.registry.usable_attention():
             if worker.lane.task is None or worker.lane.task.done():
                 worker.lane.task = self._spawn(self._worker_loop(worker))
-        unplaced, self.unplaced = self.unplaced, []
+        unplaced, self.placement.unplaced = self.placement.unplaced, []
         for state in unplaced:
-            self._route(state)
+            self.placement.route(state)
         for worker in self.registry.healthy("attention"):
             worker.lane.wake.set()
 
@@ -187,7 +188,7 @@ class Scheduler:
 
     @property
     def queue_depth(self) -> int:
-        return len(self.unplaced) + sum(len(lane.waiting) for lane in self.registry.lanes())
+        return len(self.placement.unplaced) + sum(len(lane.waiting) for lane in self.registry.lanes())
 
     @property
     def running_count(self) -> int:
@@ -227,26 +228,8 @@ class Scheduler:
                              gateway_id=req.gateway_id)
         self.gateways.heard(req.gateway_id, time.monotonic())
         self.requests[req.request_id] = state
-        self._route(state)
+        self.placement.admit(state, self.requests.get(req.fork_of) if req.fork_of else None)
         return SubmitReply(request_id=req.request_id, accepted=True, scheduler_instance=self._run_token)
-
-    def _route(self, state: RequestState, *, front: bool = False) -> None:
-        """Queue `state` on the attention worker with the most free KV (estimated), or leave it unplaced."""
-        need = len(state.prompt_ids) + state.sampling.max_tokens
-        worker = self.registry.best_attention(need)
-        state.status = Status.WAITING
-        if worker is None:
-            state.worker_id = None
-            self.unplaced.append(state)
-            return
-        state.worker_id = worker.worker_id
-        lane = worker.lane
-        lane.reserved_blocks[state.request_id] = lane.blocks_for(need)
-        if front:
-            lane.waiting.appendleft(state)
-        else:
-            lane.waiting.append(state)
-        lane.wake.set()
 
     # -- cancellation ---------------------------------------------------------------------------
 
@@ -267,7 +250,7 @@ class Scheduler:
             lane.wake.clear()
             if lane.epoch != epoch or not worker.healthy:
                 for state in recovery.evacuate(worker):
-                    self._route(state, front=True)
+                    self.placement.route(state, front=True)
                 if not worker.healthy:
                     return
                 epoch = lane.epoch
@@ -356,6 +339,7 @@ class Scheduler:
                 await self._requeue(worker, state, failure=not blameless, reason=reason)
                 continue
             state.num_computed += p.n_new
+            self.placement.prompt_in(state)
             result = results.get(state.request_id)
             if result is not None and result.prompt_logprobs:
                 state.note_prompt_logprobs(result.prompt_logprobs_start, result.prompt_logprobs)
@@ -374,7 +358,7 @@ class Scheduler:
         if error is not None:
             await self._finish(state, "error", error)
         else:
-            self._route(state, front=True)
+            self.placement.route(state, front=True)
 
     async def _publish_release_only(self, worker: Worker) -> None:
         """Free KV of finished/cancelled sequences now, without waiting for more work.
@@ -408,8 +392,7 @@ class Scheduler:
         state.status = Status.FINISHED
         state.finish_reason = reason
         self.requests.pop(state.request_id, None)
-        if state in self.unplaced:
-            self.unplaced.remove(state)
+        self.placement.finished(state)
         worker = self.registry.workers.get(state.worker_id or "")
         if worker is not None and worker.attention_lane is not None:
             lane = worker.attention_lane

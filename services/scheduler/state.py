@@ -46,6 +46,9 @@ class RequestState(TokenHistory):
     gateway_id: str = ""  # the gateway run its client is on ("": not watched)
     logprobs: list[TokenLogprob | None] = field(default_factory=list)  # per token generated here (past base_tokens)
     prompt_logprobs: list[TokenLogprob | None] | None = None  # per prompt token, as the prefill passes report them
+    fork_from: str | None = None  # its first pass shares this request's prompt KV (forks.py)
+    forks: list[RequestState] = field(default_factory=list)  # choices waiting to share its prompt KV
+    held_by: RequestState | None = None  # the request whose `forks` this one waits in
 
     @property
     def finished(self) -> bool:
@@ -76,6 +79,7 @@ class RequestState(TokenHistory):
         """Forget the placement: the next worker rebuilds the KV from prompt + output tokens."""
         self.worker_id = None
         self.num_computed = 0
+        self.fork_from = None
         self.first_pass_sent = False
         self.status = Status.WAITING
         self.in_flight = False

@@ -37,6 +37,16 @@ class PagedKVStore:
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(args.n_layers)]
         self.num_slots = num_slots
 
+    def copy_blocks(self, copies: list[tuple[int, int]], block_size: int) -> None:
+        """Copy-on-write: every layer's K/V of each (source, destination) block, before a pass writes."""
+        if not copies:
+            return
+        device = self.k[0].device
+        src = torch.tensor([b * block_size + i for b, _ in copies for i in range(block_size)], device=device)
+        dst = torch.tensor([b * block_size + i for _, b in copies for i in range(block_size)], device=device)
+        for cache in (*self.k, *self.v):
+            cache.index_copy_(0, dst, cache.index_select(0, src))  # [S, Hkv, hd] rows
+
 
 def gather_slots(cache: Tensor, slots: Tensor) -> Tensor:
     """cache [S, Hkv, hd] rows at `slots` [...]: -> [..., Hkv, hd].

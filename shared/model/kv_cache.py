@@ -4,6 +4,10 @@ The tensor storage lives elsewhere and keeps K/V in one flat slot dimension, whe
 `slot = block_id * block_size + offset`. This module only hands out block ids and turns token
 positions into slot ids, so it is pure Python: it runs on the decode hot path once per step for
 every sequence, and a list plus range arithmetic is cheaper there than any tensor op.
+
+Blocks are reference-counted so that sequences can share a prefix (`fork`: the n choices of one
+request share their prompt's KV). A shared block is copied before anyone writes to it
+(`copy_on_write` names the copies the storage must make), so a sequence's K/V never change under it.
 """
 
 from __future__ import annotations
@@ -31,7 +35,8 @@ class BlockAllocator:
         self._block_size = block_size
         # Reversed so that pop() hands out low ids first: easier to read in logs and tests.
         self._free_stack: list[int] = list(range(num_blocks - 1, -1, -1))
-        self._is_free: list[bool] = [True] * num_blocks
+        self._refs: list[int] = [0] * num_blocks  # 0: free; >1: shared by that many tables
+        self.num_shared_blocks = 0  # blocks held by more than one table (0: nothing to copy on write)
 
     @property
     def num_blocks(self) -> int:
@@ -57,29 +62,47 @@ class BlockAllocator:
         blocks = self._free_stack[free - n:]
         del self._free_stack[free - n:]
         blocks.reverse()  # pop order: lowest id first
-        is_free = self._is_free
+        refs = self._refs
         for b in blocks:
-            is_free[b] = False
+            refs[b] = 1
         return blocks
 
+    def refs(self, block: int) -> int:
+        return self._refs[block]
+
+    def share(self, blocks: list[int]) -> None:
+        """One more table holds each of `blocks` (all in use)."""
+        self._check(blocks)
+        for b in blocks:
+            self._refs[b] += 1
+            self.num_shared_blocks += self._refs[b] == 2
+
     def free(self, blocks: list[int]) -> None:
-        """Return `blocks` to the free list; checks every id first so that a bad call changes nothing.
+        """Drop one reference to each of `blocks`; a block nobody holds returns to the free list.
+        Checks every id first so that a bad call changes nothing.
 
         A double free or an id this allocator never owned is a bookkeeping bug that would later hand
         one block to two sequences (silently mixing their KV), so it raises `ValueError` at once.
         """
-        is_free = self._is_free
+        self._check(blocks)
+        refs = self._refs
+        released = []
+        for b in blocks:
+            refs[b] -= 1
+            self.num_shared_blocks -= refs[b] == 1
+            if refs[b] == 0:
+                released.append(b)
+        self._free_stack.extend(reversed(released))
+
+    def _check(self, blocks: list[int]) -> None:
         seen: set[int] = set()
         for b in blocks:
             if not (isinstance(b, int) and 0 <= b < self._num_blocks):
                 raise ValueError(f"block id {b!r} does not belong to this allocator "
                                  f"(valid ids: 0..{self._num_blocks - 1})")
-            if is_free[b] or b in seen:
-                raise ValueError(f"double free of KV block {b}")
+            if self._refs[b] == 0 or b in seen:
+                raise ValueError(f"double free of KV block {b} (it is not in use, or named twice)")
             seen.add(b)
-        for b in blocks:
-            is_free[b] = True
-        self._free_stack.extend(reversed(blocks))
 
 
 class BlockTables:
@@ -107,6 +130,39 @@ class BlockTables:
             return self._tables[seq_id]
         except KeyError:
             raise KeyError(f"unknown sequence {seq_id!r}") from None
+
+    def fork(self, parent: str, child: str, num_tokens: int) -> None:
+        """A new table for `child` that shares `parent`'s blocks holding its first `num_tokens` tokens."""
+        table = self._table(parent)
+        if child in self._tables:
+            raise ValueError(f"sequence {child!r} already has a block table")
+        n_blocks = _ceil_div(num_tokens, self._block_size)
+        if num_tokens < 0 or n_blocks > len(table):
+            raise ValueError(f"cannot fork {num_tokens} tokens of sequence {parent!r}: it holds "
+                             f"{len(table) * self._block_size}")
+        shared = table[:n_blocks]
+        self._allocator.share(shared)
+        self._tables[child] = list(shared)
+
+    def copy_on_write(self, seq_id: str, start: int, end: int) -> list[tuple[int, int]]:
+        """Before writing positions [start, end): give the sequence its own copy of every shared block
+        in that range. Returns (source, destination) block ids whose contents the storage must copy.
+        Atomic: on `KVCacheExhaustedError` nothing changed."""
+        table = self._table(seq_id)
+        if not self._allocator.num_shared_blocks:  # the common case: nothing is shared
+            return []
+        bs = self._block_size
+        shared = [i for i in range(start // bs, min(_ceil_div(end, bs), len(table)))
+                  if self._allocator.refs(table[i]) > 1]
+        if not shared:
+            return []
+        fresh = self._allocator.allocate(len(shared))
+        copies = []
+        for i, new in zip(shared, fresh, strict=True):
+            copies.append((table[i], new))
+            self._allocator.free([table[i]])  # one reference fewer: the other holders keep it
+            table[i] = new
+        return copies
 
     def add_sequence(self, seq_id: str) -> None:
         """Register a sequence with an empty table; reserve capacity with `reserve`."""

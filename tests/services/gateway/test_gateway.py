@@ -363,7 +363,8 @@ LONG = "hello " * 9000
     ({"model": MODEL}, 400, "messages"),
     ({"model": MODEL, "messages": [{"role": "wizard", "content": "x"}]}, 400, "messages"),
     ({"model": MODEL, "messages": MESSAGES, "max_tokens": -1}, 400, "max_tokens"),
-    ({"model": MODEL, "messages": MESSAGES, "n": 2}, 400, "n"),
+    ({"model": MODEL, "messages": MESSAGES, "n": 0}, 400, "n"),
+    ({"model": MODEL, "messages": MESSAGES, "n": 17}, 400, "n"),
     ({"model": MODEL, "messages": MESSAGES, "temperature": "hot"}, 400, "temperature"),
     ({"model": MODEL, "messages": MESSAGES, "temperature": 3}, 400, "temperature"),
     ({"model": MODEL, "messages": MESSAGES, "stop": [""]}, 400, "stop"),
@@ -412,7 +413,7 @@ def test_malformed_json_and_client_errors(h: Harness) -> None:
                    headers={"content-type": "application/json"})
     assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
     with pytest.raises(openai.BadRequestError):
-        h.client.chat.completions.create(model=MODEL, messages=MESSAGES, n=2)
+        h.client.chat.completions.create(model=MODEL, messages=MESSAGES, n=0)
     with pytest.raises(openai.NotFoundError):
         h.client.chat.completions.create(model="nope", messages=MESSAGES)
     assert httpx.get(f"{h.base}/v1/nowhere").json()["error"]["type"] == "not_found_error"

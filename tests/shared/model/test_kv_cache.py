@@ -214,3 +214,39 @@ def test_slots_equal_per_token_formula(block_size: int, total: int, data: st.Dat
     count = data.draw(st.integers(0, total - start))
     expected = [table[p // block_size] * block_size + p % block_size for p in range(start, start + count)]
     assert tables.slots("x", start, count) == expected
+
+
+def test_fork_shares_the_prefix_and_copy_on_write_gives_each_writer_its_own_block() -> None:
+    """A 10-token prompt in blocks of 4: a child forked at 9 tokens shares blocks 0-2; writing position
+    9 copies block 2 (shared, partly filled) for the writer only; the parent then owns block 2 alone."""
+    tables = BlockTables(BlockAllocator(8, 4))
+    tables.add_sequence("parent")
+    tables.reserve("parent", 10)
+    assert tables.block_table("parent") == [0, 1, 2] and tables.allocator.num_free_blocks == 5
+    tables.fork("parent", "child", 9)
+    assert tables.block_table("child") == [0, 1, 2] and tables.allocator.num_free_blocks == 5  # nothing new
+    tables.reserve("child", 10)
+    assert tables.copy_on_write("child", 9, 10) == [(2, 3)]  # the storage copies block 2 into 3
+    assert tables.block_table("child") == [0, 1, 3] and tables.allocator.refs(2) == 1
+    assert tables.copy_on_write("parent", 10, 12) == []  # block 2 is the parent's alone again
+    assert tables.copy_on_write("child", 0, 4) == [(0, 4)]  # a write into the shared prefix copies too
+    tables.free_sequence("parent")
+    assert tables.allocator.num_free_blocks == 5  # blocks 0 and 2 came back; 1 is still the child's
+    assert tables.allocator.refs(1) == 1
+    tables.free_sequence("child")
+    assert tables.allocator.num_free_blocks == 8
+
+
+def test_fork_and_copy_on_write_refuse_what_they_cannot_do() -> None:
+    tables = BlockTables(BlockAllocator(3, 4))
+    tables.add_sequence("a")
+    tables.reserve("a", 12)  # every block
+    with pytest.raises(ValueError, match="cannot fork"):
+        tables.fork("a", "b", 13)
+    tables.fork("a", "b", 12)
+    with pytest.raises(KVCacheExhaustedError):
+        tables.copy_on_write("b", 0, 12)
+    assert tables.block_table("b") == [0, 1, 2] and tables.allocator.refs(0) == 2  # unchanged
+    with pytest.raises(ValueError, match="already has"):
+        tables.fork("a", "b", 4)
+    assert tables.allocator.num_shared_blocks == 3

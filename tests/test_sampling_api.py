@@ -1,6 +1,7 @@
-"""Logprobs through the whole mesh (`aflex up`, the official `openai` client) equal the model's own.
+"""What clients ask of sampling, through the whole mesh (`aflex up`, the official `openai` client):
+logprobs equal to the model's own, `n` choices that share one prefill, vLLM's repetition penalty.
 
-The reference is transformers' forward of the same tiny checkpoint over the whole sequence in float32:
+The logprobs' reference is transformers' forward of the same tiny checkpoint over the whole sequence in float32:
 log_softmax of its logits. The mesh reads them off its own passes instead (the sampled rows, and for an
 echoed prompt the prefill's rows, carried across chunks of 16 tokens), and must agree on every position.
 """
@@ -176,3 +177,41 @@ def test_repetition_penalty_gives_the_engine_tokens(client: openai.OpenAI, tiny_
                                   seed=seed, logprobs=0, extra_body={"ignore_eos": True, "repetition_penalty": 1.8,
                                                                      "return_tokens_as_token_ids": True})
     assert r.choices[0].logprobs is not None and _ids(r.choices[0].logprobs.tokens or []) == expected
+
+
+def _n_choices(client: openai.OpenAI, prompt: list[int], n: int, seed: int) -> list[list[int]]:
+    r = client.completions.create(model=_model(client), prompt=prompt, max_tokens=12, temperature=1.0, seed=seed,
+                                  n=n, logprobs=0, extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True})
+    assert [c.index for c in r.choices] == list(range(n))
+    assert r.usage is not None and (r.usage.prompt_tokens, r.usage.completion_tokens) == (len(prompt), 12 * n)
+    return [_ids(c.logprobs.tokens or []) if c.logprobs else [] for c in r.choices]
+
+
+def test_n_choices_share_one_prefill_and_each_is_its_own_seeded_request(client: openai.OpenAI, mesh: Mesh) -> None:
+    """n=3: choices 1 and 2 fork choice 0's prompt KV (a 40-token prompt: its last block is shared, partly
+    filled, so both sides copy it on write), and each choice's tokens are those of a lone request with
+    seed + index; the seeded run reproduces."""
+    prompt = random.Random(11).sample(range(300, 40000), 40)
+    before = mesh.output().count("shares the prompt KV of")
+    choices = _n_choices(client, prompt, 3, seed=21)
+    assert mesh.output().count("shares the prompt KV of") - before == 2
+    assert len({tuple(c) for c in choices}) == 3
+    assert choices == [_n_choices(client, prompt, 1, seed=21 + i)[0] for i in range(3)]
+    assert _n_choices(client, prompt, 3, seed=21) == choices
+
+
+def test_streamed_n_choices_equal_the_whole_response(client: openai.OpenAI) -> None:
+    kwargs: dict[str, Any] = {"model": _model(client), "messages": [{"role": "user", "content": "Tell a story"}],
+                              "max_tokens": 10, "temperature": 0.9, "seed": 4, "n": 2,
+                              "extra_body": {"ignore_eos": True}}
+    whole = client.chat.completions.create(**kwargs)
+    texts, reasons, roles = ["", ""], [None, None], [0, 0]
+    for chunk in client.chat.completions.create(**kwargs, stream=True, stream_options={"include_usage": True}):
+        for choice in chunk.choices:
+            texts[choice.index] += choice.delta.content or ""
+            roles[choice.index] += choice.delta.role == "assistant"
+            reasons[choice.index] = choice.finish_reason or reasons[choice.index]
+        if chunk.usage is not None:
+            assert chunk.usage.completion_tokens == 20
+    assert texts == [c.message.content for c in whole.choices] and texts[0] != texts[1]
+    assert reasons == ["length", "length"] and roles == [1, 1]
