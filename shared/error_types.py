@@ -50,3 +50,7 @@ RETRY_STATUSES = frozenset({429, 503})  # the statuses that carry Retry-After
 # worker could not be reached (seam broken, silent). The scheduler then routes around that worker
 # until it is heard from again, and does not count the failure against the sequences.
 FFN_UNREACHABLE = "ffn_unreachable"
+# Refusals that are no sequence's fault either, so not counted against it: the worker still runs an
+# earlier pass of it (a microbatch the scheduler took for lost while a saturated worker had not started
+# it yet), or the choice a fork was to share the prompt with is gone (it prefills the prompt itself).
+BLAMELESS_CODES = frozenset({FFN_UNREACHABLE, "sequence_busy", "fork_parent_missing"})

@@ -18,6 +18,8 @@ from shared.messages import SeqWork
 from shared.model.attention import SequencePass
 from shared.model.kv_cache import BlockTables
 from shared.model.sampling import SequenceSampler
+from shared.model.structured import Constraint, llg_tokenizer
+from shared.model.tokenizer import Tokenizer
 
 
 class SequenceRefused(AFlexError):
@@ -52,8 +54,9 @@ class Admitted:
 
 class SequenceTable:
     def __init__(self, block_tables: BlockTables, eos_token_ids: tuple[int, ...], vocab_size: int,
-                 max_seq_len: int) -> None:
+                 max_seq_len: int, tokenizer: Tokenizer | None = None) -> None:
         self.block_tables = block_tables
+        self.tokenizer = tokenizer  # for structured outputs' grammars (None: a checkpoint without one)
         self.eos_token_ids, self.vocab_size, self.max_seq_len = eos_token_ids, vocab_size, max_seq_len
         self._states: dict[str, SequenceState] = {}
 
@@ -112,7 +115,7 @@ class SequenceTable:
             except AFlexError as exc:
                 raise SequenceRefused("invalid_sampling", f"sequence {work.seq_id}: {exc}",
                                       ErrorType.INVALID_REQUEST) from None
-            state = SequenceState(SequenceSampler(params, self.eos_token_ids))
+            state = SequenceState(SequenceSampler(params, self.eos_token_ids, self._constraint(work)))
             for token_id in work.generated_ids:  # penalties and min_tokens see what came before
                 state.sampler.record(token_id)
             state.num_computed = work.start_pos  # a fork's shared prefix (else 0)
@@ -138,6 +141,19 @@ class SequenceTable:
         seq_pass = SequencePass(work.start_pos, n_new, self.block_tables.slots(work.seq_id, 0, end),
                                 wants_logits=work.sample)
         return Admitted(work, state, seq_pass, is_new, copies)
+
+    def _constraint(self, work: SeqWork) -> Constraint | None:
+        grammar = work.sampling.grammar if work.sampling is not None else None
+        if grammar is None:
+            return None
+        if self.tokenizer is None:
+            raise SequenceRefused("invalid_sampling", f"sequence {work.seq_id}: structured outputs need the "
+                                  "checkpoint's tokenizer, and this one ships none", ErrorType.INVALID_REQUEST)
+        try:
+            return Constraint(llg_tokenizer(self.tokenizer, self.vocab_size), grammar)
+        except AFlexError as exc:
+            raise SequenceRefused("invalid_sampling", f"sequence {work.seq_id}: {exc}",
+                                  ErrorType.INVALID_REQUEST) from None
 
     def seq_ids(self) -> list[str]:
         return list(self._states)

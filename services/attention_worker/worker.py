@@ -119,7 +119,7 @@ class AttentionWorker:
         self.kv = PagedKVStore(module.args, n_blocks * block_size, weight.dtype, weight.device)
         tables = BlockTables(BlockAllocator(n_blocks, block_size))
         self.sequences = SequenceTable(tables, eos_token_ids(checkpoint), module.args.vocab_size,
-                                       module.args.max_seq_len)
+                                       module.args.max_seq_len, checkpoint.tokenizer)
 
     async def run(self, stop: asyncio.Event | None = None) -> None:
         """Serve until `stop` is set (or SIGTERM/SIGINT), then finish in-flight work, unsubscribe, drain."""

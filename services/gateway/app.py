@@ -50,9 +50,10 @@ from services.gateway.openai_schema import ChatCompletionRequest, CompletionRequ
 from services.gateway.openapi_doc import document
 from services.gateway.streaming import SSE_HEADERS, Extras, ResponseShape, collect, stream
 from shared import subjects
-from shared.errors import TokenizerError
+from shared.errors import InvalidRequestError, TokenizerError
 from shared.lifecycle import stop_on_signals
 from shared.messages import ProtocolError, SamplingSpec, SchedulerStatus, decode
+from shared.model import structured
 from shared.model.checkpoint import ModelCard, open_model_card
 from shared.settings import GatewaySettings
 from shared.transport import bus
@@ -178,7 +179,7 @@ def _max_tokens(gateway: Gateway, body: _GenerationRequest, n_prompt: int, param
 async def _generate(request: Request, gateway: Gateway, body: _GenerationRequest, prompt_ids: list[int], *,
                     chat: bool, param: str, echo_text: str | None = None) -> Response:
     max_tokens = _max_tokens(gateway, body, len(prompt_ids), param, chat)
-    sampling = body.sampling(max_tokens)
+    sampling = dataclasses.replace(body.sampling(max_tokens), grammar=await _grammar(gateway, body))
     if body.min_tokens > max_tokens:
         raise invalid(f"min_tokens must be at most max_tokens={max_tokens}, got {body.min_tokens}", "min_tokens")
     client_id = request.headers.get("x-request-id")  # vLLM's: the request's id, echoed back
@@ -224,6 +225,23 @@ async def _generate(request: Request, gateway: Gateway, body: _GenerationRequest
         for generation in generations:
             await asyncio.shield(generation.release("client_disconnected"))
     return JSONResponse(result, headers=headers)
+
+
+async def _grammar(gateway: Gateway, body: _GenerationRequest) -> str | None:
+    """`response_format` as a grammar, checked against the vocabulary (a bad schema is a 400 here)."""
+    form = body.response_format
+    if form is None or form.type == "text":
+        return None
+    try:
+        grammar = structured.grammar_for(form.type, form.json_schema.schema_ if form.json_schema else None)
+        assert grammar is not None
+        tokenizer = await run_in_threadpool(structured.llg_tokenizer, gateway.tokenizer, gateway.card.args.vocab_size)
+        await run_in_threadpool(structured.check, grammar, tokenizer)
+    except InvalidRequestError as exc:
+        raise invalid(str(exc), "response_format") from None
+    except ValueError as exc:  # llguidance: not a JSON object it can compile
+        raise invalid(f"response_format: {exc}", "response_format") from None
+    return grammar
 
 
 def _choice_sampling(sampling: SamplingSpec, index: int) -> SamplingSpec:

@@ -8,7 +8,7 @@ are honoured (the trace replayer needs the first four to force output lengths).
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, Strict, field_validator
 
@@ -55,6 +55,20 @@ class ChatMessage(_Model):
         return "".join(texts)
 
 
+class JsonSchemaSpec(_Model):
+    name: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: Bool | None = None
+    description: str | None = None
+
+
+class ResponseFormat(_Model):
+    """OpenAI's structured outputs: the output is constrained to JSON (any object, or one schema)."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaSpec | None = None
+
+
 class _GenerationRequest(_Model):
     """Fields common to chat completions and completions."""
 
@@ -70,6 +84,7 @@ class _GenerationRequest(_Model):
     presence_penalty: Annotated[float, Strict(), Field(ge=-2.0, le=2.0)] | None = None
     frequency_penalty: Annotated[float, Strict(), Field(ge=-2.0, le=2.0)] | None = None
     user: str | None = None
+    response_format: ResponseFormat | None = None
     # vLLM extensions
     repetition_penalty: Annotated[float, Strict(), Field(gt=0.0, le=2.0)] | None = None
     return_tokens_as_token_ids: Bool = False  # logprobs name tokens "token_id:<id>", as vLLM can

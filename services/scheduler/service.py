@@ -34,7 +34,7 @@ from services.scheduler.recovery import InFlight, MicrobatchLostError
 from services.scheduler.registry import Registry, Worker
 from services.scheduler.state import RequestState, Status
 from shared import subjects
-from shared.error_types import FFN_UNREACHABLE, ErrorType
+from shared.error_types import BLAMELESS_CODES, FFN_UNREACHABLE, ErrorType
 from shared.messages import (
     CancelRequest,
     ErrorBody,
@@ -335,7 +335,7 @@ class Scheduler:
                 continue  # cancelled, or moved elsewhere, while in flight
             if state.request_id in failed:
                 reason = done.error.message if done.error else "the worker refused it (KV cache exhausted)"
-                blameless = done.error is None or done.error.code == FFN_UNREACHABLE  # not the sequence's fault
+                blameless = done.error is None or done.error.code in BLAMELESS_CODES  # not the sequence's fault
                 await self._requeue(worker, state, failure=not blameless, reason=reason)
                 continue
             state.num_computed += p.n_new

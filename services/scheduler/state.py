@@ -96,7 +96,7 @@ class RequestState(TokenHistory):
         stop_ids = set(spec.stop_token_ids)
         if not spec.ignore_eos:
             stop_ids |= eos_token_ids
-        if token_id in stop_ids and generated >= spec.min_tokens:
+        if token_id in stop_ids and (generated >= spec.min_tokens or spec.grammar is not None):
             return "stop"
         if generated + 1 >= spec.max_tokens:
             return "length"

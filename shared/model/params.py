@@ -43,6 +43,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    grammar: str | None = None  # structured outputs: an llguidance grammar the output must match (structured.py)
 
     def __post_init__(self) -> None:
         # Requests arrive as JSON: accept a single stop string and lists, store tuples (hashable).
@@ -97,6 +98,8 @@ class SamplingParams:
             value = getattr(self, name)
             if value is not None and not (_is_int(value) and 0 <= value <= MAX_LOGPROBS):
                 raise InvalidRequestError(f"{name} must be an integer in [0, {MAX_LOGPROBS}], got {value!r}", name)
+        if self.grammar is not None and not (isinstance(self.grammar, str) and self.grammar):
+            raise InvalidRequestError(f"grammar must be a non-empty string, got {self.grammar!r}", "grammar")
         if self.max_tokens < 1:
             raise InvalidRequestError(f"max_tokens must be >= 1, got {self.max_tokens}", "max_tokens")
         if not 0 <= self.min_tokens <= self.max_tokens:

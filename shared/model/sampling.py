@@ -15,6 +15,7 @@ from collections.abc import Sequence
 import torch
 
 from shared.model.params import GREEDY_TEMPERATURE_EPS, SamplingParams, StopStringMatcher
+from shared.model.structured import Constraint
 
 __all__ = [
     "GREEDY_TEMPERATURE_EPS",
@@ -35,8 +36,10 @@ class SequenceSampler:
     (or, equivalently, `reason = sampler.finish_reason_after(token)` *before* `sampler.record(token)`).
     """
 
-    def __init__(self, params: SamplingParams, eos_token_ids: tuple[int, ...] = ()) -> None:
+    def __init__(self, params: SamplingParams, eos_token_ids: tuple[int, ...] = (),
+                 constraint: Constraint | None = None) -> None:
         self.params = params
+        self.constraint = constraint  # structured outputs: the grammar's allowed tokens mask each draw
         self.eos_token_ids = tuple(eos_token_ids)
         # Unseeded requests still get their own stream, so that they never perturb seeded ones.
         self.seed: int = params.seed if params.seed is not None else secrets.randbits(63)
@@ -64,11 +67,12 @@ class SequenceSampler:
 
     @property
     def masks_stop_tokens(self) -> bool:
-        """While fewer than `min_tokens` are generated, EOS and stop token ids are forbidden."""
-        return self.num_generated < self.params.min_tokens and bool(self._stop_ids)
+        """While fewer than `min_tokens` are generated, EOS and stop token ids are forbidden (not under a
+        grammar: its mask lets EOS through only where the output is complete, and then it ends)."""
+        return self.num_generated < self.params.min_tokens and bool(self._stop_ids) and self.constraint is None
 
     def banned_token_ids(self) -> frozenset[int]:
-        return self._stop_ids if self.num_generated < self.params.min_tokens else frozenset()
+        return self._stop_ids if self.masks_stop_tokens else frozenset()
 
     def finish_reason_after(self, token_id: int) -> str | None:
         """Why the sequence finishes if `token_id` is its next token (call before `record`), or None.
@@ -76,7 +80,7 @@ class SequenceSampler:
         "stop" for an EOS (unless `ignore_eos`) or a stop token id once `min_tokens` are generated;
         otherwise "length" when this token is the `max_tokens`-th.
         """
-        if token_id in self._stop_ids and self.num_generated >= self.params.min_tokens:
+        if token_id in self._stop_ids and (self.num_generated >= self.params.min_tokens or self.constraint is not None):
             return "stop"
         if self.num_generated + 1 >= self.params.max_tokens:
             return "length"
@@ -94,6 +98,8 @@ class SequenceSampler:
         self.token_counts[token_id] = self.token_counts.get(token_id, 0) + 1
         if self.params.has_repetition_penalty:
             self.seen_ids.add(token_id)
+        if self.constraint is not None:
+            self.constraint.consume(token_id)
         if reason is not None and self.finish_reason is None:
             self.finish_reason = reason
         return reason
@@ -143,6 +149,29 @@ def _mask_banned_(logits: torch.Tensor, rows: Sequence[int], samplers: Sequence[
         logits[torch.tensor(row_idx, device=dev), torch.tensor(tok_idx, device=dev)] = -math.inf
 
 
+def _mask_grammar_(logits: torch.Tensor, rows: Sequence[int], samplers: Sequence[SequenceSampler]) -> None:
+    """In place: -inf for every token the row's grammar cannot take next. A row the grammar and
+    `min_tokens` together leave empty (the grammar is done, EOS still banned) keeps the grammar's tokens."""
+    # logits: [B, V]
+    if not rows:
+        return
+    vocab = logits.shape[-1]
+    words = torch.empty(len(rows), (vocab + 31) // 32, dtype=torch.int32)  # [N, W] on the CPU: llguidance writes it
+    for j, r in enumerate(rows):
+        constraint = samplers[r].constraint
+        assert constraint is not None
+        constraint.fill_mask(words[j].data_ptr(), words.shape[1] * 4)
+    shifts = torch.arange(32, dtype=torch.int32)
+    allowed = ((words.unsqueeze(-1) >> shifts) & 1).view(len(rows), -1)[:, :vocab].bool()  # [N, V]
+    allowed = allowed.to(logits.device)
+    index = torch.tensor(list(rows), device=logits.device)
+    masked = logits.index_select(0, index).masked_fill(~allowed, -math.inf)
+    empty = torch.isinf(masked).all(dim=-1)  # [N]
+    if bool(empty.any()):  # what the grammar allows, evenly: min_tokens cannot be kept inside it
+        masked[empty] = torch.zeros_like(masked[empty]).masked_fill(~allowed[empty], -math.inf)
+    logits.index_copy_(0, index, masked)
+
+
 def _top_k_top_p_probs(logits: torch.Tensor, top_k: list[int], top_p: list[float]
                        ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sort each row descending and zero what top-k / top-p cut; return (probs, token ids), sorted.
@@ -178,17 +207,19 @@ def sample_next_tokens(logits: torch.Tensor, samplers: Sequence[SequenceSampler]
     penalised = [i for i, s in enumerate(samplers)
                  if (s.params.has_penalties and s.token_counts) or (s.params.has_repetition_penalty and s.seen_ids)]
     masked = [i for i, s in enumerate(samplers) if s.masks_stop_tokens]
+    constrained = [i for i, s in enumerate(samplers) if s.constraint is not None and not s.constraint.failed]
     greedy = [i for i, s in enumerate(samplers) if s.params.is_greedy]
 
-    if len(greedy) == batch and not penalised and not masked:  # fast path: one batched argmax
+    if len(greedy) == batch and not penalised and not masked and not constrained:  # one batched argmax
         return logits.argmax(dim=-1).tolist()
 
     work = logits.float()
-    if penalised or masked:
+    if penalised or masked or constrained:
         if work is logits:
             work = work.clone()
         apply_penalties_(work, penalised, samplers)
         _mask_banned_(work, masked, samplers)
+        _mask_grammar_(work, constrained, samplers)
 
     # One device tensor for the whole batch, read back once: a `.item()` per row would sync per row.
     dev = work.device
