@@ -271,3 +271,20 @@ def test_a_bad_response_format_is_a_400(client: openai.OpenAI, form: Any) -> Non
         client.chat.completions.create(model=_model(client), messages=[{"role": "user", "content": "x"}],
                                        response_format=form)
     assert info.value.body["param"] == "response_format"  # type: ignore[index]
+
+
+def test_n_choices_when_choice_0_ends_with_its_first_token(client: openai.OpenAI, mesh: Mesh) -> None:
+    """max_tokens 1: choice 0 is done (its KV released) in the pass the others fork from; the worker frees
+    it only after they have forked, and each choice's token is that of a lone request with its seed."""
+    prompt = random.Random(5).sample(range(300, 40000), 37)
+    before = mesh.output().count("shares the prompt KV of")
+    r = client.completions.create(model=_model(client), prompt=prompt, max_tokens=1, temperature=1.0, seed=8, n=4,
+                                  logprobs=0, extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True})
+    got = [_ids(c.logprobs.tokens or []) if c.logprobs else [] for c in r.choices]
+    assert mesh.output().count("shares the prompt KV of") - before == 3
+    alone = [client.completions.create(model=_model(client), prompt=prompt, max_tokens=1, temperature=1.0,
+                                       seed=8 + i, logprobs=0, extra_body={"ignore_eos": True,
+                                                                           "return_tokens_as_token_ids": True})
+             for i in range(4)]
+    assert got == [_ids(a.choices[0].logprobs.tokens or []) if a.choices[0].logprobs else [] for a in alone]
+    assert "(fork_parent_missing)" not in mesh.output()  # no fork found choice 0 freed already

@@ -336,6 +336,8 @@ class Scheduler:
             if state.request_id in failed:
                 reason = done.error.message if done.error else "the worker refused it (KV cache exhausted)"
                 blameless = done.error is None or done.error.code in BLAMELESS_CODES  # not the sequence's fault
+                if blameless and done.error is not None and done.error.code != FFN_UNREACHABLE:
+                    log.info("request %s sent again (%s): %s", state.request_id, done.error.code, reason)
                 await self._requeue(worker, state, failure=not blameless, reason=reason)
                 continue
             state.num_computed += p.n_new
