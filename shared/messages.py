@@ -191,6 +191,7 @@ class MicrobatchDone(Message):
     kv_total_blocks: int
     error: ErrorBody | None = None
     failed_seq_ids: list[str] = Field(default_factory=list)  # e.g. KV exhausted: requeue them
+    failed_codes: dict[str, str] = Field(default_factory=dict)  # the code of each sequence refused on its own
     attention_s: float = 0.0  # time computing attention, lm_head and sampling
     ffn_wait_s: float = 0.0  # time waiting for the FFN worker (network + FFN compute)
     ffn_compute_s: float = 0.0  # of which the FFN worker's forwards (the rest is transport and queueing)

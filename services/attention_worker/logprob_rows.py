@@ -21,6 +21,8 @@ from shared.model.attention import AttentionHalf
 from shared.model.logprobs import TokenLogprobs, log_softmax_rows, pick, token_logprobs
 from shared.model.sampling import SequenceSampler
 
+SLICE_ROWS = 256  # prompt rows through the lm_head at once (x the vocabulary, float32)
+
 
 @dataclass
 class PromptPart:
@@ -67,16 +69,21 @@ def prompt_parts(model: AttentionHalf, residual: Tensor, ffn_out: Tensor, admitt
         n_new = len(item.work.token_ids)
         if wants_prompt_logprobs(item):
             top_n = item.state.sampler.params.prompt_logprobs or 0
-            rows = torch.arange(row, row + n_new, device=residual.device)
-            logp = log_softmax_rows(model.logits(residual, ffn_out, rows))  # [n_new, V]
             ids = torch.tensor(item.work.token_ids, device=residual.device)  # [n_new]
             start = item.work.start_pos + 1
             entries: list[TokenLogprobs] = []
             if item.state.held is not None and item.work.start_pos > 0:
                 entries += pick(item.state.held, ids[:1], top_n)
                 start = item.work.start_pos
-            entries += pick(logp[:-1], ids[1:], top_n)
-            held = None if item.work.sample else logp[-1:].clone()
+            held = None
+            for lo in range(0, n_new, SLICE_ROWS):  # [rows, V] at a time: a long chunk's logits stay small
+                hi = min(lo + SLICE_ROWS, n_new)
+                rows = torch.arange(row + lo, row + hi, device=residual.device)
+                logp = log_softmax_rows(model.logits(residual, ffn_out, rows))  # [hi - lo, V]
+                targets = ids[lo + 1:hi + 1]  # row p predicts token p + 1 (the chunk's last row: none here)
+                entries += pick(logp[:len(targets)], targets, top_n)
+                if hi == n_new and not item.work.sample:
+                    held = logp[-1:].clone()
             parts[index] = PromptPart(start, [message(e) for e in entries], held)
         row += n_new
     return parts

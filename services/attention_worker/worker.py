@@ -72,11 +72,13 @@ class _Failures:
 
     def __init__(self) -> None:
         self.seq_ids: list[str] = []
+        self.codes: dict[str, str] = {}  # each refused sequence's own code
         self.errors: list[tuple[str, str, str]] = []  # (type, code, message)
 
     def add(self, seq_id: str, error_type: str, code: str, message: str) -> None:
         if seq_id not in self.seq_ids:
             self.seq_ids.append(seq_id)
+            self.codes[seq_id] = code
         self.errors.append((error_type, code, message))
 
     def body(self) -> ErrorBody | None:
@@ -255,7 +257,8 @@ class AttentionWorker:
                   "ffn_energy_j": 0.0}
         claimed: list[str] = []
         owns_mb_id = False
-        forked = {w.fork_of for w in desc.seqs if w.fork_of is not None}  # released after their forks
+        # released after their forks are admitted (unless fed again here: a restart from 0 comes first)
+        forked = {w.fork_of for w in desc.seqs if w.fork_of is not None} - {w.seq_id for w in desc.seqs}
         try:
             self._release([s for s in desc.release if s not in forked])
             if not self._accepting:
@@ -349,7 +352,8 @@ class AttentionWorker:
 
     def _finish(self, desc: MicrobatchDescriptor, results: list[SeqResult], failures: _Failures,
                 timing: dict[str, float], started: float) -> MicrobatchDone:
-        done = self._done(desc.mb_id, results, failures.seq_ids, failures.body())
+        done = self._done(desc.mb_id, results, failures.seq_ids, failures.body()).model_copy(
+            update={"failed_codes": failures.codes})
         update = {**timing, "total_s": time.perf_counter() - started,
                   "energy_j": timing["attention_energy_j"] + timing["ffn_energy_j"]}
         return done.model_copy(update={k: v for k, v in update.items() if k in _DONE_FIELDS})

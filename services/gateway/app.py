@@ -65,6 +65,7 @@ DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 STATUS_TIMEOUT_S = 2.0  # /ready: how long the scheduler may take to answer
 
 T = TypeVar("T")
+MAX_PROMPT_LOGPROBS = 200_000  # an echoed prompt's entries x (alternatives + 1): they travel in one NATS message
 REQUEST_ID = re.compile(r"[A-Za-z0-9_:-]{1,128}")  # a client's x-request-id: it becomes a NATS subject token
 
 
@@ -144,6 +145,9 @@ async def completions(body: CompletionRequest, request: Request, gateway: Gatewa
         vocab = gateway.tokenizer.vocab_size
         if any(t >= vocab for t in prompt_ids):
             raise invalid(f"prompt token ids must be below the vocabulary size {vocab}", "prompt")
+    if body.echo and body.logprobs is not None and len(prompt_ids) * (body.logprobs + 1) > MAX_PROMPT_LOGPROBS:
+        raise invalid(f"echo with logprobs={body.logprobs} on {len(prompt_ids)} prompt tokens asks for more than "
+                      f"{MAX_PROMPT_LOGPROBS} log-probabilities; ask for fewer alternatives", "logprobs")
     echo_text = None
     if body.echo:
         echo_text = prompt if isinstance(prompt, str) else await run_in_threadpool(gateway.tokenizer.decode, prompt_ids)
@@ -187,7 +191,7 @@ async def _generate(request: Request, gateway: Gateway, body: _GenerationRequest
     if client_id is not None and not REQUEST_ID.fullmatch(client_id):
         raise invalid("the x-request-id header may hold 1 to 128 letters, digits, '-', '_' or ':'", "x-request-id")
     generations = [Generation(
-        nc=gateway.nc, request_id=request_id if i == 0 else f"{request_id}-{i}", model_id=gateway.card.model_id,
+        nc=gateway.nc, request_id=request_id if i == 0 else f"{request_id}~{i}", model_id=gateway.card.model_id,
         prompt_ids=prompt_ids, sampling=_choice_sampling(sampling, i), stop=body.stop_strings(),
         tokenizer=gateway.tokenizer, submit_timeout_s=gateway.settings.submit_timeout_s,
         token_timeout_s=gateway.settings.request_timeout_s, metrics=request.app.state.metrics,

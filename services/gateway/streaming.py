@@ -108,8 +108,14 @@ async def _collect_one(shape: ResponseShape, index: int, generation: Generation,
 
 async def collect(shape: ResponseShape, generations: list[Generation], extras: list[Extras]) -> dict[str, Any]:
     """The whole response of a non-streamed request (its n choices together); `APIError` when one failed."""
-    done = await asyncio.gather(*(_collect_one(shape, i, g, e)
-                                  for i, (g, e) in enumerate(zip(generations, extras, strict=True))))
+    tasks = [asyncio.ensure_future(_collect_one(shape, i, g, e))
+             for i, (g, e) in enumerate(zip(generations, extras, strict=True))]
+    try:
+        done = await asyncio.gather(*tasks)
+    finally:  # one choice failed (or the client left): the others stop before their generations are released
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
     return shape.response([choice for choice, _ in done], total_usage([usage for _, usage in done]))
 
 

@@ -281,10 +281,11 @@ class Scheduler:
             ffn = self.registry.next_ffn()
             assert ffn is not None  # checked by the caller, nothing awaited since
             mb_id = f"{self._run_token}-{worker.worker_id}-{lane.iteration}-{k}"
+            later = {p.state.fork_from for g in plan.groups[k + 1:] for p in g if not p.state.first_pass_sent}
             desc = MicrobatchDescriptor(mb_id=mb_id, iteration=lane.iteration, phase=plan.phases[k],
                                         ffn_worker=ffn.worker_id, seqs=[p.seq_work() for p in group],
-                                        release=lane.pending_release)
-            lane.pending_release = []
+                                        release=[r for r in lane.pending_release if r not in later])
+            lane.pending_release = [r for r in lane.pending_release if r in later]  # a later group forks them
             for p in group:
                 p.state.in_flight = True
                 p.state.first_pass_sent = True
@@ -335,9 +336,10 @@ class Scheduler:
                 continue  # cancelled, or moved elsewhere, while in flight
             if state.request_id in failed:
                 reason = done.error.message if done.error else "the worker refused it (KV cache exhausted)"
-                blameless = done.error is None or done.error.code in BLAMELESS_CODES  # not the sequence's fault
-                if blameless and done.error is not None and done.error.code != FFN_UNREACHABLE:
-                    log.info("request %s sent again (%s): %s", state.request_id, done.error.code, reason)
+                code = done.failed_codes.get(state.request_id) or (done.error.code if done.error else None)
+                blameless = code is None or code in BLAMELESS_CODES  # not the sequence's fault
+                if code in BLAMELESS_CODES and code != FFN_UNREACHABLE:
+                    log.info("request %s sent again (%s): %s", state.request_id, code, reason)
                 await self._requeue(worker, state, failure=not blameless, reason=reason)
                 continue
             state.num_computed += p.n_new

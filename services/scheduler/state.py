@@ -46,7 +46,7 @@ class RequestState(TokenHistory):
     gateway_id: str = ""  # the gateway run its client is on ("": not watched)
     logprobs: list[TokenLogprob | None] = field(default_factory=list)  # per token generated here (past base_tokens)
     prompt_logprobs: list[TokenLogprob | None] | None = None  # per prompt token, as the prefill passes report them
-    fork_from: str | None = None  # its first pass shares this request's prompt KV (forks.py)
+    fork_from: str | None = None  # its first pass shares this request's prompt KV (placement.py)
     forks: list[RequestState] = field(default_factory=list)  # choices waiting to share its prompt KV
     held_by: RequestState | None = None  # the request whose `forks` this one waits in
 
@@ -96,7 +96,9 @@ class RequestState(TokenHistory):
         stop_ids = set(spec.stop_token_ids)
         if not spec.ignore_eos:
             stop_ids |= eos_token_ids
-        if token_id in stop_ids and (generated >= spec.min_tokens or spec.grammar is not None):
+        if spec.grammar is not None and token_id in eos_token_ids:  # the grammar let EOS through: done
+            return "stop"
+        if token_id in stop_ids and generated >= spec.min_tokens:
             return "stop"
         if generated + 1 >= spec.max_tokens:
             return "length"

@@ -80,7 +80,9 @@ class SequenceSampler:
         "stop" for an EOS (unless `ignore_eos`) or a stop token id once `min_tokens` are generated;
         otherwise "length" when this token is the `max_tokens`-th.
         """
-        if token_id in self._stop_ids and (self.num_generated >= self.params.min_tokens or self.constraint is not None):
+        if self.constraint is not None and token_id in self.eos_token_ids:  # the grammar let EOS through: done
+            return "stop"
+        if token_id in self._stop_ids and self.num_generated >= self.params.min_tokens:
             return "stop"
         if self.num_generated + 1 >= self.params.max_tokens:
             return "length"

@@ -401,6 +401,7 @@ def test_bad_chat_requests(h: Harness, body: dict[str, Any], status: int, param:
     ({"model": MODEL, "prompt": "a", "logprobs": -1}, "logprobs"),
     ({"model": MODEL, "prompt": "a", "logprobs": True}, "logprobs"),
     ({"model": MODEL, "prompt": "a", "echo": "yes"}, "echo"),
+    ({"model": MODEL, "prompt": [1] * 9600, "echo": True, "logprobs": 20}, "logprobs"),  # 201,600 logprobs
 ])
 def test_bad_completion_requests(h: Harness, body: dict[str, Any], param: str) -> None:
     r = httpx.post(f"{h.base}/v1/completions", json=body)

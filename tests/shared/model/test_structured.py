@@ -69,3 +69,11 @@ def test_bad_formats_are_typed_errors(tokenizer: Tokenizer) -> None:
     assert bad is not None
     with pytest.raises(InvalidRequestError, match="objectx"):
         structured.check(bad, structured.llg_tokenizer(tokenizer, 49152))
+
+
+def test_ignore_eos_does_not_outlive_the_grammar(tokenizer: Tokenizer) -> None:
+    """ignore_eos runs plain text to max_tokens; a closed grammar allows only EOS, so it ends there."""
+    grammar = structured.grammar_for("json_schema", SCHEMA)
+    assert grammar is not None
+    ids = _run(tokenizer, grammar, 1, SamplingParams(temperature=1.0, seed=1, max_tokens=100, ignore_eos=True))
+    assert ids[-1] in tokenizer.eos_token_ids and len(ids) < 100
