@@ -57,6 +57,8 @@ class SequenceTable:
                  max_seq_len: int, tokenizer: Tokenizer | None = None) -> None:
         self.block_tables = block_tables
         self.tokenizer = tokenizer  # for structured outputs' grammars (None: a checkpoint without one)
+        if tokenizer is not None:  # built now (the worker loads off its event loop), not at the first grammar
+            llg_tokenizer(tokenizer, vocab_size)
         self.eos_token_ids, self.vocab_size, self.max_seq_len = eos_token_ids, vocab_size, max_seq_len
         self._states: dict[str, SequenceState] = {}
 
