@@ -95,8 +95,8 @@ def test_ffn_worker_loss_loses_no_request(tiny_chat_checkpoint: Path, depth: str
 
 def test_a_nats_server_restart_loses_no_request(tiny_chat_checkpoint: Path) -> None:
     """The nats-server stops mid-stream and a new one starts on its port: every service reconnects,
-    the microbatches in flight when the scheduler's connection dropped whose Done was lost are found
-    from the worker's next heartbeat rather than at their timeout, their sequences recompute, and
+    the microbatches in flight when the scheduler's connection dropped whose Done was lost (if one was)
+    are found from the worker's next heartbeat rather than at their timeout, their sequences recompute, and
     every stream completes with the no-fault text. (The seam tensors do not go through NATS: the
     seam itself does not notice.)"""
     port = free_port()
@@ -114,8 +114,11 @@ def test_a_nats_server_restart_loses_no_request(tiny_chat_checkpoint: Path) -> N
             log = mesh.output()
     finally:
         servers[-1].stop()
-    assert "(in flight when the NATS connection dropped)" in log  # lost Dones found from the next heartbeat
-    assert "within 120.0 s" not in log  # and none waited for the microbatch timeout
+    # A Done published across the restart may be lost or may wait in the worker's reconnect buffer (timing):
+    # every microbatch taken for lost is one in flight when the connection dropped, found from a heartbeat,
+    # and none waited for the microbatch timeout
+    assert log.count("does not have microbatch") == log.count("(in flight when the NATS connection dropped)")
+    assert "within 120.0 s" not in log
     assert [tokens for _, tokens in after_fault] == [MAX_TOKENS] * 8
     assert after_fault == baseline
 
