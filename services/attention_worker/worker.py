@@ -258,7 +258,8 @@ class AttentionWorker:
         claimed: list[str] = []
         owns_mb_id = False
         # released after their forks are admitted (unless fed again here: a restart from 0 comes first)
-        forked = {w.fork_of for w in desc.seqs if w.fork_of is not None} - {w.seq_id for w in desc.seqs}
+        forked = ({w.fork_of for w in desc.seqs if w.fork_of is not None} - {w.seq_id for w in desc.seqs}
+                  if desc.release else set())
         try:
             self._release([s for s in desc.release if s not in forked])
             if not self._accepting:
@@ -342,19 +343,17 @@ class AttentionWorker:
                 token, logprob = next(sampled)
                 item.state.sampler.record(token)
             part = prompt.get(index)
-            if part is None:
-                results.append(SeqResult(seq_id=item.work.seq_id, token_id=token, logprob=logprob))
-                continue
-            item.state.held = part.held
+            if part is not None:
+                item.state.held = part.held
             results.append(SeqResult(seq_id=item.work.seq_id, token_id=token, logprob=logprob,
-                                     prompt_logprobs=part.entries, prompt_logprobs_start=part.start))
+                                     prompt_logprobs=part.entries if part else [],
+                                     prompt_logprobs_start=part.start if part else 0))
         return results
 
     def _finish(self, desc: MicrobatchDescriptor, results: list[SeqResult], failures: _Failures,
                 timing: dict[str, float], started: float) -> MicrobatchDone:
-        done = self._done(desc.mb_id, results, failures.seq_ids, failures.body()).model_copy(
-            update={"failed_codes": failures.codes})
-        update = {**timing, "total_s": time.perf_counter() - started,
+        done = self._done(desc.mb_id, results, failures.seq_ids, failures.body())
+        update = {**timing, "failed_codes": failures.codes, "total_s": time.perf_counter() - started,
                   "energy_j": timing["attention_energy_j"] + timing["ffn_energy_j"]}
         return done.model_copy(update={k: v for k, v in update.items() if k in _DONE_FIELDS})
 

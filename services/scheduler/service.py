@@ -281,7 +281,8 @@ class Scheduler:
             ffn = self.registry.next_ffn()
             assert ffn is not None  # checked by the caller, nothing awaited since
             mb_id = f"{self._run_token}-{worker.worker_id}-{lane.iteration}-{k}"
-            later = {p.state.fork_from for g in plan.groups[k + 1:] for p in g if not p.state.first_pass_sent}
+            later = ({p.state.fork_from for g in plan.groups[k + 1:] for p in g if not p.state.first_pass_sent}
+                     if lane.pending_release else set())
             desc = MicrobatchDescriptor(mb_id=mb_id, iteration=lane.iteration, phase=plan.phases[k],
                                         ffn_worker=ffn.worker_id, seqs=[p.seq_work() for p in group],
                                         release=[r for r in lane.pending_release if r not in later])
