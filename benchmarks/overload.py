@@ -34,9 +34,10 @@ def percentiles(values: list[float]) -> dict[str, float | None]:
 def summary(result: OverloadResult) -> dict[str, object]:
     return {"offered_per_s": round(result.offered_per_s, 2), "seconds": result.seconds,
             "statuses": dict(result.statuses), "without_retry_after": result.without_retry_after,
+            "refusal_codes": dict(result.refusal_codes),
             "failures": len(result.failures), "failure_examples": result.failures[:5],
             "served": len(result.served_e2e_s), "ttft": percentiles(result.served_ttft_s),
-            "e2e": percentiles(result.served_e2e_s)}
+            "e2e": percentiles(result.served_e2e_s), "tpot": percentiles(result.served_tpot_s)}
 
 
 def main() -> int:
@@ -46,14 +47,15 @@ def main() -> int:
     parser.add_argument("--seconds", type=float, default=60.0)
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--concurrency", type=int, default=32, help="closed-loop clients measuring capacity")
-    parser.add_argument("--max-queue-wait", type=float, default=None, help="the scheduler's max_queue_wait_s")
-    parser.add_argument("--tpot-guard", action="store_true", help="hold the running sets where their steps pass "
-                        "tpot_slo_ms (the scheduler's tpot_guard)")
+    parser.add_argument("--queue-deadline", type=float, default=None, help="the scheduler's queue_deadline_s "
+                        "(default: its default)")
+    parser.add_argument("--running-bound", choices=("knee", "slo", "off"), default=None,
+                        help="the scheduler's running_bound (default: its default)")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
-    env = {} if args.max_queue_wait is None else {"AFLEX_MAX_QUEUE_WAIT_S": str(args.max_queue_wait)}
-    if args.tpot_guard:
-        env["AFLEX_TPOT_GUARD"] = "true"
+    env = {} if args.queue_deadline is None else {"AFLEX_QUEUE_DEADLINE_S": str(args.queue_deadline)}
+    if args.running_bound is not None:
+        env["AFLEX_RUNNING_BOUND"] = args.running_bound
     with aflex_up(args.model, env_extra=env) as mesh:
         model = mesh.served_model()
         rss_before = {name: round(mesh.rss_mb(name), 1) for name in ("gateway", "scheduler")}
@@ -66,10 +68,10 @@ def main() -> int:
         rss_after = {name: round(mesh.rss_mb(name), 1) for name in ("gateway", "scheduler")}
         after = asyncio.run(overload(mesh.base_url, model, rate_per_s=rate * 0.5, seconds=5,
                                      max_tokens=args.max_tokens))
-        held = [line.split("holding its running set at ", 1)[1].split(":")[0] for line in mesh.output().splitlines()
-                if "holding its running set at " in line]
+        bounds = [line.strip()[-200:] for line in mesh.output().splitlines() if "its running set is held" in line]
     report = {"capacity_per_s": round(rate, 2), "factor": args.factor, "max_tokens": args.max_tokens,
-              "tpot_guard": args.tpot_guard, "running_set_held_at": held[:20],
+              "queue_deadline_s": args.queue_deadline, "running_bound": args.running_bound,
+              "running_set_bounds_logged": bounds[:20],
               "half_capacity": summary(calm), "overload": summary(heavy), "after": summary(after),
               "rss_mb_before": rss_before, "rss_mb_after": rss_after}
     print(json.dumps(report, indent=2))

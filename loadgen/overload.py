@@ -23,9 +23,11 @@ class OverloadResult:
     seconds: float
     statuses: Counter[int] = field(default_factory=Counter)  # HTTP status -> requests
     without_retry_after: int = 0  # 429s that did not say when to come back
+    refusal_codes: Counter[str] = field(default_factory=Counter)  # the error codes of the 429s
     failures: list[str] = field(default_factory=list)  # timeouts, dropped connections, broken streams
     served_ttft_s: list[float] = field(default_factory=list)
     served_e2e_s: list[float] = field(default_factory=list)
+    served_tpot_s: list[float] = field(default_factory=list)  # (last chunk - first) / (chunks - 1)
 
 
 def _body(model: str, i: int, max_tokens: int) -> dict[str, object]:
@@ -36,13 +38,17 @@ def _body(model: str, i: int, max_tokens: int) -> dict[str, object]:
 async def _one(client: httpx.AsyncClient, url: str, body: dict[str, object], result: OverloadResult) -> None:
     started = time.monotonic()
     first: float | None = None
+    last = 0.0
+    chunks = 0
     try:
         async with client.stream("POST", url, json=body) as response:
             result.statuses[response.status_code] += 1
             if response.status_code == 429 and "retry-after" not in response.headers:
                 result.without_retry_after += 1
             if response.status_code != 200:
-                await response.aread()
+                answer = await response.aread()
+                if response.status_code == 429:
+                    result.refusal_codes[str(json.loads(answer).get("error", {}).get("code"))] += 1
                 return
             done = False
             async for line in response.aiter_lines():
@@ -56,8 +62,10 @@ async def _one(client: httpx.AsyncClient, url: str, body: dict[str, object], res
                 if "error" in chunk:
                     result.failures.append(f"error event: {chunk['error'].get('message')}")
                     return
-                if first is None and any(c.get("delta", {}).get("content") for c in chunk.get("choices", [])):
-                    first = time.monotonic()
+                if any(c.get("delta", {}).get("content") for c in chunk.get("choices", [])):
+                    last = time.monotonic()
+                    first = last if first is None else first
+                    chunks += 1
             if not done:
                 result.failures.append("the stream ended without [DONE]")
                 return
@@ -68,6 +76,8 @@ async def _one(client: httpx.AsyncClient, url: str, body: dict[str, object], res
     result.served_e2e_s.append(end - started)
     if first is not None:
         result.served_ttft_s.append(first - started)
+    if chunks > 1 and first is not None:
+        result.served_tpot_s.append((last - first) / (chunks - 1))
 
 
 async def capacity(base_url: str, model: str, *, seconds: float, concurrency: int, max_tokens: int) -> float:

@@ -132,6 +132,7 @@ class OutputDelta(Message):
     finish_reason: FinishReason | None = None
     usage: Usage | None = None
     error: ErrorBody | None = None
+    retry_after_s: float | None = None  # with an overloaded error (a request shed before it started): retry then
 
 
 class CancelRequest(Message):
@@ -139,6 +140,7 @@ class CancelRequest(Message):
 
     request_id: str
     reason: str = "client_disconnected"
+    arrival_ts: float | None = None  # the submission it cancels (its `arrival_ts`), so a resent one spares a reused id
 
 
 # -- scheduler -> attention worker -> scheduler ---------------------------------------------------

@@ -8,7 +8,6 @@ default here; `aflex up` hands its children their settings as `AFLEX_*` variable
 
 from __future__ import annotations
 
-import math
 from typing import Literal
 
 from pydantic import Field
@@ -58,13 +57,15 @@ class SchedulerSettings(ServiceSettings):
     scheduler_id: str = Field(default="scheduler-0", description="this scheduler's id in telemetry and replies")
     model: str = Field(default="default", description="the model served: its card gives the context and EOS ids")
     max_queue: int = Field(default=1024, description="waiting requests beyond this are rejected with 429")
-    max_queue_wait_s: float = Field(
-        default=math.inf, description="a request that would wait longer than this beyond the usual service time (the "
-                                      "unfinished requests over the recent finish rate) is rejected with 429; inf: "
-                                      "off (the estimate takes a lightly loaded mesh's finish rate for its capacity)")
-    tpot_guard: bool = Field(
-        default=False, description="while requests wait, a worker starts no more sequences once its decode steps "
-                                   "take longer than tpot_slo_ms (if it met the SLO lately with as many running)")
+    queue_deadline_s: float = Field(
+        default=10.0, description="a request that has not started this long after it arrived (nothing streamed yet) "
+                                  "is refused with 429 and Retry-After, so the ones served keep a bounded TTFT; "
+                                  "inf: never")
+    running_bound: Literal["knee", "slo", "off"] = Field(
+        default="knee", description="how many sequences a worker runs at once: held where its steps meet a target; "
+                                    "knee: tpot_slo_ms where that is at least 2 unloaded steps, else 10 unloaded "
+                                    "steps (past there more sequences add latency, not tokens); slo: tpot_slo_ms "
+                                    "at any cost; off: max_num_seqs only")
     max_batch_tokens: int = Field(
         default=2048, description="tokens per iteration per attention worker (chunked prefill)")
     max_num_seqs: int = Field(default=256, description="running sequences per attention worker")

@@ -230,6 +230,9 @@ ERROR_CODES: tuple[tuple[str, str, str, str], ...] = (
      "admission validation failed (context length, token ids, sampling); `param` names the field"),
     ("queue_full", ErrorType.OVERLOADED, "scheduler → `SubmitReply`",
      f"the scheduler queue is full (`max_queue` waiting requests); `retry_after_s` = {RETRY_AFTER_S:g}"),
+    ("queue_deadline", ErrorType.OVERLOADED, "scheduler → `OutputDelta` (`finish_reason: error`)",
+     "the request waited `queue_deadline_s` without starting (nothing streamed); the delta's `retry_after_s` = "
+     f"{RETRY_AFTER_S:g}, and the gateway answers 429 (a stream's status line waits for its first token)"),
     ("request_failed", ErrorType.SERVER_ERROR, "scheduler → `OutputDelta` (`finish_reason: error`)",
      f"the request failed `MAX_FAILURES` ({MAX_FAILURES}) times; the message carries the last reason"),
     ("(none)", ErrorType.INVALID_REQUEST, "scheduler → `RegisterReply` (`ok: false`)",

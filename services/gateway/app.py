@@ -48,7 +48,7 @@ from services.gateway.generation import Generation
 from services.gateway.logprobs import LogprobFormat
 from services.gateway.openai_schema import ChatCompletionRequest, CompletionRequest, _GenerationRequest
 from services.gateway.openapi_doc import document
-from services.gateway.streaming import SSE_HEADERS, Extras, ResponseShape, collect, stream
+from services.gateway.streaming import SSE_HEADERS, ChoiceEvents, Extras, ResponseShape, collect, stream
 from shared import subjects
 from shared.errors import InvalidRequestError, TokenizerError
 from shared.lifecycle import stop_on_signals
@@ -218,7 +218,15 @@ async def _generate(request: Request, gateway: Gateway, body: _GenerationRequest
         options = body.stream_options
         include_usage = bool(options and options.include_usage)
         continuous = bool(include_usage and options and options.continuous_usage_stats)
-        return StreamingResponse(stream(shape, generations, include_usage, continuous, extras),
+        events = ChoiceEvents(generations)
+        try:  # the status line waits for the first event: a request shed before it starts is a real 429
+            first = await _unless_disconnected(request, events.next())
+        except BaseException as exc:
+            await events.close("client_disconnected")
+            if isinstance(exc, APIError):
+                exc.headers.update(headers)
+            raise
+        return StreamingResponse(stream(shape, events, first, include_usage, continuous, extras),
                                  media_type="text/event-stream", headers={**SSE_HEADERS, **headers})
     try:
         result = await _unless_disconnected(request, collect(shape, generations, extras))

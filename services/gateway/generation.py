@@ -251,7 +251,7 @@ class Generation:
                 self._first_token_at = time.monotonic()
             if delta.error is not None:
                 self.finished = True
-                raise from_error_body(delta.error)
+                raise from_error_body(delta.error, delta.retry_after_s)
             if delta.prompt_logprobs is not None:
                 prompt_logprobs = delta.prompt_logprobs
             logprobs = delta.logprobs or []
@@ -331,10 +331,12 @@ class Generation:
         if self.finished:
             return
         self.finished = True
+        cancel = CancelRequest(request_id=self.request_id, reason=reason, arrival_ts=self._arrival_ts)
+        if self.watch is not None:  # sent again if a NATS connection comes back meanwhile (it may be lost)
+            self.watch.cancelled(cancel, self._instance)
         try:
-            await self.nc.publish(subjects.req_cancel(self.request_id),
-                                  encode(CancelRequest(request_id=self.request_id, reason=reason)))
-        except Exception as exc:  # a closed or reconnecting connection: the scheduler's timeouts take over
+            await self.nc.publish(subjects.req_cancel(self.request_id), encode(cancel))
+        except Exception as exc:  # a closed or reconnecting connection: sent again when it is back
             log.warning("%s: could not publish cancel (%s): %s", self.request_id, reason, exc)
 
     async def release(self, reason: str = "client_disconnected") -> None:

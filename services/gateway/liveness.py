@@ -5,8 +5,10 @@ scheduler_instance`): when that run has sent neither output nor a heartbeat for 
 the request is resubmitted, as a continuation, to whichever scheduler takes over (`generation.py`).
 When its connection or the scheduler run's came back (a NATS node died, say), deltas sent around then
 may be lost: `loss_epoch` counts those moments, and a request that sees it move asks for a resync.
-The other way, a gateway run's id heads every submission and its `GatewayHeartbeat`s; when they
-stop, the schedulers cancel its requests (nobody reads them any more).
+A cancel sent around such a moment may be lost too (NATS core is at most once), and its request would
+run on unread to max_tokens: the watch keeps the recent cancels and sends each again when its
+scheduler run's loss epoch moves. The other way, a gateway run's id heads every submission and its
+`GatewayHeartbeat`s; when they stop, the schedulers cancel its requests (nobody reads them any more).
 """
 
 from __future__ import annotations
@@ -14,16 +16,28 @@ from __future__ import annotations
 import logging
 import math
 import time
+from dataclasses import dataclass
 
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
 from shared import subjects
-from shared.messages import GatewayHeartbeat, ProtocolError, SchedulerHeartbeat, decode, encode
+from shared.messages import CancelRequest, GatewayHeartbeat, ProtocolError, SchedulerHeartbeat, decode, encode
 from shared.transport import bus
 
 log = logging.getLogger("aflex.gateway")
+
+CANCEL_MEMORY_S = 120.0  # a cancel is sent again on a loss epoch's move for this long
+MAX_CANCELS = 10_000  # and at most this many are kept (the oldest go first)
+
+
+@dataclass
+class _Cancel:
+    cancel: CancelRequest
+    instance: str  # the scheduler run that held the request
+    epoch: int  # its loss epoch when the cancel was (last) sent
+    mono: float  # when it was first sent
 
 
 class SchedulerWatch:
@@ -32,6 +46,8 @@ class SchedulerWatch:
         self._reconnects: dict[str, int] = {}  # scheduler instance -> its connection's reconnects, as it said
         self._sub: Subscription | None = None
         self._nc: Client | None = None
+        self._cancels: dict[str, _Cancel] = {}  # request id -> its cancel, oldest first
+        self._epochs: dict[str, int] = {}  # scheduler instance -> its loss epoch when its cancels were last checked
 
     async def subscribe(self, nc: Client) -> None:
         self._nc = nc
@@ -45,6 +61,40 @@ class SchedulerWatch:
             return
         self._heard_mono[beat.instance] = time.monotonic()
         self._reconnects[beat.instance] = beat.reconnects
+        epoch = self.loss_epoch(beat.instance)
+        if self._epochs.get(beat.instance, epoch) != epoch:
+            await self._cancel_again(beat.instance, epoch)
+        self._epochs[beat.instance] = epoch
+
+    def cancelled(self, cancel: CancelRequest, instance: str) -> None:
+        """`cancel` was published (or tried) for a request `instance` held: keep it to send again."""
+        if not instance:
+            return
+        now = time.monotonic()
+        self._cancels.pop(cancel.request_id, None)
+        self._cancels[cancel.request_id] = _Cancel(cancel, instance, self.loss_epoch(instance), now)
+        self._epochs.setdefault(instance, self.loss_epoch(instance))
+        while self._cancels:
+            oldest = next(iter(self._cancels.values()))
+            if now - oldest.mono <= CANCEL_MEMORY_S and len(self._cancels) <= MAX_CANCELS:
+                break
+            del self._cancels[oldest.cancel.request_id]
+
+    async def _cancel_again(self, instance: str, epoch: int) -> None:
+        """Send `instance`'s recent cancels again: its connection or ours came back since they were sent."""
+        assert self._nc is not None
+        now = time.monotonic()
+        again = [c for c in self._cancels.values()
+                 if c.instance == instance and c.epoch != epoch and now - c.mono <= CANCEL_MEMORY_S]
+        for entry in again:
+            entry.epoch = epoch
+            try:
+                await self._nc.publish(subjects.req_cancel(entry.cancel.request_id), encode(entry.cancel))
+            except Exception as exc:  # reconnecting again: the next epoch's move sends it
+                log.warning("%s: could not send its cancel again: %s", entry.cancel.request_id, exc)
+                return
+        if again:
+            log.info("sent %d cancels again to scheduler run %s: a NATS connection came back", len(again), instance)
 
     @property
     def watching(self) -> bool:

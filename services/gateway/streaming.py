@@ -131,10 +131,44 @@ async def _events(index: int, generation: Generation, into: asyncio.Queue[tuple[
         await into.put((index, exc))
 
 
-async def stream(shape: ResponseShape, generations: list[Generation], include_usage: bool,
+class ChoiceEvents:
+    """The n choices' events, merged as they come (each with its choice's index)."""
+
+    def __init__(self, generations: list[Generation]) -> None:
+        self.generations = generations
+        self._queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
+        self._readers = [asyncio.create_task(_events(i, g, self._queue)) for i, g in enumerate(generations)]
+        self._running = len(generations)
+
+    async def next(self) -> tuple[int, TextEvent] | None:
+        """The next event of any choice; None when all are over; `APIError` when one failed."""
+        while self._running:
+            index, event = await self._queue.get()
+            if event is _END:
+                self._running -= 1
+                continue
+            if isinstance(event, APIError):
+                raise event
+            if isinstance(event, Exception):
+                raise APIError(500, f"the request failed: {event}", type=SERVER_ERROR) from event
+            return index, event
+        return None
+
+    async def close(self, reason: str) -> None:
+        """Stop reading and release every choice's request (cancelled on the bus if still running)."""
+        with anyio.CancelScope(shield=True):  # runs inside Starlette's cancelled scope on disconnect
+            for reader in self._readers:
+                reader.cancel()
+            for generation in self.generations:
+                await generation.release(reason)
+
+
+async def stream(shape: ResponseShape, events: ChoiceEvents, first: tuple[int, TextEvent] | None, include_usage: bool,
                  continuous_usage: bool, extras: list[Extras]) -> AsyncIterator[bytes]:
-    """SSE bytes of a streamed request, its n choices' chunks as they come, each with its `index`.
-    Cancels the requests when the client goes away before the end."""
+    """SSE bytes of a streamed request from its `first` event on (the status line waited for it, so a
+    request refused before its first token got a real status), its n choices' chunks as they come, each
+    with its `index`. Releases the requests at the end, or when the client goes away before it."""
+    generations = events.generations
 
     def extra() -> dict[str, Any]:
         if not include_usage:
@@ -143,21 +177,12 @@ async def stream(shape: ResponseShape, generations: list[Generation], include_us
             return {"usage": None}
         return {"usage": usage_dict(len(generations[0].prompt_ids), sum(len(g.output_ids) for g in generations))}
 
-    queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
-    readers = [asyncio.create_task(_events(i, g, queue)) for i, g in enumerate(generations)]
     started = [False] * len(generations)
     usages: list[dict[str, Any]] = [{}] * len(generations)
     try:
-        running = len(generations)
-        while running:
-            index, event = await queue.get()
-            if event is _END:
-                running -= 1
-                continue
-            if isinstance(event, APIError):
-                raise event
-            if isinstance(event, Exception):
-                raise APIError(500, f"the request failed: {event}", type=SERVER_ERROR) from event
+        item = first
+        while item is not None:
+            index, event = item
             if shape.chat and not started[index]:
                 yield sse({**shape.chunk("", index=index, role=True), **extra()})
             text, entries = extras[index].first(event) if not started[index] else (event.text, event.logprobs)
@@ -166,6 +191,7 @@ async def stream(shape: ResponseShape, generations: list[Generation], include_us
                        **extra()})
             if event.finish_reason is not None:
                 usages[index] = event.usage or {}
+            item = await events.next()
         if include_usage:
             yield sse(shape.usage_chunk(total_usage(usages)))
         yield DONE
@@ -173,8 +199,4 @@ async def stream(shape: ResponseShape, generations: list[Generation], include_us
         yield sse(exc.body())
         yield DONE
     finally:
-        with anyio.CancelScope(shield=True):  # runs inside Starlette's cancelled scope on disconnect
-            for reader in readers:
-                reader.cancel()
-            for generation in generations:
-                await generation.release("client_disconnected")
+        await events.close("client_disconnected")

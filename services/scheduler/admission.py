@@ -9,17 +9,19 @@ scheduler's own state (a bad or duplicate id, no workers ready, a full queue) in
 
 from __future__ import annotations
 
-import math
 from collections.abc import Container
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from shared import subjects
 from shared.error_types import ErrorType
 from shared.errors import InvalidRequestError
 from shared.messages import ErrorBody, SamplingSpec, SubmitRequest
 
+if TYPE_CHECKING:
+    from services.scheduler.state import RequestState
+
 RETRY_AFTER_S = 1.0  # what overloaded / unavailable rejections suggest
-MAX_RETRY_AFTER_S = 30.0
 
 
 @dataclass(frozen=True)
@@ -32,8 +34,6 @@ class Mesh:
     vocab_size: int | None
     queue_depth: int
     max_queue: int
-    queue_wait_s: float | None = None  # the backlog's wait beyond the usual service time (None: unknown)
-    max_queue_wait_s: float = math.inf
 
 
 def rejection(req: SubmitRequest, mesh: Mesh) -> tuple[ErrorBody, float | None] | None:
@@ -58,12 +58,18 @@ def rejection(req: SubmitRequest, mesh: Mesh) -> tuple[ErrorBody, float | None] 
     if mesh.queue_depth >= mesh.max_queue:
         return ErrorBody(type=ErrorType.OVERLOADED, message=f"the scheduler queue is full ({mesh.max_queue} "
                          "waiting requests); retry later", code="queue_full"), RETRY_AFTER_S
-    if mesh.queue_wait_s is not None and mesh.queue_wait_s > mesh.max_queue_wait_s:  # served ones keep their bound
-        return ErrorBody(type=ErrorType.OVERLOADED, message=f"the mesh is overloaded: a request would wait about "
-                         f"{mesh.queue_wait_s:.1f} s more than serving takes (max_queue_wait_s="
-                         f"{mesh.max_queue_wait_s:g}); retry later", code="queue_full"), \
-            max(RETRY_AFTER_S, min(mesh.queue_wait_s - mesh.max_queue_wait_s, MAX_RETRY_AFTER_S))
     return None
+
+
+def overdue(state: RequestState, now_mono: float, deadline_s: float) -> ErrorBody | None:
+    """The 429 for a request that has waited `deadline_s` without starting, or None. Only one that has
+    streamed nothing anywhere qualifies (its client can still get a status line); one that started
+    and was put back by a fault keeps its turn."""
+    if state.started or state.base_tokens or state.output_ids or now_mono - state.received_mono < deadline_s:
+        return None
+    return ErrorBody(type=ErrorType.OVERLOADED, message=f"the mesh is overloaded: the request waited "
+                     f"{now_mono - state.received_mono:.1f} s without starting (queue_deadline_s={deadline_s:g}); "
+                     "retry later", code="queue_deadline")
 
 
 def validate_sampling(spec: SamplingSpec) -> None:

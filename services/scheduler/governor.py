@@ -9,10 +9,9 @@ the policies are testable without NATS. The rules: docs/architecture.md, "The af
 from __future__ import annotations
 
 import logging
-import statistics
 import time
 from collections import deque
-from collections.abc import Collection, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from services.scheduler.aflex import (
@@ -27,7 +26,7 @@ from services.scheduler.aflex import (
 from services.scheduler.batcher import Pass
 from services.scheduler.clocks import PHASES, PhaseSignal, parse_fixed_clocks, percentile, plan_clocks
 from services.scheduler.model_info import ModelInfo
-from services.scheduler.overload import RunningGuard
+from services.scheduler.overload import RunningBound
 from services.scheduler.registry import Registry, Worker
 from services.scheduler.state import RequestState
 from shared.gpu.base import GPUError
@@ -39,8 +38,7 @@ from shared.policy.iteration import DecodeAwareCap
 from shared.settings import SchedulerSettings
 
 log = logging.getLogger("aflex.scheduler")
-DRAIN_WINDOW_S = 10.0  # the drain rate admission estimates queue waits from covers this much history
-DRAIN_MIN_FINISHED = 5  # requests finished in it before an estimate is trusted
+BOUND_LOG_CHANGE = 0.2  # a running-set bound's target is logged again when it moves by more than this share
 
 Planned = tuple[dict[ClockPhase, int], str]  # a worker's clocks for the window, and why
 
@@ -62,10 +60,8 @@ class Governor:
         self.commanded: dict[str, dict[ClockPhase, int]] = {}  # worker -> clocks of its latest command
         self.finished_total = 0
         self.finished_log: deque[Finished] = deque()
-        self.finish_times: deque[tuple[float, float]] = deque()  # (monotonic, time in the scheduler s) lately
-        self._service_s = 0.0  # the median time in the scheduler when enough finished lately
-        self.guards: dict[str, RunningGuard] = {}  # each attention worker's decode steps against the TPOT SLO
-        self._held: set[str] = set()  # the workers whose running set the guard holds now
+        self.bounds: dict[str, RunningBound] = {}  # each attention worker's decode steps and running-set bound
+        self._logged_target_s: dict[str, float] = {}  # the step target last logged per worker
         self.ttft_log: deque[tuple[float, float]] = deque()  # (monotonic time of the first token, TTFT ms)
         self.samples: dict[str, deque[IterationSample]] = {}  # each attention worker's iterations of the window
         self.plans: dict[str, dict[ClockPhase, PairPlan]] = {}  # the latest aflex plans
@@ -96,7 +92,6 @@ class Governor:
 
     def finished(self, state: RequestState, reason: FinishReason, mono: float) -> None:
         self.finished_total += 1
-        self.finish_times.append((mono, mono - state.received_mono))
         ttft, tpot = state.ttft_s, state.tpot_s
         self.finished_log.append(Finished(mono, reason, None if ttft is None else ttft * 1000.0,
                                           None if tpot is None else tpot * 1000.0))
@@ -131,16 +126,16 @@ class Governor:
     def worker_restarted(self, worker_id: str) -> None:
         """A (re)started worker starts over: at max for "slo", and aflex holds nothing for it."""
         self.commanded.pop(worker_id, None)
-        self.guards.pop(worker_id, None)
+        self.bounds.pop(worker_id, None)
 
-    def iteration_done(self, worker: Worker, plan_phase: str, n_running: int, wall_s: float, mono: float) -> None:
-        """An iteration of `worker` took `wall_s`: one with decodes in it is a token of each running sequence
-        (prefill chunks beside them slow it, as the running requests see)."""
-        if plan_phase != "prefill":
-            self._guard(worker).step(mono, n_running, wall_s)
+    def iteration_done(self, worker: Worker, passes: list[Pass], wall_s: float) -> None:
+        """An iteration of `worker` fed `passes` in `wall_s`: a token of each decoding sequence (with any
+        prompt chunks beside them: the step their requests see)."""
+        self._bound(worker).step(sum(1 for p in passes if p.is_decode), wall_s)
 
-    def _guard(self, worker: Worker) -> RunningGuard:
-        return self.guards.setdefault(worker.worker_id, RunningGuard(self.settings.tpot_slo_ms / 1000.0))
+    def _bound(self, worker: Worker) -> RunningBound:
+        s = self.settings
+        return self.bounds.setdefault(worker.worker_id, RunningBound(s.tpot_slo_ms / 1000.0, s.running_bound))
 
     # -- the iteration policy -------------------------------------------------------------------
 
@@ -150,17 +145,22 @@ class Governor:
         planned: dict[str, int] = {}
         if s.microbatch_depth == "auto" and self.aflex_clocks is not None:
             planned = {phase: plan.op.depth for phase, plan in self.plans.get(worker.worker_id, {}).items()}
-        n_running = len(worker.lane.running)
-        max_num_seqs = s.max_num_seqs
-        held = s.tpot_guard and self._guard(worker).full(now_mono, n_running)
-        if held:
-            max_num_seqs = min(max_num_seqs, n_running)  # no more start until the steps are back within the SLO
-        if held != (worker.worker_id in self._held):
-            self._held.symmetric_difference_update({worker.worker_id})
-            log.info("%s: %s", worker.worker_id, f"holding its running set at {n_running}: its steps are over "
-                     f"tpot_slo_ms={s.tpot_slo_ms:g}" if held else "its running set may grow again")
+        running_bound = self._bound(worker)
+        bound = running_bound.bound(len(worker.lane.running))
+        max_num_seqs = s.max_num_seqs if bound is None else min(s.max_num_seqs, bound)
+        self._log_target(worker, running_bound)
         return IterationPolicy(s.max_batch_tokens, max_num_seqs, self.batching, now_mono, self._prefill_cap(worker),
                                s.microbatch_depth, planned)
+
+    def _log_target(self, worker: Worker, bound: RunningBound) -> None:
+        target_s, last_s = bound.target_s, self._logged_target_s.get(worker.worker_id)
+        if target_s is None or (last_s is not None and abs(target_s - last_s) <= BOUND_LOG_CHANGE * last_s):
+            return
+        self._logged_target_s[worker.worker_id] = target_s
+        assert bound.unloaded_s is not None
+        log.info("%s: its running set is held where a step takes %.0f ms (running_bound=%s; its shortest step %.0f "
+                 "ms, tpot_slo_ms=%g)", worker.worker_id, target_s * 1e3, self.settings.running_bound,
+                 bound.unloaded_s * 1e3, self.settings.tpot_slo_ms)
 
     def _prefill_cap(self, worker: Worker) -> DecodeAwareCap | None:
         """aflex batching: the policy's prefill tokens per iteration of `worker` (None: the token budget only)."""
@@ -192,25 +192,6 @@ class Governor:
         return self._profiles[key]
 
     # -- SLO observation ------------------------------------------------------------------------
-
-    def queue_wait_s(self, unfinished: Collection[RequestState], now: float) -> float | None:
-        """The wait a new request would add to the usual service time. By Little's law the unfinished
-        requests (waiting and running) over the rate requests finished lately is the time one spends
-        in the scheduler, and the median of the finished ones' is what serving takes without a
-        backlog. When too few finished lately to measure a rate, the oldest unfinished request's age
-        stands in for it (a burst after an idle spell is young; a backlog is old). None: the
-        scheduler has not served enough to say; admission then holds to `max_queue` alone."""
-        times = self.finish_times
-        while times and now - times[0][0] > DRAIN_WINDOW_S:
-            times.popleft()
-        if self.finished_total < DRAIN_MIN_FINISHED:
-            return None
-        if len(times) >= DRAIN_MIN_FINISHED:
-            self._service_s = statistics.median(t for _, t in times)
-            in_scheduler_s = len(unfinished) / (len(times) / max(now - times[0][0], 1.0))
-        else:
-            in_scheduler_s = max((now - r.received_mono for r in unfinished), default=0.0)
-        return max(0.0, in_scheduler_s - self._service_s)
 
     @property
     def stats_window_s(self) -> float:

@@ -1,47 +1,67 @@
-"""The TPOT guard: while requests wait, may an attention worker's running set grow?
+"""The running-set bound: how many sequences one attention worker runs at once, from its own steps.
 
-A worker takes no more sequences into its running set once its steps (iterations with decodes in
-them: a token of each running sequence) take longer than `tpot_slo_ms` (p90 of the last few), as
-long as it has run within that SLO with a running set at least this large lately. If it never has,
-the SLO is out of its reach at any size and it runs for throughput, up to `max_num_seqs`. Off by
-default (`tpot_guard`): on a CPU, where the SLO is met only by one or two sequences, it gives up most
-of the throughput (docs/reliability.md, "Overload"). Fed by dispatch; time is passed in.
+A feedback loop on the step time the running requests see (their TPOT): while the recent steps
+(median of the last `RECENT_STEPS`) take longer than a target, no sequence starts until finished ones
+bring the set down; while the last step passed it, the set holds; while they take less, it may grow by
+a sixteenth a step (more overshoots: the median lags). The target (`running_bound`):
+- "knee" (the default): `tpot_slo_ms` when it is at least twice the unloaded step (a GPU, where a
+  step grows slowly: meeting the SLO keeps most of the throughput), else ten times the unloaded
+  step (a CPU, where the SLO holds one or two sequences). For a step of fixed + per-sequence cost,
+  ten times the fixed cost is where throughput reaches 90% of what any size gets: past it more
+  sequences add latency, not tokens;
+- "slo": `tpot_slo_ms` whatever it costs;
+- "off": `max_num_seqs` only.
+The unloaded step is the shortest step seen (an upper bound on the fixed cost, so the bound errs
+toward throughput). A fitted line was tried first and ratcheted: a step's cost is concave in the set
+here, so each larger set fitted a larger fixed cost and a larger knee (docs/reliability.md, "Overload").
 """
 
 from __future__ import annotations
 
+import statistics
 from collections import deque
+from typing import Literal
 
-GUARD_STEPS = 8  # the decode steps whose 90th percentile is compared with the SLO
-GUARD_MEMORY_S = 60.0  # how long a step within the SLO vouches for its running-set size
+RunningBoundMode = Literal["knee", "slo", "off"]
+
+RECENT_STEPS = 8  # the steps whose median is compared with the target
+KNEE_FACTOR = 10.0  # "knee": the target is this many unloaded steps (90% of a linear cost's throughput)
+SLO_MIN_FACTOR = 2.0  # "knee" keeps to the SLO while it is at least this many unloaded steps
+GROWTH = 0.0625  # below the target, the set may grow by this share (at least one) a step
 
 
-class RunningGuard:
-    """One attention worker's decode steps against the TPOT SLO: may its running set grow?"""
+class RunningBound:
+    """One attention worker's recent steps, and how large its running set may be for the next one."""
 
-    def __init__(self, tpot_slo_s: float) -> None:
-        self.tpot_slo_s = tpot_slo_s
-        self._steps: deque[float] = deque(maxlen=GUARD_STEPS)  # seconds per decode step, latest last
-        self._within: deque[tuple[float, int]] = deque()  # (monotonic, running set) of steps within the SLO
+    def __init__(self, tpot_slo_s: float, mode: RunningBoundMode = "knee") -> None:
+        self.tpot_slo_s, self.mode = tpot_slo_s, mode
+        self._recent_s: deque[float] = deque(maxlen=RECENT_STEPS)
+        self.unloaded_s: float | None = None  # the shortest step seen
 
-    def step(self, now: float, n_running: int, step_s: float) -> None:
-        """An iteration with `n_running` sequences decoding took `step_s` (one token each)."""
-        self._steps.append(step_s)
-        if step_s <= self.tpot_slo_s:
-            self._within.append((now, n_running))
-        while self._within and now - self._within[0][0] > GUARD_MEMORY_S:
-            self._within.popleft()
+    def step(self, n_decode: int, step_s: float) -> None:
+        """An iteration fed `n_decode` sequences a token each (and maybe prompt chunks) in `step_s`."""
+        if n_decode <= 0 or step_s <= 0.0:
+            return
+        self._recent_s.append(step_s)
+        self.unloaded_s = step_s if self.unloaded_s is None else min(self.unloaded_s, step_s)
 
-    def full(self, now: float, n_running: int) -> bool:
-        """True when no more sequences should start: its recent steps (p90) are over the SLO and it has
-        met the SLO lately with as many running (or more)."""
-        if len(self._steps) < GUARD_STEPS or n_running == 0:
-            return False
-        ordered = sorted(self._steps)
-        p90_s = ordered[min(len(ordered) - 1, int(0.9 * len(ordered)))]
-        if p90_s <= self.tpot_slo_s:
-            return False
-        while self._within and now - self._within[0][0] > GUARD_MEMORY_S:
-            self._within.popleft()
-        largest_within = max((n for _, n in self._within), default=0)
-        return largest_within > 0 and n_running >= largest_within
+    @property
+    def target_s(self) -> float | None:
+        """The step time the bound holds the running set to (None: off, or nothing seen yet)."""
+        if self.mode == "off" or self.unloaded_s is None:
+            return None
+        if self.mode == "slo" or self.tpot_slo_s >= SLO_MIN_FACTOR * self.unloaded_s:
+            return self.tpot_slo_s
+        return KNEE_FACTOR * self.unloaded_s
+
+    def bound(self, n_running: int) -> int | None:
+        """The most sequences to run in the next iteration, now `n_running` run (None: no bound but
+        `max_num_seqs`, while fewer than `RECENT_STEPS` steps were seen)."""
+        target_s = self.target_s
+        if target_s is None or len(self._recent_s) < RECENT_STEPS:
+            return None
+        if statistics.median(self._recent_s) > target_s:
+            return max(1, n_running - 1)  # no new sequence until finished ones bring it down
+        if self._recent_s[-1] > target_s:  # the last step passed it (prompts just admitted, say): hold
+            return max(1, n_running)
+        return n_running + max(1, int(GROWTH * n_running))

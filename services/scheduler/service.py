@@ -23,7 +23,7 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 
 from services.scheduler import beacon, recovery
-from services.scheduler.admission import Mesh, rejection
+from services.scheduler.admission import RETRY_AFTER_S, Mesh, overdue, rejection
 from services.scheduler.batcher import Pass, PassPlan, plan_passes, release_only, share_energy
 from services.scheduler.gateways import GatewayWatch
 from services.scheduler.governor import Governor
@@ -173,6 +173,15 @@ class Scheduler:
                     recovery.lose(worker, self.in_flight, restarted=False)
             for state in self.gateways.orphans(time.monotonic(), list(self.requests.values())):
                 await self._finish(state, "abort")
+            await self._shed_overdue(time.monotonic())
+
+    async def _shed_overdue(self, now: float) -> None:
+        """Refuse (429) the requests that waited `queue_deadline_s` without starting: the served keep their TTFT."""
+        for state in [s for s in self.requests.values() if s.status is Status.WAITING]:
+            error = overdue(state, now, self.settings.queue_deadline_s)
+            if error is not None:
+                log.info("request %s shed: %s", state.request_id, error.message)
+                await self._finish(state, "error", error, retry_after_s=RETRY_AFTER_S)
 
     def on_bus_lost(self) -> None:
         """The NATS connection dropped: every in-flight microbatch is a suspect the next heartbeat settles."""
@@ -215,10 +224,8 @@ class Scheduler:
 
     def _admit(self, req: SubmitRequest) -> SubmitReply:
         limit = min(self.registry.context_limit(), self.model.max_seq_len or 1 << 62)  # 0: the card says none
-        depth = self.queue_depth
-        wait_s = self.governor.queue_wait_s(self.requests.values(), time.monotonic())  # waiting and running
-        refused = rejection(req, Mesh(self.requests, self.registry.ready, limit, self.model.vocab_size, depth,
-                                      self.settings.max_queue, wait_s, self.settings.max_queue_wait_s))
+        refused = rejection(req, Mesh(self.requests, self.registry.ready, limit, self.model.vocab_size,
+                                      self.queue_depth, self.settings.max_queue))
         if refused is not None:
             error, retry_after_s = refused
             return SubmitReply(request_id=req.request_id, accepted=False, retry_after_s=retry_after_s, error=error)
@@ -236,8 +243,8 @@ class Scheduler:
     async def _on_cancel(self, msg: Msg) -> None:
         cancel = decode(CancelRequest, msg.data)
         state = self.requests.get(cancel.request_id)
-        if state is None or state.finished:
-            return
+        if state is None or state.finished or cancel.arrival_ts not in (None, state.arrival_ts):
+            return  # unknown, done, or another submission under the same id
         log.info("request %s cancelled: %s", state.request_id, cancel.reason)
         await self._finish(state, "abort")
 
@@ -266,10 +273,9 @@ class Scheduler:
                 lane.waiting.remove(state)
                 lane.running.append(state)
                 state.status = Status.RUNNING
-            n_running = len(lane.running)
+                state.started = True
             await self._run_iteration(worker, plan)
-            done_mono = time.monotonic()
-            self.governor.iteration_done(worker, plan.phase, n_running, done_mono - now, done_mono)
+            self.governor.iteration_done(worker, plan.passes, time.monotonic() - now)
 
     async def _run_iteration(self, worker: Worker, plan: PassPlan) -> None:
         lane = worker.lane
@@ -392,7 +398,7 @@ class Scheduler:
         await self.outputs.token(state)
 
     async def _finish(self, state: RequestState, reason: FinishReason, error: ErrorBody | None = None,
-                      last_token: bool = False) -> None:
+                      last_token: bool = False, retry_after_s: float | None = None) -> None:
         """End a request: free its place (KV released with the worker's next descriptor), send the final delta."""
         state.status = Status.FINISHED
         state.finish_reason = reason
@@ -411,7 +417,7 @@ class Scheduler:
                       total_tokens=state.num_tokens, energy_j=state.energy_j)
         delta = (token_delta(state, state.next_index, finish_reason=reason, usage=usage, error=error) if last_token
                  else OutputDelta(request_id=state.request_id, index=state.next_index, token_ids=[],
-                                  finish_reason=reason, usage=usage, error=error))
+                                  finish_reason=reason, usage=usage, error=error, retry_after_s=retry_after_s))
         await self.outputs.final(state, delta)
 
     # -- frequency commands and telemetry (governor.py decides, dispatch publishes) -----------------

@@ -35,6 +35,7 @@ class RequestState(TokenHistory):
     worker_id: str | None = None  # attention worker that holds (or will hold) its KV
     num_computed: int = 0  # tokens whose K/V are in `worker_id`'s cache
     first_pass_sent: bool = False  # sampling spec and generated_ids already sent to `worker_id`
+    started: bool = False  # taken into a running set once (admission.overdue never sheds it after)
     status: Status = Status.WAITING
     finish_reason: FinishReason | None = None
     failures: int = 0  # passes lost to worker errors, timeouts or worker loss

@@ -1,71 +1,94 @@
-"""Admission refuses what would wait too long: past `max_queue` requests, or a backlog that would keep a new
-request more than `max_queue_wait_s` beyond the usual service time (so that the ones it serves keep their latency);
-the TPOT guard stops a running set growing past the size that met the SLO lately."""
+"""Overload, the pure parts: a request that waited `queue_deadline_s` without starting is shed with a 429
+(one that started, or streamed anything, never is); the running-set bound holds a worker's steps to a
+target: the TPOT SLO where that is at least two unloaded steps, else ten unloaded steps (the knee)."""
 
 from __future__ import annotations
 
+import statistics
+from collections.abc import Callable
+
 import pytest
 
-from services.scheduler.admission import MAX_RETRY_AFTER_S, Mesh, rejection
-from services.scheduler.governor import DRAIN_MIN_FINISHED, Governor
-from services.scheduler.model_info import ModelInfo
-from services.scheduler.overload import GUARD_MEMORY_S, GUARD_STEPS, RunningGuard
-from services.scheduler.registry import Registry
+from services.scheduler.admission import overdue
+from services.scheduler.overload import RECENT_STEPS, RunningBound
 from services.scheduler.state import RequestState
-from shared.messages import SamplingSpec, SubmitRequest
-from shared.settings import SchedulerSettings
-
-REQ = SubmitRequest(request_id="r1", model="m", prompt_ids=[1, 2, 3], sampling=SamplingSpec(max_tokens=4),
-                    arrival_ts=0.0)
+from shared.messages import SamplingSpec
 
 
-def mesh(depth: int, wait_s: float | None, max_wait_s: float = 10.0) -> Mesh:
-    return Mesh(running_ids=(), ready=True, context_limit=1024, vocab_size=100, queue_depth=depth, max_queue=1000,
-                queue_wait_s=wait_s, max_queue_wait_s=max_wait_s)
+def waiting(received_mono: float, **fields: object) -> RequestState:
+    state = RequestState("r1", [1, 2, 3], SamplingSpec(max_tokens=4), 0.0, received_mono=received_mono)
+    for name, value in fields.items():
+        setattr(state, name, value)
+    return state
 
 
-def test_a_queue_holding_more_than_max_queue_wait_s_of_work_is_a_429() -> None:
-    assert rejection(REQ, mesh(50, 9.0)) is None
-    refused = rejection(REQ, mesh(50, 25.0))
-    assert refused is not None
-    error, retry_after_s = refused
-    assert error.type == "overloaded_error" and error.code == "queue_full" and "about 25.0 s more" in error.message
-    assert retry_after_s == 15.0
-    far = rejection(REQ, mesh(50, 1e9))
-    assert far is not None and far[1] == MAX_RETRY_AFTER_S  # Retry-After is capped
-    assert rejection(REQ, mesh(50, None)) is None  # no estimate yet: only max_queue holds
+def test_a_request_waiting_past_the_deadline_is_shed_with_a_429() -> None:
+    assert overdue(waiting(100.0), 109.9, 10.0) is None
+    error = overdue(waiting(100.0), 110.5, 10.0)
+    assert error is not None and error.type == "overloaded_error" and error.code == "queue_deadline"
+    assert "waited 10.5 s without starting (queue_deadline_s=10)" in error.message
 
 
-def test_the_wait_estimate_is_the_queue_over_the_recent_finish_rate() -> None:
-    governor = Governor(SchedulerSettings(), ModelInfo("m", frozenset({2}), 100, 1024), Registry())
-    def unfinished(n: int, since: float) -> list[RequestState]:
-        return [RequestState(f"u{i}", [1], SamplingSpec(), 0.0, received_mono=since) for i in range(n)]
-
-    assert governor.queue_wait_s(unfinished(40, 99.0), 100.0) is None  # nothing served yet
-    for i in range(DRAIN_MIN_FINISHED * 2):  # 10 requests finished over 4.5 s (about 2 a second), 3 s each
-        governor.finished(RequestState(f"r{i}", [1], SamplingSpec(), 0.0, received_mono=92.5 + i * 0.5), "stop",
-                          95.5 + i * 0.5)
-    assert governor.queue_wait_s(unfinished(40, 99.0), 100.0) == pytest.approx(40 / (10 / 4.5) - 3.0)  # Little
-    assert governor.queue_wait_s(unfinished(4, 99.0), 100.0) == 0.0  # no backlog beyond what is being served
-    # nothing finished lately: the oldest unfinished request's age tells a burst after idling from a backlog
-    assert governor.queue_wait_s(unfinished(40, 199.0), 200.0) == 0.0
-    assert governor.queue_wait_s(unfinished(40, 170.0), 200.0) == pytest.approx(30.0 - 3.0)
+def test_a_request_that_started_or_streamed_is_never_shed() -> None:
+    assert overdue(waiting(100.0, started=True), 200.0, 10.0) is None  # put back by a fault: keeps its turn
+    assert overdue(waiting(100.0, base_tokens=3), 200.0, 10.0) is None  # a continuation: its client has text
+    assert overdue(waiting(100.0, output_ids=[7]), 200.0, 10.0) is None
+    assert overdue(waiting(100.0), 1e9, float("inf")) is None  # inf: never
 
 
-def test_the_running_set_stops_growing_past_the_size_that_met_the_tpot_slo() -> None:
-    guard = RunningGuard(tpot_slo_s=0.1)
-    for i in range(GUARD_STEPS):
-        guard.step(10.0 + i, 4, 0.05)  # 4 running: within
-    assert not guard.full(20.0, 4)
-    for i in range(GUARD_STEPS):
-        guard.step(20.0 + i, 8, 0.15)  # 8 running: over
-    assert guard.full(30.0, 8) and guard.full(30.0, 4)  # 4 met it: hold at 4 and above
-    assert not guard.full(30.0, 3)  # below that, grow back to it
-    assert not guard.full(30.0 + GUARD_MEMORY_S, 8)  # what met it is forgotten after a while
+def linear(fixed_s: float, per_seq_s: float) -> Callable[[int], float]:
+    return lambda n: fixed_s + per_seq_s * n
 
 
-def test_a_tpot_slo_out_of_reach_at_any_size_does_not_hold_the_running_set() -> None:
-    guard = RunningGuard(tpot_slo_s=0.01)
-    for n in range(1, GUARD_STEPS + 1):
-        guard.step(float(n), n, 0.05)  # even one running is over: serve for throughput
-    assert not guard.full(10.0, GUARD_STEPS)
+def settle(bound: RunningBound, step_s: Callable[[int], float], n: int = 1, steps: int = 400) -> int:
+    """Run a worker whose queue never empties under the bound; the running-set size it settles at."""
+    sizes: list[int] = []
+    for _ in range(steps):
+        bound.step(n, step_s(n))
+        sizes.append(n)
+        cap = bound.bound(n)
+        n = cap if cap is not None else n + 1
+    return round(statistics.median(sizes[-100:]))
+
+
+def test_where_the_slo_costs_most_of_the_throughput_the_set_settles_at_ten_unloaded_steps() -> None:
+    cpu = linear(0.1, 0.017)  # the SmolLM2 mesh on 2 cores: the 120 ms SLO holds one sequence
+    bound = RunningBound(0.12)
+    n = settle(bound, cpu)
+    assert bound.target_s == pytest.approx(10 * cpu(1))
+    assert abs(cpu(n) - bound.target_s) <= 3 * 0.017  # within a few sequences of the target
+    assert n * 0.017 / cpu(n) >= 0.89  # about 90% of the throughput any size gets
+    assert settle(RunningBound(0.12, "slo"), cpu) == 1  # the SLO's size, whatever it costs
+    off = RunningBound(0.12, "off")
+    off.step(3, 0.2)
+    assert off.bound(3) is None and off.target_s is None
+
+
+def test_where_the_slo_keeps_most_of_the_throughput_the_set_settles_at_the_slo() -> None:
+    gpu = linear(0.02, 0.0002)  # a step grows slowly with the set: 500 sequences meet 120 ms
+    bound = RunningBound(0.12)
+    n = settle(bound, gpu, steps=800)
+    assert bound.target_s == 0.12
+    assert abs(gpu(n) - 0.12) <= 0.05 * 0.12
+
+
+def test_a_concave_cost_does_not_ratchet_the_bound_up() -> None:
+    """A fitted line did: each larger set fitted a larger fixed cost. The target stays ten unloaded steps."""
+    bound = RunningBound(0.12)
+    concave = lambda n: 0.1 + 0.03 * n ** 0.8  # noqa: E731
+    n = settle(bound, concave, steps=1000)
+    assert bound.target_s == pytest.approx(10 * concave(1))
+    assert concave(n) <= bound.target_s * 1.05
+
+
+def test_a_slow_step_stops_new_sequences_until_the_set_is_smaller() -> None:
+    bound = RunningBound(0.12)
+    for _ in range(RECENT_STEPS):
+        bound.step(4, 0.01)
+    assert bound.bound(4) == 5  # below the target: grow
+    bound.step(4, 0.5)
+    assert bound.bound(4) == 4  # the last step passed it: hold
+    for _ in range(RECENT_STEPS):
+        bound.step(4, 0.5)
+    assert bound.bound(40) == 39  # most recent steps pass it: nothing new starts
+    assert RunningBound(0.12).bound(4) is None  # nothing seen: max_num_seqs alone

@@ -415,6 +415,10 @@ def test_cancel_stops_deltas_and_releases(nats_url: str) -> None:
             assert (await m.submit("c1", [1, 2], max_tokens=1000)).accepted
             first = [await asyncio.wait_for(queue.get(), 5) for _ in range(2)]
             assert tokens(first) == [100, 101]
+            # a cancel resent for an earlier submission under the same id (its arrival_ts) spares this one
+            await m.nc.publish(subjects.req_cancel("c1"), encode(CancelRequest(request_id="c1", arrival_ts=1.0)))
+            first += [await asyncio.wait_for(queue.get(), 5) for _ in range(2)]
+            assert tokens(first) == [100, 101, 102, 103] and all(d.finish_reason is None for d in first)
             await m.nc.publish(subjects.req_cancel("c1"), encode(CancelRequest(request_id="c1")))
             rest = await collect(queue)
             assert rest[-1].finish_reason == "abort" and rest[-1].token_ids == []
