@@ -58,9 +58,9 @@ class SchedulerSettings(ServiceSettings):
     model: str = Field(default="default", description="the model served: its card gives the context and EOS ids")
     max_queue: int = Field(default=1024, description="waiting requests beyond this are rejected with 429")
     queue_deadline_s: float = Field(
-        default=10.0, description="a request that has not started this long after it arrived (nothing streamed yet) "
-                                  "is refused with 429 and Retry-After, so the ones served keep a bounded TTFT; "
-                                  "inf: never")
+        default=10.0, description="a request that has not started this long after the scheduler took it (nothing "
+                                  "streamed yet) is refused with 429 and Retry-After, so the ones served keep a "
+                                  "bounded TTFT; inf: never")
     running_bound: Literal["knee", "slo", "off"] = Field(
         default="knee", description="how many sequences a worker runs at once: held where its steps meet a target; "
                                     "knee: tpot_slo_ms where that is at least 2 unloaded steps, else 10 unloaded "

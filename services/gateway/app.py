@@ -24,7 +24,7 @@ import uvicorn
 from fastapi import APIRouter, Depends, FastAPI, Request
 from nats.aio.client import Client
 from starlette.concurrency import run_in_threadpool
-from starlette.responses import Response, StreamingResponse
+from starlette.responses import Response
 
 from services.gateway import liveness, tokenize
 from services.gateway import metrics as gateway_metrics
@@ -48,7 +48,15 @@ from services.gateway.generation import Generation
 from services.gateway.logprobs import LogprobFormat
 from services.gateway.openai_schema import ChatCompletionRequest, CompletionRequest, _GenerationRequest
 from services.gateway.openapi_doc import document
-from services.gateway.streaming import SSE_HEADERS, ChoiceEvents, Extras, ResponseShape, collect, stream
+from services.gateway.streaming import (
+    SSE_HEADERS,
+    ChoiceEvents,
+    ChoiceStreamResponse,
+    Extras,
+    ResponseShape,
+    collect,
+    stream,
+)
 from shared import subjects
 from shared.errors import InvalidRequestError, TokenizerError
 from shared.lifecycle import stop_on_signals
@@ -226,8 +234,8 @@ async def _generate(request: Request, gateway: Gateway, body: _GenerationRequest
             if isinstance(exc, APIError):
                 exc.headers.update(headers)
             raise
-        return StreamingResponse(stream(shape, events, first, include_usage, continuous, extras),
-                                 media_type="text/event-stream", headers={**SSE_HEADERS, **headers})
+        return ChoiceStreamResponse(events, stream(shape, events, first, include_usage, continuous, extras),
+                                    media_type="text/event-stream", headers={**SSE_HEADERS, **headers})
     try:
         result = await _unless_disconnected(request, collect(shape, generations, extras))
     except APIError as exc:
@@ -278,6 +286,7 @@ async def _unless_disconnected(request: Request, work: Coroutine[Any, Any, T]) -
         watcher.cancel()
         if not task.done():
             task.cancel()
+            await asyncio.gather(task, return_exceptions=True)  # a cancelled task says so only once it ran
     if task.cancelled():
         raise APIError(499, "client closed the request", code="client_closed_request")
     return task.result()

@@ -16,6 +16,8 @@ from typing import Any
 
 import anyio
 import orjson
+from starlette.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
 
 from services.gateway.errors import SERVER_ERROR, APIError
 from services.gateway.generation import Generation, TextEvent, usage_dict
@@ -161,6 +163,21 @@ class ChoiceEvents:
                 reader.cancel()
             for generation in self.generations:
                 await generation.release(reason)
+
+
+class ChoiceStreamResponse(StreamingResponse):
+    """A StreamingResponse that releases its choices however it ends: also when the status line could not
+    be sent, or the client left before the body began (the generator's own `finally` never runs then)."""
+
+    def __init__(self, events: ChoiceEvents, content: AsyncIterator[bytes], **kwargs: Any) -> None:
+        super().__init__(content, **kwargs)
+        self.events = events
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.events.close("client_disconnected")
 
 
 async def stream(shape: ResponseShape, events: ChoiceEvents, first: tuple[int, TextEvent] | None, include_usage: bool,

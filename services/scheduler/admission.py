@@ -61,15 +61,19 @@ def rejection(req: SubmitRequest, mesh: Mesh) -> tuple[ErrorBody, float | None] 
     return None
 
 
-def overdue(state: RequestState, now_mono: float, deadline_s: float) -> ErrorBody | None:
-    """The 429 for a request that has waited `deadline_s` without starting, or None. Only one that has
-    streamed nothing anywhere qualifies (its client can still get a status line); one that started
-    and was put back by a fault keeps its turn."""
-    if state.started or state.base_tokens or state.output_ids or now_mono - state.received_mono < deadline_s:
+def overdue(state: RequestState, now_mono: float, deadline_s: float, *, ready: bool = True) -> ErrorBody | None:
+    """The refusal of a request that has waited `deadline_s` since the scheduler took it without starting
+    (429; 503 while no workers are `ready`), or None. Only one that has streamed nothing anywhere
+    qualifies (its client can still get a status line); one that started and was put back by a fault
+    keeps its turn, and choices past the first go with choice 0 (its gateway stops them if it is shed)."""
+    waited_s = now_mono - state.received_mono
+    if state.started or state.base_tokens or state.output_ids or state.choice_of or waited_s < deadline_s:
         return None
-    return ErrorBody(type=ErrorType.OVERLOADED, message=f"the mesh is overloaded: the request waited "
-                     f"{now_mono - state.received_mono:.1f} s without starting (queue_deadline_s={deadline_s:g}); "
-                     "retry later", code="queue_deadline")
+    if not ready:
+        return ErrorBody(type=ErrorType.SERVICE_UNAVAILABLE, message=f"no attention and FFN workers were ready "
+                         f"within queue_deadline_s={deadline_s:g}", code="no_workers_ready")
+    return ErrorBody(type=ErrorType.OVERLOADED, message=f"the mesh is overloaded: the request waited {waited_s:.1f} "
+                     f"s without starting (queue_deadline_s={deadline_s:g}); retry later", code="queue_deadline")
 
 
 def validate_sampling(spec: SamplingSpec) -> None:

@@ -124,9 +124,9 @@ class Governor:
                         ffn_compute_s=done.ffn_compute_s)
 
     def worker_restarted(self, worker_id: str) -> None:
-        """A (re)started worker starts over: at max for "slo", and aflex holds nothing for it."""
+        """A (re)started worker starts over: at max for "slo", and aflex holds nothing for it (its running-set
+        bound is kept: the same hardware, and a new one would be unbounded for its first steps)."""
         self.commanded.pop(worker_id, None)
-        self.bounds.pop(worker_id, None)
 
     def iteration_done(self, worker: Worker, passes: list[Pass], wall_s: float) -> None:
         """An iteration of `worker` fed `passes` in `wall_s`: a token of each decoding sequence (with any

@@ -2,8 +2,10 @@
 
 A feedback loop on the step time the running requests see (their TPOT): while the recent steps
 (median of the last `RECENT_STEPS`) take longer than a target, no sequence starts until finished ones
-bring the set down; while the last step passed it, the set holds; while they take less, it may grow by
-a sixteenth a step (more overshoots: the median lags). The target (`running_bound`):
+bring the set down; while the last step passed it, the set holds; while it took less, the set may
+grow to the last step's size scaled by target / step. A step's cost is concave in the set and has a
+fixed part, so the scaled size never overshoots (a quarter's growth a step did, the median lagging),
+and an idle worker's burst is taken in two or three steps. The target (`running_bound`):
 - "knee" (the default): `tpot_slo_ms` when it is at least twice the unloaded step (a GPU, where a
   step grows slowly: meeting the SLO keeps most of the throughput), else ten times the unloaded
   step (a CPU, where the SLO holds one or two sequences). For a step of fixed + per-sequence cost,
@@ -18,6 +20,7 @@ here, so each larger set fitted a larger fixed cost and a larger knee (docs/reli
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections import deque
 from typing import Literal
@@ -27,7 +30,6 @@ RunningBoundMode = Literal["knee", "slo", "off"]
 RECENT_STEPS = 8  # the steps whose median is compared with the target
 KNEE_FACTOR = 10.0  # "knee": the target is this many unloaded steps (90% of a linear cost's throughput)
 SLO_MIN_FACTOR = 2.0  # "knee" keeps to the SLO while it is at least this many unloaded steps
-GROWTH = 0.0625  # below the target, the set may grow by this share (at least one) a step
 
 
 class RunningBound:
@@ -36,6 +38,7 @@ class RunningBound:
     def __init__(self, tpot_slo_s: float, mode: RunningBoundMode = "knee") -> None:
         self.tpot_slo_s, self.mode = tpot_slo_s, mode
         self._recent_s: deque[float] = deque(maxlen=RECENT_STEPS)
+        self._last: tuple[int, float] = (0, 0.0)  # the latest step: (sequences decoding, seconds)
         self.unloaded_s: float | None = None  # the shortest step seen
 
     def step(self, n_decode: int, step_s: float) -> None:
@@ -43,6 +46,7 @@ class RunningBound:
         if n_decode <= 0 or step_s <= 0.0:
             return
         self._recent_s.append(step_s)
+        self._last = (n_decode, step_s)
         self.unloaded_s = step_s if self.unloaded_s is None else min(self.unloaded_s, step_s)
 
     @property
@@ -56,12 +60,14 @@ class RunningBound:
 
     def bound(self, n_running: int) -> int | None:
         """The most sequences to run in the next iteration, now `n_running` run (None: no bound but
-        `max_num_seqs`, while fewer than `RECENT_STEPS` steps were seen)."""
+        `max_num_seqs`: nothing runs, or fewer than `RECENT_STEPS` steps were seen)."""
         target_s = self.target_s
-        if target_s is None or len(self._recent_s) < RECENT_STEPS:
+        if target_s is None or len(self._recent_s) < RECENT_STEPS or n_running == 0:
             return None
         if statistics.median(self._recent_s) > target_s:
             return max(1, n_running - 1)  # no new sequence until finished ones bring it down
-        if self._recent_s[-1] > target_s:  # the last step passed it (prompts just admitted, say): hold
-            return max(1, n_running)
-        return n_running + max(1, int(GROWTH * n_running))
+        n_last, last_s = self._last
+        if last_s > target_s:  # the last step passed it (prompts just admitted, say): hold
+            return n_running
+        # scaled to the target: a step's cost is concave in the set with a fixed part, so this never overshoots
+        return max(n_running + 1, math.floor(n_last * target_s / last_s))

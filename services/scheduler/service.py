@@ -172,16 +172,23 @@ class Scheduler:
                 if worker.role == "attention":
                     recovery.lose(worker, self.in_flight, restarted=False)
             for state in self.gateways.orphans(time.monotonic(), list(self.requests.values())):
-                await self._finish(state, "abort")
+                if not state.finished:  # (finished meanwhile, while a delta was published)
+                    await self._finish(state, "abort")
             await self._shed_overdue(time.monotonic())
 
     async def _shed_overdue(self, now: float) -> None:
-        """Refuse (429) the requests that waited `queue_deadline_s` without starting: the served keep their TTFT."""
+        """Refuse the requests that waited `queue_deadline_s` without starting, so the served keep their TTFT:
+        429 (503 while no workers are ready)."""
         for state in [s for s in self.requests.values() if s.status is Status.WAITING]:
-            error = overdue(state, now, self.settings.queue_deadline_s)
-            if error is not None:
-                log.info("request %s shed: %s", state.request_id, error.message)
+            error = None if state.finished else overdue(state, now, self.settings.queue_deadline_s,
+                                                        ready=self.registry.ready)
+            if error is None:
+                continue
+            log.info("request %s shed: %s", state.request_id, error.message)
+            try:
                 await self._finish(state, "error", error, retry_after_s=RETRY_AFTER_S)
+            except Exception as exc:  # a publish into a closed connection: the health loop must go on
+                log.warning("request %s: its refusal could not be sent: %s", state.request_id, exc)
 
     def on_bus_lost(self) -> None:
         """The NATS connection dropped: every in-flight microbatch is a suspect the next heartbeat settles."""
@@ -232,7 +239,7 @@ class Scheduler:
         state = RequestState(req.request_id, list(req.prompt_ids), req.sampling, req.arrival_ts,
                              output_ids=list(req.generated_ids), next_index=req.first_index,  # a continuation
                              base_index=req.first_index, base_tokens=len(req.generated_ids),
-                             gateway_id=req.gateway_id)
+                             gateway_id=req.gateway_id, choice_of=req.fork_of)
         self.gateways.heard(req.gateway_id, time.monotonic())
         self.requests[req.request_id] = state
         self.placement.admit(state, self.requests.get(req.fork_of) if req.fork_of else None)
@@ -274,10 +281,11 @@ class Scheduler:
                 lane.running.append(state)
                 state.status = Status.RUNNING
                 state.started = True
-            await self._run_iteration(worker, plan)
-            self.governor.iteration_done(worker, plan.passes, time.monotonic() - now)
+            if await self._run_iteration(worker, plan):  # a failed one says nothing of a step's cost
+                self.governor.iteration_done(worker, plan.passes, time.monotonic() - now)
 
-    async def _run_iteration(self, worker: Worker, plan: PassPlan) -> None:
+    async def _run_iteration(self, worker: Worker, plan: PassPlan) -> bool:
+        """Run one iteration; True when every microbatch came back whole (no error, nothing refused)."""
         lane = worker.lane
         lane.iteration += 1
         self.governor.iteration_sent(worker, plan.passes, len(plan.groups), time.monotonic())
@@ -301,10 +309,12 @@ class Scheduler:
             sent.append((mb_id, group, fut))
             await self.nc.publish(subjects.attn_mb(worker.worker_id), encode(desc))
         await asyncio.wait([f for _, _, f in sent], timeout=self.settings.microbatch_timeout_s)
+        whole = True
         for mb_id, group, fut in sent:
             self.in_flight.forget(mb_id)
             if fut.done() and fut.exception() is None:
                 done = fut.result()
+                whole = whole and done.error is None and not done.failed_seq_ids
                 if done.error is not None and done.error.code == FFN_UNREACHABLE:
                     self.registry.suspect(ffn_of[mb_id], done.error.message)
                 self.governor.microbatch_done(worker, group, done, ffn_of[mb_id], lone=len(sent) == 1)
@@ -316,8 +326,10 @@ class Scheduler:
             if not fut.done():
                 fut.cancel()
             log.warning("microbatch %s failed: %s", mb_id, reason)
+            whole = False
             for p in group:
                 await self._requeue(worker, p.state, failure=not lost, reason=reason)
+        return whole
 
     async def _on_done(self, msg: Msg) -> None:
         done = decode(MicrobatchDone, msg.data)

@@ -50,6 +50,7 @@ class RequestState(TokenHistory):
     fork_from: str | None = None  # its first pass shares this request's prompt KV (placement.py)
     forks: list[RequestState] = field(default_factory=list)  # choices waiting to share its prompt KV
     held_by: RequestState | None = None  # the request whose `forks` this one waits in
+    choice_of: str = ""  # one of n choices: choice 0's request id ("": choice 0, or a lone request)
 
     @property
     def finished(self) -> bool:

@@ -94,7 +94,12 @@ class FakeScheduler:
                                                  retry_after_s=2.5)))
             return
         await msg.respond(encode(SubmitReply(request_id=req.request_id, accepted=True)))
-        if self.mode != "silent":
+        if self.mode == "shed":  # taken, then refused before its first token (queue_deadline_s passed)
+            error = ErrorBody(type="overloaded_error", message="waited 10 s without starting", code="queue_deadline")
+            await self.nc.publish(subjects.req_out(req.request_id), encode(OutputDelta(
+                request_id=req.request_id, index=0, token_ids=[], finish_reason="error", error=error,
+                retry_after_s=2.5)))
+        elif self.mode != "silent":
             task = asyncio.create_task(self._generate(req))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
@@ -352,6 +357,24 @@ def test_client_disconnect_cancels(h: Harness) -> None:
     request_id = h.fake.submissions[-1].request_id
     assert h.wait_for_cancel(request_id).reason == "client_disconnected"
     assert len(h.fake.cancels) == n_cancels + 1
+    h.fake.mode = "silent"  # a streamed request whose client gives up before its first token (no status yet)
+    with pytest.raises(httpx.ReadTimeout):
+        with httpx.stream("POST", f"{h.base}/v1/chat/completions", json={"model": MODEL, "messages": MESSAGES,
+                                                                          "stream": True}, timeout=0.3) as r:
+            r.read()
+    request_id = h.fake.submissions[-1].request_id
+    assert h.wait_for_cancel(request_id).reason == "client_disconnected"
+    assert len(h.fake.cancels) == n_cancels + 2
+
+
+def test_a_request_shed_before_its_first_token_is_a_429_streamed_or_not(h: Harness) -> None:
+    h.fake.mode = "shed"
+    body = {"model": MODEL, "messages": MESSAGES}
+    for stream in (True, False):
+        r = httpx.post(f"{h.base}/v1/chat/completions", json={**body, "stream": stream}, timeout=10)
+        assert r.status_code == 429, r.text
+        assert r.headers["Retry-After"] == "3" and r.headers["retry-after-ms"] == "2500"
+        assert r.json()["error"]["code"] == "queue_deadline" and r.headers["x-request-id"]
 
 
 LONG = "hello " * 9000

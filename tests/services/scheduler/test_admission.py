@@ -34,6 +34,12 @@ def test_a_request_that_started_or_streamed_is_never_shed() -> None:
     assert overdue(waiting(100.0, base_tokens=3), 200.0, 10.0) is None  # a continuation: its client has text
     assert overdue(waiting(100.0, output_ids=[7]), 200.0, 10.0) is None
     assert overdue(waiting(100.0), 1e9, float("inf")) is None  # inf: never
+    assert overdue(waiting(100.0, choice_of="r0"), 200.0, 10.0) is None  # choice 1 of n goes with choice 0
+
+
+def test_while_no_workers_are_ready_an_overdue_request_is_a_503() -> None:
+    error = overdue(waiting(100.0), 110.5, 10.0, ready=False)
+    assert error is not None and error.type == "service_unavailable_error" and error.code == "no_workers_ready"
 
 
 def linear(fixed_s: float, per_seq_s: float) -> Callable[[int], float]:
@@ -73,7 +79,8 @@ def test_where_the_slo_keeps_most_of_the_throughput_the_set_settles_at_the_slo()
 
 
 def test_a_concave_cost_does_not_ratchet_the_bound_up() -> None:
-    """A fitted line did: each larger set fitted a larger fixed cost. The target stays ten unloaded steps."""
+    """A fitted line did: each larger set fitted a larger fixed cost. The target stays ten unloaded steps,
+    and scaling the set to it does not overshoot."""
     bound = RunningBound(0.12)
     concave = lambda n: 0.1 + 0.03 * n ** 0.8  # noqa: E731
     n = settle(bound, concave, steps=1000)
@@ -85,7 +92,8 @@ def test_a_slow_step_stops_new_sequences_until_the_set_is_smaller() -> None:
     bound = RunningBound(0.12)
     for _ in range(RECENT_STEPS):
         bound.step(4, 0.01)
-    assert bound.bound(4) == 5  # below the target: grow
+    assert bound.bound(4) == 48  # below the target: grow to the last step's size scaled to it (4 x 120 / 10)
+    assert bound.bound(0) is None  # nothing runs: a burst is taken whole
     bound.step(4, 0.5)
     assert bound.bound(4) == 4  # the last step passed it: hold
     for _ in range(RECENT_STEPS):
