@@ -358,10 +358,10 @@ def test_client_disconnect_cancels(h: Harness) -> None:
     assert h.wait_for_cancel(request_id).reason == "client_disconnected"
     assert len(h.fake.cancels) == n_cancels + 1
     h.fake.mode = "silent"  # a streamed request whose client gives up before its first token (no status yet)
-    with pytest.raises(httpx.ReadTimeout):
-        with httpx.stream("POST", f"{h.base}/v1/chat/completions", json={"model": MODEL, "messages": MESSAGES,
-                                                                          "stream": True}, timeout=0.3) as r:
-            r.read()
+    body = {"model": MODEL, "messages": MESSAGES, "stream": True}
+    with pytest.raises(httpx.ReadTimeout), httpx.stream("POST", f"{h.base}/v1/chat/completions", json=body,
+                                                        timeout=0.3) as r:
+        r.read()
     request_id = h.fake.submissions[-1].request_id
     assert h.wait_for_cancel(request_id).reason == "client_disconnected"
     assert len(h.fake.cancels) == n_cancels + 2
