@@ -68,7 +68,7 @@ def main() -> int:
         rss_after = {name: round(mesh.rss_mb(name), 1) for name in ("gateway", "scheduler")}
         after = asyncio.run(overload(mesh.base_url, model, rate_per_s=rate * 0.5, seconds=5,
                                      max_tokens=args.max_tokens))
-        bounds = [line.strip()[-200:] for line in mesh.output().splitlines() if "its running set is held" in line]
+        bounds = [line.strip()[-200:] for line in mesh.output().splitlines() if "its running set is" in line]
     report = {"capacity_per_s": round(rate, 2), "factor": args.factor, "max_tokens": args.max_tokens,
               "queue_deadline_s": args.queue_deadline, "running_bound": args.running_bound,
               "running_set_bounds_logged": bounds[:20],

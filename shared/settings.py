@@ -61,11 +61,11 @@ class SchedulerSettings(ServiceSettings):
         default=10.0, description="a request that has not started this long after the scheduler took it (nothing "
                                   "streamed yet) is refused with 429 and Retry-After, so the ones served keep a "
                                   "bounded TTFT; inf: never")
-    running_bound: Literal["knee", "slo", "off"] = Field(
-        default="knee", description="how many sequences a worker runs at once: held where its steps meet a target; "
-                                    "knee: tpot_slo_ms where that is at least 2 unloaded steps, else 10 unloaded "
-                                    "steps (past there more sequences add latency, not tokens); slo: tpot_slo_ms "
-                                    "at any cost; off: max_num_seqs only")
+    running_bound: Literal["auto", "slo", "off"] = Field(
+        default="auto", description="how many sequences a worker runs at once: held where its steps meet "
+                                    "tpot_slo_ms; auto: where that is at least 2 unloaded steps (else max_num_seqs "
+                                    "alone: the SLO would cost most of the throughput), slo: at any cost, off: "
+                                    "max_num_seqs only")
     max_batch_tokens: int = Field(
         default=2048, description="tokens per iteration per attention worker (chunked prefill)")
     max_num_seqs: int = Field(default=256, description="running sequences per attention worker")

@@ -38,7 +38,6 @@ from shared.policy.iteration import DecodeAwareCap
 from shared.settings import SchedulerSettings
 
 log = logging.getLogger("aflex.scheduler")
-BOUND_LOG_CHANGE = 0.2  # a running-set bound's target is logged again when it moves by more than this share
 
 Planned = tuple[dict[ClockPhase, int], str]  # a worker's clocks for the window, and why
 
@@ -61,7 +60,7 @@ class Governor:
         self.finished_total = 0
         self.finished_log: deque[Finished] = deque()
         self.bounds: dict[str, RunningBound] = {}  # each attention worker's decode steps and running-set bound
-        self._logged_target_s: dict[str, float] = {}  # the step target last logged per worker
+        self._logged_target_s: dict[str, float | None] = {}  # the step target last logged per worker
         self.ttft_log: deque[tuple[float, float]] = deque()  # (monotonic time of the first token, TTFT ms)
         self.samples: dict[str, deque[IterationSample]] = {}  # each attention worker's iterations of the window
         self.plans: dict[str, dict[ClockPhase, PairPlan]] = {}  # the latest aflex plans
@@ -153,14 +152,15 @@ class Governor:
                                s.microbatch_depth, planned)
 
     def _log_target(self, worker: Worker, bound: RunningBound) -> None:
-        target_s, last_s = bound.target_s, self._logged_target_s.get(worker.worker_id)
-        if target_s is None or (last_s is not None and abs(target_s - last_s) <= BOUND_LOG_CHANGE * last_s):
+        target_s = bound.target_s
+        if bound.unloaded_s is None or target_s == self._logged_target_s.get(worker.worker_id, -1.0):
             return
         self._logged_target_s[worker.worker_id] = target_s
-        assert bound.unloaded_s is not None
-        log.info("%s: its running set is held where a step takes %.0f ms (running_bound=%s; its shortest step %.0f "
-                 "ms, tpot_slo_ms=%g)", worker.worker_id, target_s * 1e3, self.settings.running_bound,
-                 bound.unloaded_s * 1e3, self.settings.tpot_slo_ms)
+        held = "bounded by max_num_seqs alone" if target_s is None else \
+            f"held where a step takes {target_s * 1e3:.0f} ms"
+        log.info("%s: its running set is %s (running_bound=%s; its shortest step %.0f ms, tpot_slo_ms=%g)",
+                 worker.worker_id, held, self.settings.running_bound, bound.unloaded_s * 1e3,
+                 self.settings.tpot_slo_ms)
 
     def _prefill_cap(self, worker: Worker) -> DecodeAwareCap | None:
         """aflex batching: the policy's prefill tokens per iteration of `worker` (None: the token budget only)."""

@@ -4,18 +4,17 @@ A feedback loop on the step time the running requests see (their TPOT): while th
 (median of the last `RECENT_STEPS`) take longer than a target, no sequence starts until finished ones
 bring the set down; while the last step passed it, the set holds; while it took less, the set may
 grow to the last step's size scaled by target / step. A step's cost is concave in the set and has a
-fixed part, so the scaled size never overshoots (a quarter's growth a step did, the median lagging),
-and an idle worker's burst is taken in two or three steps. The target (`running_bound`):
-- "knee" (the default): `tpot_slo_ms` when it is at least twice the unloaded step (a GPU, where a
-  step grows slowly: meeting the SLO keeps most of the throughput), else ten times the unloaded
-  step (a CPU, where the SLO holds one or two sequences). For a step of fixed + per-sequence cost,
-  ten times the fixed cost is where throughput reaches 90% of what any size gets: past it more
-  sequences add latency, not tokens;
+fixed part, so the scaled size never overshoots, and an idle worker's burst is taken in a step or two.
+The target (`running_bound`):
+- "auto" (the default): `tpot_slo_ms` when it is at least twice the unloaded step (a GPU, where a
+  step grows slowly with the set: the SLO holds many sequences), else none (a CPU, where the SLO
+  holds one or two: `max_num_seqs` bounds the step instead, and holding the SLO would give up most
+  of the throughput);
 - "slo": `tpot_slo_ms` whatever it costs;
 - "off": `max_num_seqs` only.
-The unloaded step is the shortest step seen (an upper bound on the fixed cost, so the bound errs
-toward throughput). A fitted line was tried first and ratcheted: a step's cost is concave in the set
-here, so each larger set fitted a larger fixed cost and a larger knee (docs/reliability.md, "Overload").
+The unloaded step is the shortest step seen. A knee target (ten unloaded steps: 90% of a linear
+cost's throughput) was tried and measured: the cost is concave here, so it gave up 40% of the served
+requests for 31% off TPOT (docs/reliability.md, "Overload").
 """
 
 from __future__ import annotations
@@ -25,17 +24,16 @@ import statistics
 from collections import deque
 from typing import Literal
 
-RunningBoundMode = Literal["knee", "slo", "off"]
+RunningBoundMode = Literal["auto", "slo", "off"]
 
 RECENT_STEPS = 8  # the steps whose median is compared with the target
-KNEE_FACTOR = 10.0  # "knee": the target is this many unloaded steps (90% of a linear cost's throughput)
-SLO_MIN_FACTOR = 2.0  # "knee" keeps to the SLO while it is at least this many unloaded steps
+SLO_MIN_FACTOR = 2.0  # "auto" keeps to the SLO while it is at least this many unloaded steps
 
 
 class RunningBound:
     """One attention worker's recent steps, and how large its running set may be for the next one."""
 
-    def __init__(self, tpot_slo_s: float, mode: RunningBoundMode = "knee") -> None:
+    def __init__(self, tpot_slo_s: float, mode: RunningBoundMode = "auto") -> None:
         self.tpot_slo_s, self.mode = tpot_slo_s, mode
         self._recent_s: deque[float] = deque(maxlen=RECENT_STEPS)
         self._last: tuple[int, float] = (0, 0.0)  # the latest step: (sequences decoding, seconds)
@@ -51,12 +49,12 @@ class RunningBound:
 
     @property
     def target_s(self) -> float | None:
-        """The step time the bound holds the running set to (None: off, or nothing seen yet)."""
+        """The step time the bound holds the running set to (None: no bound, or nothing seen yet)."""
         if self.mode == "off" or self.unloaded_s is None:
             return None
         if self.mode == "slo" or self.tpot_slo_s >= SLO_MIN_FACTOR * self.unloaded_s:
             return self.tpot_slo_s
-        return KNEE_FACTOR * self.unloaded_s
+        return None
 
     def bound(self, n_running: int) -> int | None:
         """The most sequences to run in the next iteration, now `n_running` run (None: no bound but
