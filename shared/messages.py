@@ -248,6 +248,8 @@ class Heartbeat(Message):
     # attention workers: the microbatches running now. A microbatch the scheduler sent a while ago that
     # is neither here nor done was lost on the way (its descriptor or its MicrobatchDone); None: not reported
     active_mb_ids: list[str] | None = None
+    # attention workers: the newest descriptor taken; one the scheduler sent after it is still on the way
+    newest_mb_id: str | None = None
     seam_address: str = ""  # as in `Register`: attention workers open their seam to an FFN worker here
 
 

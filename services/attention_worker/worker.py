@@ -106,6 +106,7 @@ class AttentionWorker:
         self._busy: set[str] = set()  # sequences in an in-flight microbatch
         self._release_later: set[str] = set()  # released while busy: freed when their microbatch ends
         self._active_mbs: set[str] = set()
+        self._newest_mb_id: str | None = None  # the newest descriptor taken (heartbeats say it)
         self.hops = FFNHops(self.worker_id, self.ffn_reply_timeout_s, settings.ffn_silence_s)
         self._gpu_arg = gpu  # None: the backend the settings select, built when the worker starts
         self.gpu: WorkerGPU | None = None
@@ -188,7 +189,8 @@ class AttentionWorker:
         assert self.sequences is not None
         return Heartbeat(worker_id=self.worker_id, role="attention", ts=time.time(),
                          kv_free_blocks=self.sequences.free_blocks, kv_total_blocks=self.sequences.total_blocks,
-                         queue_depth=len(self._active_mbs), active_mb_ids=sorted(self._active_mbs))
+                         queue_depth=len(self._active_mbs), active_mb_ids=sorted(self._active_mbs),
+                         newest_mb_id=self._newest_mb_id)
 
     # -- dispatch -------------------------------------------------------------------------------
 
@@ -209,6 +211,7 @@ class AttentionWorker:
             log.warning("%s", exc)
             self._reject_undecodable(data, str(exc))
             return
+        self._newest_mb_id = desc.mb_id
         task = asyncio.create_task(self._microbatch(desc), name=f"mb-{desc.mb_id}")
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)

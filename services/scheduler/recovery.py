@@ -15,6 +15,7 @@ e.g. while the scheduler's NATS connection was down; not the sequences' fault).
 from __future__ import annotations
 
 import asyncio
+from collections import OrderedDict
 from dataclasses import dataclass
 
 from services.scheduler.registry import Worker
@@ -25,6 +26,7 @@ from shared.messages import ErrorBody, MicrobatchDone
 
 MAX_FAILURES = 3  # errored passes of one request before it ends with finish_reason "error"
 LOST_CONFIRM_S = 0.5  # how long a microbatch missing from a heartbeat has to turn up done before it is lost
+ORDER_MEMORY = 4096  # descriptors whose send order is kept, for the heartbeats' `newest_mb_id`
 
 
 class WorkerLostError(AFlexError):
@@ -42,6 +44,7 @@ class Sent:
     worker_id: str
     done: asyncio.Future[MicrobatchDone]
     sent_at: float  # time.monotonic() its descriptor was published
+    order: int  # its place among every descriptor sent
 
 
 class InFlight:
@@ -50,10 +53,20 @@ class InFlight:
     def __init__(self) -> None:
         self.sent: dict[str, Sent] = {}
         self.bus_suspects: set[str] = set()  # in flight when the connection dropped: their Done may be lost
+        self._orders: OrderedDict[str, int] = OrderedDict()  # mb id -> its send order, the latest few thousand
+        self._sends = 0
+
+    def note_sent(self, mb_id: str) -> int:
+        """A descriptor is being published (tracked or not, as a release-only one): its send order."""
+        order = self._orders[mb_id] = self._sends
+        self._sends += 1
+        while len(self._orders) > ORDER_MEMORY:
+            self._orders.popitem(last=False)
+        return order
 
     def track(self, mb_id: str, worker_id: str, now: float) -> asyncio.Future[MicrobatchDone]:
         fut: asyncio.Future[MicrobatchDone] = asyncio.get_running_loop().create_future()
-        self.sent[mb_id] = Sent(worker_id, fut, now)
+        self.sent[mb_id] = Sent(worker_id, fut, now, self.note_sent(mb_id))
         return fut
 
     def forget(self, mb_id: str) -> None:
@@ -80,13 +93,19 @@ class InFlight:
         would refuse its sequences sent again (`sequence_busy`)."""
         self.bus_suspects |= {mb_id for mb_id, e in self.sent.items() if not e.done.done()}
 
-    def check_heartbeat(self, worker_id: str, active: set[str], now: float, grace_s: float) -> None:
+    def check_heartbeat(self, worker_id: str, active: set[str], now: float, grace_s: float,
+                        newest_mb_id: str | None = None) -> None:
         """Microbatches of `worker_id` sent over `grace_s` ago that its heartbeat does not list are
         suspects; one still not done a moment later (a MicrobatchDone sent just before the heartbeat
-        may still be in the scheduler's queue) was lost and fails now, not at its timeout."""
+        may still be in the scheduler's queue) was lost and fails now, not at its timeout. One sent after
+        `newest_mb_id`, the newest descriptor the worker has taken, has not reached it yet (a saturated
+        worker takes its messages late; NATS keeps one publisher's order) and is no suspect, unless the
+        connection dropped since it was sent."""
+        newest = self._orders.get(newest_mb_id) if newest_mb_id else None  # None: as if it had all
         suspects = [mb_id for mb_id, e in self.sent.items()
                     if e.worker_id == worker_id and not e.done.done() and mb_id not in active
-                    and (now - e.sent_at > grace_s or mb_id in self.bus_suspects)]
+                    and (mb_id in self.bus_suspects or (now - e.sent_at > grace_s
+                                                        and (newest is None or e.order <= newest)))]
         if suspects:
             asyncio.get_running_loop().call_later(LOST_CONFIRM_S, self._fail_lost, worker_id, suspects)
 

@@ -149,7 +149,7 @@ class Scheduler:
             self._on_capacity_change()
         if hb.active_mb_ids is not None:
             self.in_flight.check_heartbeat(hb.worker_id, set(hb.active_mb_ids), now,
-                                           self.settings.microbatch_lost_after_s)
+                                           self.settings.microbatch_lost_after_s, hb.newest_mb_id)
 
     def _on_capacity_change(self) -> None:
         """A worker joined or came back: place unplaced requests, start loops, wake every loop."""
@@ -389,6 +389,7 @@ class Scheduler:
         No `MicrobatchDone` is awaited for it; if the worker sends one, it only updates KV counts.
         """
         desc = release_only(worker, self.registry.healthy("ffn")[0].worker_id, self._run_token)
+        self.in_flight.note_sent(desc.mb_id)
         await self.nc.publish(subjects.attn_mb(worker.worker_id), encode(desc))
 
     # -- streaming ------------------------------------------------------------------------------

@@ -40,3 +40,30 @@ def test_after_a_dropped_connection_the_next_heartbeat_settles_each_microbatch(m
         await asyncio.sleep(0.05)
         assert not late.done()
     asyncio.run(main())
+
+
+def test_a_descriptor_sent_after_the_workers_newest_is_on_its_way_not_lost(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A saturated worker takes its messages late: its heartbeat, missing a descriptor it has not taken yet,
+    must not make the scheduler send its sequences again (the worker would refuse them, `sequence_busy`)."""
+    monkeypatch.setattr(recovery, "LOST_CONFIRM_S", 0.01)
+
+    async def main() -> None:
+        in_flight = InFlight()
+        taken = in_flight.track("mb-1", "a0", now=100.0)
+        in_flight.note_sent("mb-2-r")  # a release-only descriptor: untracked, but in the order
+        queued = in_flight.track("mb-3", "a0", now=100.0)
+        in_flight.check_heartbeat("a0", set(), now=110.0, grace_s=3.0, newest_mb_id="mb-2-r")
+        await asyncio.sleep(0.05)
+        with pytest.raises(MicrobatchLostError):  # taken and not running: its Done was lost
+            taken.result()
+        assert not queued.done()  # sent after the newest it took: still on its way
+        in_flight.check_heartbeat("a0", set(), now=111.0, grace_s=3.0, newest_mb_id="mb-3")
+        await asyncio.sleep(0.05)
+        with pytest.raises(MicrobatchLostError):  # taken now, and neither running nor done: lost
+            queued.result()
+        unknown = in_flight.track("mb-4", "a0", now=100.0)
+        in_flight.check_heartbeat("a0", set(), now=112.0, grace_s=3.0, newest_mb_id="mb-of-another-run")
+        await asyncio.sleep(0.05)
+        with pytest.raises(MicrobatchLostError):  # a newest it does not know says nothing: lost after the grace
+            unknown.result()
+    asyncio.run(main())
