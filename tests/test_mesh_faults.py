@@ -22,6 +22,7 @@ from tools.launch import Mesh, aflex_up
 from tools.story_stream import stream_story
 
 MAX_TOKENS = 160
+DOOMED_TOKENS = 900  # a killed gateway's streams: long enough to be running when it is found gone
 
 
 def _child_pid(mesh: Mesh, worker_id: str) -> int:
@@ -164,16 +165,20 @@ def test_a_killed_gateway_is_survived_by_the_other_and_its_requests_are_cancelle
                                                                                   ) -> None:
     """Two gateways serve one mesh; SIGKILL the second while its streams decode: the first one's streams
     complete with the no-fault text, and the scheduler, missing the dead gateway's heartbeats, cancels
-    the requests it had submitted (nobody could read them any more)."""
-    with aflex_up(str(tiny_chat_checkpoint), "--gateways", "2") as mesh:
+    the requests it had submitted (nobody could read them any more). The doomed streams are long, and the
+    silence short, so that they still run when the scheduler notices (the running-set bound may hold the
+    first gateway's new streams back meanwhile, so the doomed ones run alone and fast)."""
+    silence = {"AFLEX_GATEWAY_SILENCE_S": "1.5"}  # three of the gateway's heartbeats
+    with aflex_up(str(tiny_chat_checkpoint), "--gateways", "2", env_extra=silence) as mesh:
         second = mesh.base_url.replace(f":{mesh.port}/", f":{mesh.port + 1}/")
         baseline = asyncio.run(_run(mesh))
 
-        async def both() -> tuple[list[tuple[str, int]], list[BaseException | tuple[str, int]]]:
+        async def both() -> tuple[list[tuple[str, int]], list[BaseException | object]]:
             client = openai.AsyncOpenAI(base_url=second, api_key="unused", max_retries=0, timeout=300)
             model = (await client.models.list()).data[0].id
             started = [asyncio.Event() for _ in range(4)]
-            doomed = [asyncio.create_task(_stream(client, model, 100 + i, started[i])) for i in range(4)]
+            doomed = [asyncio.create_task(stream_story(client, model, 100 + i, started[i], DOOMED_TOKENS))
+                      for i in range(4)]
             await asyncio.gather(*(e.wait() for e in started))
             os.kill(mesh.pid_of(f"gateway:{mesh.port + 1}"), signal.SIGKILL)
             served = await _run(mesh)

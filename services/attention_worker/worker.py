@@ -107,6 +107,7 @@ class AttentionWorker:
         self._release_later: set[str] = set()  # released while busy: freed when their microbatch ends
         self._active_mbs: set[str] = set()
         self._newest_mb_id: str | None = None  # the newest descriptor taken (heartbeats say it)
+        self._taken_mbs: set[str] = set()  # taken, their task not started yet (heartbeats list them as active)
         self.hops = FFNHops(self.worker_id, self.ffn_reply_timeout_s, settings.ffn_silence_s)
         self._gpu_arg = gpu  # None: the backend the settings select, built when the worker starts
         self.gpu: WorkerGPU | None = None
@@ -189,7 +190,7 @@ class AttentionWorker:
         assert self.sequences is not None
         return Heartbeat(worker_id=self.worker_id, role="attention", ts=time.time(),
                          kv_free_blocks=self.sequences.free_blocks, kv_total_blocks=self.sequences.total_blocks,
-                         queue_depth=len(self._active_mbs), active_mb_ids=sorted(self._active_mbs),
+                         queue_depth=len(self._active_mbs), active_mb_ids=sorted(self._active_mbs | self._taken_mbs),
                          newest_mb_id=self._newest_mb_id)
 
     # -- dispatch -------------------------------------------------------------------------------
@@ -212,6 +213,7 @@ class AttentionWorker:
             self._reject_undecodable(data, str(exc))
             return
         self._newest_mb_id = desc.mb_id
+        self._taken_mbs.add(desc.mb_id)
         task = asyncio.create_task(self._microbatch(desc), name=f"mb-{desc.mb_id}")
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
@@ -263,6 +265,7 @@ class AttentionWorker:
         # released after their forks are admitted (unless fed again here: a restart from 0 comes first)
         forked = ({w.fork_of for w in desc.seqs if w.fork_of is not None} - {w.seq_id for w in desc.seqs}
                   if desc.release else set())
+        self._taken_mbs.discard(desc.mb_id)
         try:
             self._release([s for s in desc.release if s not in forked])
             if not self._accepting:
