@@ -168,7 +168,7 @@ def test_a_killed_gateway_is_survived_by_the_other_and_its_requests_are_cancelle
     the requests it had submitted (nobody could read them any more). The doomed streams are long, and the
     silence short, so that they still run when the scheduler notices (the running-set bound may hold the
     first gateway's new streams back meanwhile, so the doomed ones run alone and fast)."""
-    silence = {"AFLEX_GATEWAY_SILENCE_S": "1.5"}  # three of the gateway's heartbeats
+    silence = {"AFLEX_GATEWAY_SILENCE_S": "2.5"}  # five of the gateway's heartbeats
     with aflex_up(str(tiny_chat_checkpoint), "--gateways", "2", env_extra=silence) as mesh:
         second = mesh.base_url.replace(f":{mesh.port}/", f":{mesh.port + 1}/")
         baseline = asyncio.run(_run(mesh))

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -112,6 +113,22 @@ class Mesh:
         return "".join(self.log)
 
 
+GATEWAY_PORTS = 4  # `--gateways N` serves on --port, --port + 1, ...: this many are found free together
+
+
+def _free_port_run(count: int) -> int:
+    """A port free with the `count - 1` after it (a client's ephemeral port took a second gateway's once)."""
+    while True:
+        port = free_port()
+        try:
+            for offset in range(1, count):
+                with socket.socket() as sock:
+                    sock.bind(("127.0.0.1", port + offset))
+        except OSError:
+            continue
+        return port
+
+
 @contextmanager
 def aflex_up(model: str, *extra: str, timeout_s: float = 300.0, nats_url: str | None = None,
              env_extra: dict[str, str] | None = None, open_nats: bool = False) -> Iterator[Mesh]:
@@ -124,7 +141,10 @@ def aflex_up(model: str, *extra: str, timeout_s: float = 300.0, nats_url: str | 
             mesh.nats_port = server.port
             yield mesh
         return
-    port, nats_port = free_port(), free_port()
+    port = _free_port_run(GATEWAY_PORTS)
+    nats_port = free_port()
+    while port <= nats_port < port + GATEWAY_PORTS:
+        nats_port = free_port()
     env = {k: v for k, v in os.environ.items() if k != "AFLEX_NATS_URL"} | (env_extra or {})
     if nats_url is not None:
         env["AFLEX_NATS_URL"] = nats_url

@@ -134,9 +134,8 @@ class AttentionWorker:
             gc.freeze()  # see the FFN worker: no full collection walks the model's objects mid-microbatch
             assert self.model is not None and self.sequences is not None
             s = self.settings
-            on_drop = self.hops.connection_dropped if s.seam_transport == "nats" else None
             self.nc = nc = await bus.connect(s.nats_url, name=f"aflex-attention-{self.worker_id}",
-                                             on_disconnect=on_drop, user=s.nats_user,
+                                             on_disconnect=self._connection_dropped, user=s.nats_user,
                                              password=s.nats_password)
             heartbeat_task: asyncio.Task[None] | None = None
             seam: Seam | None = None
@@ -185,6 +184,12 @@ class AttentionWorker:
             task.cancel()
         if pending:
             await asyncio.wait(pending)
+
+    def _connection_dropped(self) -> None:
+        """Descriptors sent meanwhile may be lost: heartbeats claim none taken until the next one comes."""
+        self._newest_mb_id = None
+        if self.settings.seam_transport == "nats":
+            self.hops.connection_dropped()
 
     def _heartbeat(self) -> Heartbeat:
         assert self.sequences is not None

@@ -26,7 +26,7 @@ from shared.messages import ErrorBody, MicrobatchDone
 
 MAX_FAILURES = 3  # errored passes of one request before it ends with finish_reason "error"
 LOST_CONFIRM_S = 0.5  # how long a microbatch missing from a heartbeat has to turn up done before it is lost
-ORDER_MEMORY = 4096  # descriptors whose send order is kept, for the heartbeats' `newest_mb_id`
+ORDER_MEMORY = 256  # descriptors per worker whose send order is kept, for the heartbeats' `newest_mb_id`
 
 
 class WorkerLostError(AFlexError):
@@ -53,20 +53,21 @@ class InFlight:
     def __init__(self) -> None:
         self.sent: dict[str, Sent] = {}
         self.bus_suspects: set[str] = set()  # in flight when the connection dropped: their Done may be lost
-        self._orders: OrderedDict[str, int] = OrderedDict()  # mb id -> its send order, the latest few thousand
+        self._orders: dict[str, OrderedDict[str, int]] = {}  # worker -> mb id -> send order, its latest few
         self._sends = 0
 
-    def note_sent(self, mb_id: str) -> int:
+    def note_sent(self, mb_id: str, worker_id: str) -> int:
         """A descriptor is being published (tracked or not, as a release-only one): its send order."""
-        order = self._orders[mb_id] = self._sends
+        orders = self._orders.setdefault(worker_id, OrderedDict())
+        order = orders[mb_id] = self._sends
         self._sends += 1
-        while len(self._orders) > ORDER_MEMORY:
-            self._orders.popitem(last=False)
+        if len(orders) > ORDER_MEMORY:
+            orders.popitem(last=False)
         return order
 
     def track(self, mb_id: str, worker_id: str, now: float) -> asyncio.Future[MicrobatchDone]:
         fut: asyncio.Future[MicrobatchDone] = asyncio.get_running_loop().create_future()
-        self.sent[mb_id] = Sent(worker_id, fut, now, self.note_sent(mb_id))
+        self.sent[mb_id] = Sent(worker_id, fut, now, self.note_sent(mb_id, worker_id))
         return fut
 
     def forget(self, mb_id: str) -> None:
@@ -100,8 +101,10 @@ class InFlight:
         may still be in the scheduler's queue) was lost and fails now, not at its timeout. One sent after
         `newest_mb_id`, the newest descriptor the worker has taken, has not reached it yet (a saturated
         worker takes its messages late; NATS keeps one publisher's order) and is no suspect, unless the
-        connection dropped since it was sent."""
-        newest = self._orders.get(newest_mb_id) if newest_mb_id else None  # None: as if it had all
+        scheduler's connection dropped since it was sent (a worker whose own dropped, or whose messages
+        were dropped as a slow consumer, reports no newest until it takes another)."""
+        orders = self._orders.get(worker_id)
+        newest = orders.get(newest_mb_id) if orders is not None and newest_mb_id else None  # None: as if all taken
         suspects = [mb_id for mb_id, e in self.sent.items()
                     if e.worker_id == worker_id and not e.done.done() and mb_id not in active
                     and (mb_id in self.bus_suspects or (now - e.sent_at > grace_s

@@ -389,7 +389,7 @@ class Scheduler:
         No `MicrobatchDone` is awaited for it; if the worker sends one, it only updates KV counts.
         """
         desc = release_only(worker, self.registry.healthy("ffn")[0].worker_id, self._run_token)
-        self.in_flight.note_sent(desc.mb_id)
+        self.in_flight.note_sent(desc.mb_id, worker.worker_id)
         await self.nc.publish(subjects.attn_mb(worker.worker_id), encode(desc))
 
     # -- streaming ------------------------------------------------------------------------------

@@ -56,11 +56,14 @@ async def connect(url: str, name: str, *, connect_timeout_s: float = 5.0, first_
     """Connect with logging callbacks; once connected, reconnects forever (a restarted nats-server
     is picked up). The first connection gives up after `first_connect_timeout_s` with a `BusError`:
     nats-py would otherwise retry an unreachable server forever. `on_disconnect()` runs on every
-    drop: a message sent or received around it may be lost (NATS core is at most once).
+    drop, and when a slow subscription had messages dropped: a message sent or received around it
+    may be lost (NATS core is at most once).
     """
 
     async def error_cb(exc: Exception) -> None:
         log.warning("%s: NATS error: %s", name, exc)
+        if isinstance(exc, nats.errors.SlowConsumerError) and on_disconnect is not None:
+            on_disconnect()  # messages were dropped, as in a disconnection
 
     async def disconnected_cb() -> None:
         log.warning("%s: disconnected from NATS", name)

@@ -50,7 +50,7 @@ def test_a_descriptor_sent_after_the_workers_newest_is_on_its_way_not_lost(monke
     async def main() -> None:
         in_flight = InFlight()
         taken = in_flight.track("mb-1", "a0", now=100.0)
-        in_flight.note_sent("mb-2-r")  # a release-only descriptor: untracked, but in the order
+        in_flight.note_sent("mb-2-r", "a0")  # a release-only descriptor: untracked, but in the order
         queued = in_flight.track("mb-3", "a0", now=100.0)
         in_flight.check_heartbeat("a0", set(), now=110.0, grace_s=3.0, newest_mb_id="mb-2-r")
         await asyncio.sleep(0.05)
