@@ -22,6 +22,7 @@ import logging
 import os
 import platform
 import sys
+import time
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -37,6 +38,7 @@ KERNEL_DIR = Path(__file__).with_name("kernels")
 SOURCES = ("int8_linear.cpp", "decode_attention.cpp", "bindings.cpp")
 KERNEL_CHOICES = ("auto", "torch")
 _EXTENSION_NAME = "aflex_cpu_kernels"
+STALE_LOCK_S = 600.0  # a build lock this old was left by a process killed mid-build (a build takes ~30-45 s)
 
 
 class CPUKernelError(AFlexError):
@@ -87,9 +89,26 @@ def _build() -> Any:
     bin_dir = str(Path(sys.executable).parent)
     if bin_dir not in os.environ.get("PATH", "").split(os.pathsep):
         os.environ["PATH"] = os.pathsep.join([bin_dir, os.environ.get("PATH", "")])
+    _drop_stale_lock()
     log.info("loading the CPU kernels (compiled once per machine, ~30 s the first time)")
     return load(name=_EXTENSION_NAME, sources=[str(KERNEL_DIR / name) for name in SOURCES],
                 extra_cflags=["-O3", "-ffp-contract=off", "-fopenmp"], verbose=False)
+
+
+def _drop_stale_lock() -> None:
+    """torch waits forever on the build directory's lock file; a process killed while building (a
+    worker SIGKILLed in its first microbatch) leaves it behind, and every later worker would hang."""
+    from torch.utils.cpp_extension import _get_build_directory
+
+    lock = Path(_get_build_directory(_EXTENSION_NAME, verbose=False)) / "lock"
+    try:
+        age_s = time.time() - lock.stat().st_mtime
+    except FileNotFoundError:
+        return
+    if age_s > STALE_LOCK_S:
+        log.warning("removing a CPU-kernel build lock left %.0f s ago by a process that did not finish: %s",
+                    age_s, lock)
+        lock.unlink(missing_ok=True)
 
 
 @cache
