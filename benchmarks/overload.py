@@ -49,7 +49,7 @@ def main() -> int:
     parser.add_argument("--concurrency", type=int, default=32, help="closed-loop clients measuring capacity")
     parser.add_argument("--queue-deadline", type=float, default=None, help="the scheduler's queue_deadline_s "
                         "(default: its default)")
-    parser.add_argument("--running-bound", choices=("knee", "slo", "off"), default=None,
+    parser.add_argument("--running-bound", choices=("auto", "slo", "off"), default=None,
                         help="the scheduler's running_bound (default: its default)")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()

@@ -16,12 +16,12 @@ import logging
 import time
 from collections.abc import Sequence
 
-import orjson
 import torch
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from torch import Tensor
 
+from services.attention_worker.done_report import Failures, microbatch_done, undecodable
 from services.attention_worker.ffn_hops import FFNHops, FFNReplyError
 from services.attention_worker.logprob_rows import PromptPart, prompt_parts, sampled_logprobs
 from services.attention_worker.sequences import Admitted, SequenceRefused, SequenceTable
@@ -41,7 +41,6 @@ from shared.gpu.base import GPU, OperatorWork
 from shared.gpu.workload import attention_work, lm_head_work
 from shared.lifecycle import stop_on_signals
 from shared.messages import (
-    ErrorBody,
     Heartbeat,
     MicrobatchDescriptor,
     MicrobatchDone,
@@ -62,30 +61,6 @@ from shared.transport.seams import make_seam
 log = logging.getLogger("aflex.attention_worker")
 
 SHUTDOWN_GRACE_S = 10.0  # how long a stopping worker lets in-flight microbatches finish
-
-
-_DONE_FIELDS = frozenset(MicrobatchDone.model_fields)  # energy fields are filled where the schema has them
-
-
-class _Failures:
-    """Sequences refused in one microbatch, folded into the Done's single `error`."""
-
-    def __init__(self) -> None:
-        self.seq_ids: list[str] = []
-        self.codes: dict[str, str] = {}  # each refused sequence's own code
-        self.errors: list[tuple[str, str, str]] = []  # (type, code, message)
-
-    def add(self, seq_id: str, error_type: str, code: str, message: str) -> None:
-        if seq_id not in self.seq_ids:
-            self.seq_ids.append(seq_id)
-            self.codes[seq_id] = code
-        self.errors.append((error_type, code, message))
-
-    def body(self) -> ErrorBody | None:
-        if not self.errors:
-            return None
-        error_type, code, _ = self.errors[0]
-        return ErrorBody(type=error_type, code=code, message="; ".join(m for _, _, m in self.errors))
 
 
 class AttentionWorker:
@@ -225,18 +200,10 @@ class AttentionWorker:
 
     def _reject_undecodable(self, data: bytes, reason: str) -> None:
         """An invalid descriptor that still names its mb_id gets a failed Done, so the scheduler moves on."""
-        try:
-            raw = orjson.loads(data)
-        except orjson.JSONDecodeError:
+        named = undecodable(data, reason)
+        if named is None:
             return
-        if not isinstance(raw, dict) or not isinstance(raw.get("mb_id"), str):
-            return
-        seqs = raw.get("seqs")
-        seq_ids = [s["seq_id"] for s in seqs if isinstance(s, dict) and isinstance(s.get("seq_id"), str)] \
-            if isinstance(seqs, list) else []
-        done = self._done(raw["mb_id"], [], seq_ids, ErrorBody(type=ErrorType.INVALID_REQUEST,
-                                                              code="invalid_descriptor", message=reason))
-        task = asyncio.create_task(self._publish_done(done))
+        task = asyncio.create_task(self._publish_done(self._done(*named, [])))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
@@ -260,7 +227,7 @@ class AttentionWorker:
     async def _microbatch(self, desc: MicrobatchDescriptor) -> None:
         assert self.sequences is not None
         started = time.perf_counter()
-        failures = _Failures()
+        failures = Failures()
         admitted: list[Admitted] = []
         results: list[SeqResult] = []
         timing = {"attention_s": 0.0, "ffn_wait_s": 0.0, "ffn_compute_s": 0.0, "attention_energy_j": 0.0,
@@ -302,7 +269,7 @@ class AttentionWorker:
         except asyncio.CancelledError:
             self._fail_all(desc, admitted, failures, "worker stopped before the microbatch finished")
             results = []
-            await self._publish_done(self._finish(desc, results, failures, timing, started))
+            await self._publish_done(self._done(desc.mb_id, failures, results, timing, started))
             raise
         except Exception as exc:
             log.warning("microbatch %s failed: %s", desc.mb_id, exc, exc_info=not isinstance(exc, AFlexError))
@@ -326,20 +293,16 @@ class AttentionWorker:
             later = [s for s in claimed if s in self._release_later]
             self._release_later.difference_update(later)
             self._release(later)
-        await self._publish_done(self._finish(desc, results, failures, timing, started))
+        await self._publish_done(self._done(desc.mb_id, failures, results, timing, started))
 
-    def _fail_all(self, desc: MicrobatchDescriptor, admitted: list[Admitted], failures: _Failures,
+    def _fail_all(self, desc: MicrobatchDescriptor, admitted: list[Admitted], failures: Failures,
                   message: str, code: str | None = None, error_type: str = ErrorType.SERVER_ERROR) -> None:
         """Every sequence of the microbatch failed; new ones are forgotten, old ones keep their KV as it was."""
         assert self.sequences is not None
         for item in admitted:
             if item.is_new:
                 self.sequences.free(item.work.seq_id)
-        failures.errors.insert(0, (error_type, code or "microbatch_failed",
-                                   f"microbatch {desc.mb_id}: {message}"))
-        for work in desc.seqs:
-            if work.seq_id not in failures.seq_ids:
-                failures.seq_ids.append(work.seq_id)
+        failures.all_failed(desc, message, code, error_type)
 
     def _commit(self, admitted: list[Admitted], tokens: list[int], logprobs: list[TokenLogprob | None],
                 prompt: dict[int, PromptPart]) -> list[SeqResult]:
@@ -361,19 +324,13 @@ class AttentionWorker:
                                      prompt_logprobs_start=part.start if part else 0))
         return results
 
-    def _finish(self, desc: MicrobatchDescriptor, results: list[SeqResult], failures: _Failures,
-                timing: dict[str, float], started: float) -> MicrobatchDone:
-        done = self._done(desc.mb_id, results, failures.seq_ids, failures.body())
-        update = {**timing, "failed_codes": failures.codes, "total_s": time.perf_counter() - started,
-                  "energy_j": timing["attention_energy_j"] + timing["ffn_energy_j"]}
-        return done.model_copy(update={k: v for k, v in update.items() if k in _DONE_FIELDS})
-
-    def _done(self, mb_id: str, results: list[SeqResult], failed: list[str], error: ErrorBody | None
-              ) -> MicrobatchDone:
+    def _done(self, mb_id: str, failures: Failures, results: list[SeqResult],
+              timing: dict[str, float] | None = None, started: float | None = None) -> MicrobatchDone:
         assert self.sequences is not None
-        return MicrobatchDone(mb_id=mb_id, worker_id=self.worker_id, results=results,
-                              kv_free_blocks=self.sequences.free_blocks, kv_total_blocks=self.sequences.total_blocks,
-                              error=error, failed_seq_ids=failed)
+        if timing is not None and started is not None:
+            timing = {**timing, "total_s": time.perf_counter() - started}
+        return microbatch_done(mb_id, self.worker_id, self.sequences.free_blocks, self.sequences.total_blocks,
+                               results, failures, timing)
 
     async def _publish_done(self, done: MicrobatchDone) -> None:
         assert self.nc is not None

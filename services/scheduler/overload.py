@@ -35,16 +35,14 @@ class RunningBound:
 
     def __init__(self, tpot_slo_s: float, mode: RunningBoundMode = "auto") -> None:
         self.tpot_slo_s, self.mode = tpot_slo_s, mode
-        self._recent_s: deque[float] = deque(maxlen=RECENT_STEPS)
-        self._last: tuple[int, float] = (0, 0.0)  # the latest step: (sequences decoding, seconds)
+        self._recent: deque[tuple[int, float]] = deque(maxlen=RECENT_STEPS)  # (sequences decoding, seconds)
         self.unloaded_s: float | None = None  # the shortest step seen
 
     def step(self, n_decode: int, step_s: float) -> None:
         """An iteration fed `n_decode` sequences a token each (and maybe prompt chunks) in `step_s`."""
         if n_decode <= 0 or step_s <= 0.0:
             return
-        self._recent_s.append(step_s)
-        self._last = (n_decode, step_s)
+        self._recent.append((n_decode, step_s))
         self.unloaded_s = step_s if self.unloaded_s is None else min(self.unloaded_s, step_s)
 
     @property
@@ -60,11 +58,11 @@ class RunningBound:
         """The most sequences to run in the next iteration, now `n_running` run (None: no bound but
         `max_num_seqs`: nothing runs, or fewer than `RECENT_STEPS` steps were seen)."""
         target_s = self.target_s
-        if target_s is None or len(self._recent_s) < RECENT_STEPS or n_running == 0:
+        if target_s is None or len(self._recent) < RECENT_STEPS or n_running == 0:
             return None
-        if statistics.median(self._recent_s) > target_s:
+        if statistics.median(s for _, s in self._recent) > target_s:
             return max(1, n_running - 1)  # no new sequence until finished ones bring it down
-        n_last, last_s = self._last
+        n_last, last_s = self._recent[-1]
         if last_s > target_s:  # the last step passed it (prompts just admitted, say): hold
             return n_running
         # scaled to the target: a step's cost is concave in the set with a fixed part, so this never overshoots
