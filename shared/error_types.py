@@ -46,11 +46,13 @@ _HTTP_STATUS = {
 }
 RETRY_STATUSES = frozenset({429, 503})  # the statuses that carry Retry-After
 
-# The one `ErrorBody.code` whose meaning another service acts on: a microbatch failed because its FFN
-# worker could not be reached (seam broken, silent). The scheduler then routes around that worker
-# until it is heard from again, and does not count the failure against the sequences.
+# `ErrorBody.code`s another service acts on. What each costs the sequences is the scheduler's
+# judgement (services/scheduler/recovery.py, `judge`), not written here.
+# A microbatch failed because its FFN worker could not be reached (seam broken, silent): the
+# scheduler routes around that worker until it is heard from again.
 FFN_UNREACHABLE = "ffn_unreachable"
-# Refusals that are no sequence's fault either, so not counted against it: the worker still runs an
-# earlier pass of it (a microbatch the scheduler took for lost while a saturated worker had not started
-# it yet), or the choice a fork was to share the prompt with is gone (it prefills the prompt itself).
-BLAMELESS_CODES = frozenset({FFN_UNREACHABLE, "sequence_busy", "fork_parent_missing"})
+# The worker still runs an earlier pass of the sequence (a microbatch the scheduler took for lost
+# while a saturated worker had not started it yet).
+SEQUENCE_BUSY = "sequence_busy"
+# The choice a fork was to share the prompt with is gone (it prefills the prompt itself).
+FORK_PARENT_MISSING = "fork_parent_missing"

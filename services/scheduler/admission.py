@@ -13,6 +13,7 @@ from collections.abc import Container
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from services.scheduler import forks
 from shared import subjects
 from shared.error_types import ErrorType
 from shared.errors import InvalidRequestError
@@ -67,7 +68,8 @@ def overdue(state: RequestState, now_mono: float, deadline_s: float, *, ready: b
     qualifies (its client can still get a status line); one that started and was put back by a fault
     keeps its turn, and choices past the first go with choice 0 (its gateway stops them if it is shed)."""
     waited_s = now_mono - state.received_mono
-    if state.started or state.base_tokens or state.output_ids or state.choice_of or waited_s < deadline_s:
+    if (state.started or state.base_tokens or state.output_ids or forks.follows_choice_zero(state)
+            or waited_s < deadline_s):
         return None
     if not ready:
         return ErrorBody(type=ErrorType.SERVICE_UNAVAILABLE, message=f"no attention and FFN workers were ready "

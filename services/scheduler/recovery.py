@@ -10,23 +10,30 @@ its worker and recomputed from its prompt + output tokens (`take_back`). After M
 `WorkerLostError` (its worker stopped heartbeating or restarted) and `MicrobatchLostError` (the
 worker is alive, its heartbeat does not list it: the descriptor or its `MicrobatchDone` was lost,
 e.g. while the scheduler's NATS connection was down; not the sequences' fault).
+
+Every blame rule lives here: `judge` turns a microbatch's outcome (its Done, the error it failed
+with, or nothing within the timeout) into one `Verdict` per sequence and, where the FFN worker could
+not be reached, the worker to route around. Dispatch only applies the verdicts.
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from services.scheduler.registry import Worker
 from services.scheduler.state import RequestState
-from shared.error_types import ErrorType
+from shared.error_types import FFN_UNREACHABLE, FORK_PARENT_MISSING, SEQUENCE_BUSY, ErrorType
 from shared.errors import AFlexError
-from shared.messages import ErrorBody, MicrobatchDone
+from shared.messages import ErrorBody, MicrobatchDone, SeqResult
 
 MAX_FAILURES = 3  # errored passes of one request before it ends with finish_reason "error"
 LOST_CONFIRM_S = 0.5  # how long a microbatch missing from a heartbeat has to turn up done before it is lost
 ORDER_MEMORY = 256  # descriptors per worker whose send order is kept, for the heartbeats' `newest_mb_id`
+# Refusals that are no sequence's fault, so not counted against it (shared/error_types.py says what each means).
+BLAMELESS_CODES = frozenset({FFN_UNREACHABLE, SEQUENCE_BUSY, FORK_PARENT_MISSING})
 
 
 class WorkerLostError(AFlexError):
@@ -164,3 +171,62 @@ def evacuate(worker: Worker) -> list[RequestState]:
         lane.pending_release.clear()
         lane.pending_release.extend(s.request_id for s in states)
     return moved
+
+
+# -- verdicts -------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What one sequence of a microbatch gets. `result` set: it stands (apply it). Otherwise the sequence is
+    taken back and sent again, counted as one of its MAX_FAILURES when `blamed` (else not its fault)."""
+
+    seq_id: str
+    result: SeqResult | None = None
+    ok: bool = True
+    blamed: bool = False
+    reason: str = ""
+    code: str | None = None  # the refusal's code, when the worker gave one
+
+
+@dataclass(frozen=True)
+class Judgement:
+    """A microbatch's verdicts, in its sequences' order, and what it says of the workers."""
+
+    verdicts: list[Verdict]
+    whole: bool  # came back with no error and nothing refused: its step time says what a step costs
+    unreachable_ffn: str | None = None  # an FFN worker the attention worker could not reach: route around it
+    why: str = ""
+
+
+def judge(outcome: MicrobatchDone | BaseException | None, seq_ids: Sequence[str], samples: Sequence[bool],
+          ffn_worker_id: str, timeout_s: float, mb_id: str) -> Judgement:
+    """The one place that decides what a microbatch's outcome costs each of its sequences.
+
+    `outcome`: its `MicrobatchDone`, the error its wait failed with, or None when nothing came within
+    `timeout_s`. A lost descriptor or Done (`MicrobatchLostError`) and the `BLAMELESS_CODES` refusals are
+    no sequence's fault; a worker lost, a timeout, any other error and a pass that sampled nothing are.
+    """
+    if not isinstance(outcome, MicrobatchDone):
+        reason = str(outcome) if outcome is not None else f"no MicrobatchDone for {mb_id} within {timeout_s:.1f} s"
+        blamed = not isinstance(outcome, MicrobatchLostError)
+        return Judgement([Verdict(s, ok=False, blamed=blamed, reason=reason) for s in seq_ids], whole=False)
+    done = outcome
+    error = done.error
+    failed = set(done.failed_seq_ids) or (set(seq_ids) if error is not None else set())
+    results = {r.seq_id: r for r in done.results}
+    verdicts = []
+    for seq_id, sample in zip(seq_ids, samples, strict=True):
+        result = results.get(seq_id)
+        if seq_id in failed:
+            code = done.failed_codes.get(seq_id) or (error.code if error else None)
+            verdicts.append(Verdict(seq_id, ok=False, blamed=code is not None and code not in BLAMELESS_CODES,
+                                    reason=error.message if error else "the worker refused it (KV cache exhausted)",
+                                    code=code))
+        elif sample and (result is None or result.token_id is None):
+            verdicts.append(Verdict(seq_id, ok=False, blamed=True, reason="the worker sampled no token"))
+        else:
+            verdicts.append(Verdict(seq_id, result))
+    unreachable = error is not None and error.code == FFN_UNREACHABLE
+    return Judgement(verdicts, whole=error is None and not done.failed_seq_ids,
+                     unreachable_ffn=ffn_worker_id if unreachable else None, why=error.message if error else "")

@@ -22,7 +22,7 @@ from typing import Any
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 
-from services.scheduler import beacon, recovery
+from services.scheduler import beacon, forks, recovery
 from services.scheduler.admission import RETRY_AFTER_S, Mesh, overdue, rejection
 from services.scheduler.batcher import Pass, PassPlan, plan_passes, release_only, share_energy
 from services.scheduler.gateways import GatewayWatch
@@ -30,11 +30,11 @@ from services.scheduler.governor import Governor
 from services.scheduler.model_info import ModelInfo
 from services.scheduler.outputs import OutputStream, token_delta
 from services.scheduler.placement import Placement
-from services.scheduler.recovery import InFlight, MicrobatchLostError
+from services.scheduler.recovery import InFlight
 from services.scheduler.registry import Registry, Worker
 from services.scheduler.state import RequestState, Status
 from shared import subjects
-from shared.error_types import BLAMELESS_CODES, FFN_UNREACHABLE, ErrorType
+from shared.error_types import ErrorType
 from shared.messages import (
     CancelRequest,
     ErrorBody,
@@ -295,12 +295,11 @@ class Scheduler:
             ffn = self.registry.next_ffn()
             assert ffn is not None  # checked by the caller, nothing awaited since
             mb_id = f"{self._run_token}-{worker.worker_id}-{lane.iteration}-{k}"
-            later = ({p.state.fork_from for g in plan.groups[k + 1:] for p in g if not p.state.first_pass_sent}
-                     if lane.pending_release else set())
+            release, lane.pending_release = forks.split_releases(
+                lane.pending_release, ([p.state for p in g] for g in plan.groups[k + 1:]))
             desc = MicrobatchDescriptor(mb_id=mb_id, iteration=lane.iteration, phase=plan.phases[k],
                                         ffn_worker=ffn.worker_id, seqs=[p.seq_work() for p in group],
-                                        release=[r for r in lane.pending_release if r not in later])
-            lane.pending_release = [r for r in lane.pending_release if r in later]  # a later group forks them
+                                        release=release)
             for p in group:
                 p.state.in_flight = True
                 p.state.first_pass_sent = True
@@ -308,27 +307,26 @@ class Scheduler:
             ffn_of[mb_id] = ffn.worker_id
             sent.append((mb_id, group, fut))
             await self.nc.publish(subjects.attn_mb(worker.worker_id), encode(desc))
-        await asyncio.wait([f for _, _, f in sent], timeout=self.settings.microbatch_timeout_s)
+        timeout_s = self.settings.microbatch_timeout_s
+        await asyncio.wait([f for _, _, f in sent], timeout=timeout_s)
         whole = True
         for mb_id, group, fut in sent:
             self.in_flight.forget(mb_id)
-            if fut.done() and fut.exception() is None:
-                done = fut.result()
-                whole = whole and done.error is None and not done.failed_seq_ids
-                if done.error is not None and done.error.code == FFN_UNREACHABLE:
-                    self.registry.suspect(ffn_of[mb_id], done.error.message)
-                self.governor.microbatch_done(worker, group, done, ffn_of[mb_id], lone=len(sent) == 1)
-                await self._apply(worker, group, done)
-                continue
-            reason = str(fut.exception()) if fut.done() else f"no MicrobatchDone for {mb_id} within " \
-                f"{self.settings.microbatch_timeout_s:.1f} s"
-            lost = fut.done() and isinstance(fut.exception(), MicrobatchLostError)  # not the sequences' fault
+            outcome = (fut.exception() or fut.result()) if fut.done() else None
             if not fut.done():
                 fut.cancel()
-            log.warning("microbatch %s failed: %s", mb_id, reason)
-            whole = False
-            for p in group:
-                await self._requeue(worker, p.state, failure=not lost, reason=reason)
+            judgement = recovery.judge(outcome, [p.state.request_id for p in group], [p.samples for p in group],
+                                       ffn_of[mb_id], timeout_s, mb_id)
+            whole = whole and judgement.whole
+            if judgement.unreachable_ffn is not None:
+                self.registry.suspect(judgement.unreachable_ffn, judgement.why)
+            if isinstance(outcome, MicrobatchDone):
+                self.governor.microbatch_done(worker, group, outcome, ffn_of[mb_id], lone=len(sent) == 1)
+                if outcome.energy_j is not None:
+                    share_energy(group, outcome.energy_j, set(outcome.failed_seq_ids))
+            else:
+                log.warning("microbatch %s failed: %s", mb_id, judgement.verdicts[0].reason if group else outcome)
+            await self._apply(worker, group, judgement.verdicts, returned=isinstance(outcome, MicrobatchDone))
         return whole
 
     async def _on_done(self, msg: Msg) -> None:
@@ -339,39 +337,29 @@ class Scheduler:
             worker.report_kv(done.kv_free_blocks, done.kv_total_blocks)
         self.in_flight.settle(done)
 
-    async def _apply(self, worker: Worker, group: list[Pass], done: MicrobatchDone) -> None:
-        energy = getattr(done, "energy_j", None)
-        if energy is not None:
-            share_energy(group, float(energy), set(done.failed_seq_ids))
-        failed = set(done.failed_seq_ids)
-        if done.error is not None and not failed:
-            failed = {p.state.request_id for p in group}
-        results = {r.seq_id: r for r in done.results}
-        for p in group:
+    async def _apply(self, worker: Worker, group: list[Pass], verdicts: list[recovery.Verdict], *,
+                     returned: bool) -> None:
+        """Apply recovery's verdicts: a result stands and streams, a failed pass is taken back and routed again."""
+        for p, verdict in zip(group, verdicts, strict=True):
             state = p.state
-            state.in_flight = False
-            worker.lane.reserved_blocks.pop(state.request_id, None)  # the worker's report now counts it
+            if returned:  # (a microbatch that never came back leaves its reservations to take_back)
+                state.in_flight = False
+                worker.lane.reserved_blocks.pop(state.request_id, None)  # the worker's report now counts it
             if state.finished or state.worker_id != worker.worker_id:
                 continue  # cancelled, or moved elsewhere, while in flight
-            if state.request_id in failed:
-                reason = done.error.message if done.error else "the worker refused it (KV cache exhausted)"
-                code = done.failed_codes.get(state.request_id) or (done.error.code if done.error else None)
-                blameless = code is None or code in BLAMELESS_CODES  # not the sequence's fault
-                if code in BLAMELESS_CODES and code != FFN_UNREACHABLE:
-                    log.info("request %s sent again (%s): %s", state.request_id, code, reason)
-                await self._requeue(worker, state, failure=not blameless, reason=reason)
+            if not verdict.ok:
+                if verdict.code is not None and not verdict.blamed:
+                    log.info("request %s sent again (%s): %s", state.request_id, verdict.code, verdict.reason)
+                await self._requeue(worker, state, failure=verdict.blamed, reason=verdict.reason)
                 continue
             state.num_computed += p.n_new
             self.placement.prompt_in(state)
-            result = results.get(state.request_id)
+            result = verdict.result
             if result is not None and result.prompt_logprobs:
                 state.note_prompt_logprobs(result.prompt_logprobs_start, result.prompt_logprobs)
-            if not p.samples:
-                continue
-            if result is None or result.token_id is None:
-                await self._requeue(worker, state, failure=True, reason="the worker sampled no token")
-                continue
-            await self._append(state, result.token_id, result.logprob)
+            if p.samples:
+                assert result is not None and result.token_id is not None  # judged so
+                await self._append(state, result.token_id, result.logprob)
 
     async def _requeue(self, worker: Worker, state: RequestState, *, failure: bool, reason: str) -> None:
         """Take `state` off `worker` and route it again for recomputation (or fail it for good)."""

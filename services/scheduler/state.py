@@ -47,7 +47,7 @@ class RequestState(TokenHistory):
     gateway_id: str = ""  # the gateway run its client is on ("": not watched)
     logprobs: list[TokenLogprob | None] = field(default_factory=list)  # per token generated here (past base_tokens)
     prompt_logprobs: list[TokenLogprob | None] | None = None  # per prompt token, as the prefill passes report them
-    fork_from: str | None = None  # its first pass shares this request's prompt KV (placement.py)
+    fork_from: str | None = None  # its first pass shares this request's prompt KV (forks.py)
     forks: list[RequestState] = field(default_factory=list)  # choices waiting to share its prompt KV
     held_by: RequestState | None = None  # the request whose `forks` this one waits in
     choice_of: str = ""  # one of n choices: choice 0's request id ("": choice 0, or a lone request)

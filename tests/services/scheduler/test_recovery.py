@@ -67,3 +67,38 @@ def test_a_descriptor_sent_after_the_workers_newest_is_on_its_way_not_lost(monke
         with pytest.raises(MicrobatchLostError):  # a newest it does not know says nothing: lost after the grace
             unknown.result()
     asyncio.run(main())
+
+
+def _done(**fields: object) -> MicrobatchDone:
+    base: dict[str, object] = {"mb_id": "mb", "worker_id": "a0", "results": [], "kv_free_blocks": 1,
+                               "kv_total_blocks": 8}
+    return MicrobatchDone.model_validate(base | fields)
+
+
+def test_judge_blames_a_sequence_only_for_its_own_failures() -> None:
+    """KV refusals and the blameless codes are sent again uncounted; an error, a timeout and a pass that
+    sampled nothing count against the sequence; a lost microbatch is no one's fault."""
+    ok = {"seq_id": "s0", "token_id": 7}
+    judged = recovery.judge(_done(results=[ok], failed_seq_ids=["s1", "s2", "s3"],
+                                  failed_codes={"s2": "sequence_busy", "s3": "kv_exhausted"}),
+                            ["s0", "s1", "s2", "s3"], [True, True, True, True], "f0", 5.0, "mb")
+    assert [(v.ok, v.blamed, v.code) for v in judged.verdicts] == [
+        (True, False, None), (False, False, None), (False, False, "sequence_busy"), (False, True, "kv_exhausted")]
+    assert judged.verdicts[0].result is not None and judged.verdicts[0].result.token_id == 7
+    assert not judged.whole and judged.unreachable_ffn is None
+    nothing_sampled = recovery.judge(_done(results=[{"seq_id": "s0", "token_id": None}]), ["s0"], [True], "f0",
+                                     5.0, "mb")
+    assert nothing_sampled.whole and not nothing_sampled.verdicts[0].ok and nothing_sampled.verdicts[0].blamed
+    timeout = recovery.judge(None, ["s0"], [True], "f0", 5.0, "mb-9")
+    assert timeout.verdicts[0].blamed and "no MicrobatchDone for mb-9 within 5.0 s" in timeout.verdicts[0].reason
+    lost = recovery.judge(MicrobatchLostError("gone"), ["s0"], [False], "f0", 5.0, "mb")
+    assert not lost.verdicts[0].ok and not lost.verdicts[0].blamed and lost.verdicts[0].reason == "gone"
+
+
+def test_judge_names_an_unreachable_ffn_worker_and_blames_no_sequence() -> None:
+    error = {"type": "server_error", "code": "ffn_unreachable", "message": "seam to f1 broken"}
+    judged = recovery.judge(_done(error=error), ["s0", "s1"], [True, False], "f1", 5.0, "mb")
+    assert judged.unreachable_ffn == "f1" and judged.why == "seam to f1 broken" and not judged.whole
+    assert all(not v.ok and not v.blamed and v.reason == "seam to f1 broken" for v in judged.verdicts)
+    other = recovery.judge(_done(error=error | {"code": "microbatch_failed"}), ["s0"], [True], "f1", 5.0, "mb")
+    assert other.unreachable_ffn is None and other.verdicts[0].blamed
