@@ -26,8 +26,8 @@ from pathlib import Path
 
 import torch
 
+from shared.engine import Engine
 from shared.model.checkpoint import default_model_path, open_checkpoint
-from shared.model.engine import Engine
 from shared.model.sampling import SamplingParams
 
 PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
@@ -133,7 +133,7 @@ ACCURACY_TEXT = Path(__file__).resolve().parents[1] / "docs" / "architecture.md"
 def accuracy_vs_float32(checkpoint, dtype: torch.dtype, quantize: str, reference: torch.Tensor,  # type: ignore[no-untyped-def]
                         token_ids: list[int]) -> dict[str, float]:
     """Teacher-forced next-token agreement with float32, and perplexity of both, on one fixed text."""
-    from shared.model.engine import forward_unsplit
+    from shared.engine import forward_unsplit
 
     engine = Engine.from_checkpoint(checkpoint, dtype=dtype, quantize=quantize)
     logits = forward_unsplit(engine.attention, engine.ffn, token_ids)
@@ -160,7 +160,7 @@ def main() -> None:
     args = parser.parse_args()
     from transformers import AutoModelForCausalLM
 
-    from shared.model.engine import forward_unsplit
+    from shared.engine import forward_unsplit
 
     checkpoint = open_checkpoint("default")
     tokenizer = checkpoint.tokenizer

@@ -7,7 +7,7 @@ engine and the workers) and depth; after a warm-up request, `--concurrency` stre
 start together. Mesh decode tokens/s = sum over streams of (tokens - 1) / (time from the last
 stream's first token to the last stream's last token): the first token of every stream is prefill,
 so the window opens when the last prefill is out and every stream is decoding. The engine
-(`shared.model.engine.Engine`, both halves in this process) decodes the same prompt ids, measured as
+(`shared.engine.Engine`, both halves in this process) decodes the same prompt ids, measured as
 benchmarks/engine_decode.py does: whole generation minus a prefill-only run of the same batch.
 Ratios are measured in one run, because the machine is noisy: with each mesh up (and idle), every
 round is a pair, the engine's round right before the mesh's; a ratio is the median over its rounds
@@ -49,9 +49,9 @@ import torch
 from engine_decode import PROMPT, environment, time_engine, write_report  # the script's folder is on sys.path
 
 from shared import subjects
+from shared.engine import Engine
 from shared.messages import MicrobatchDone, decode
 from shared.model.checkpoint import open_checkpoint
-from shared.model.engine import Engine
 from shared.model.weights import load_ffn_half
 from shared.transport import bus
 from shared.transport.nats_server import EmbeddedNatsServer, free_port

@@ -20,7 +20,7 @@ import jsonschema
 import pytest
 import yaml
 
-from services.cli import build_parser
+from services.launcher.cli import build_parser
 from tests.conftest import REPO_ROOT, TEST_DATA
 
 ROOT = REPO_ROOT
@@ -86,7 +86,7 @@ def test_command_parses_with_the_aflex_cli(name: str, service: str) -> None:
     try:
         args = build_parser().parse_args(command)
     except SystemExit as exc:  # argparse's way of saying no
-        pytest.fail(f"`aflex {' '.join(command)}` ({service}) is rejected by services.cli: exit {exc.code}")
+        pytest.fail(f"`aflex {' '.join(command)}` ({service}) is rejected by services.launcher.cli: exit {exc.code}")
     assert args.command == service
 
 

@@ -25,7 +25,8 @@ QUESTION = "Tell me about the sea."
 
 def generate(model: Path | str, *, max_tokens: int, temperature: float, seed: int | None,
              quantize: str = "none") -> dict:
-    command = [sys.executable, "-m", "services.cli", "generate", "--model", str(model), "--chat", "--prompt", QUESTION,
+    command = [sys.executable, "-m", "services.launcher.cli", "generate", "--model", str(model), "--chat",
+               "--prompt", QUESTION,
                "--max-tokens", str(max_tokens), "--temperature", str(temperature), "--json", "--ignore-eos",
                "--quantize", quantize]
     if seed is not None:

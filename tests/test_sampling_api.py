@@ -161,8 +161,8 @@ def test_repetition_penalty_gives_the_engine_tokens(client: openai.OpenAI, tiny_
                                                     temperature: float, seed: int | None) -> None:
     """vLLM's `repetition_penalty` over prompt and output: the mesh's tokens are the in-process engine's;
     greedy, the penalty changes them (without it the tiny model repeats a token on this prompt)."""
+    from shared.engine import Engine
     from shared.model.checkpoint import open_checkpoint
-    from shared.model.engine import Engine
     from shared.model.params import SamplingParams
 
     prompt = [400, 401, 402, 403] * 8  # two prefill chunks: the penalty sees both

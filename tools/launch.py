@@ -18,7 +18,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from services.supervisor import SERVING_ANNOUNCEMENT
+from services.launcher.supervisor import SERVING_ANNOUNCEMENT
 from shared.transport.nats_server import EmbeddedNatsServer, free_port
 
 
@@ -149,8 +149,8 @@ def aflex_up(model: str, *extra: str, timeout_s: float = 300.0, nats_url: str | 
     if nats_url is not None:
         env["AFLEX_NATS_URL"] = nats_url
     process = subprocess.Popen(
-        [sys.executable, "-m", "services.cli", "up", "--model", model, "--host", "127.0.0.1", "--port", str(port),
-         "--nats-port", str(nats_port), *extra],
+        [sys.executable, "-m", "services.launcher.cli", "up", "--model", model, "--host", "127.0.0.1",
+         "--port", str(port), "--nats-port", str(nats_port), *extra],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=Path(__file__).parent.parent,
     )
     log: list[str] = []

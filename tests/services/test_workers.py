@@ -25,6 +25,7 @@ from nats.aio.msg import Msg
 from services.attention_worker import AttentionWorker
 from services.ffn_worker import FFNWorker
 from shared import subjects
+from shared.engine import Engine
 from shared.gpu.base import GPU
 from shared.messages import (
     MicrobatchDescriptor,
@@ -37,7 +38,6 @@ from shared.messages import (
     encode,
 )
 from shared.model.checkpoint import open_checkpoint
-from shared.model.engine import Engine
 from shared.model.ffn import FFNHalf
 from shared.model.sampling import SamplingParams
 from shared.model.weights import load_ffn_half

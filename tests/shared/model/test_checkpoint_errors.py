@@ -10,6 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from shared.engine import Engine
 from shared.errors import (
     CheckpointError,
     MissingTensorError,
@@ -17,7 +18,6 @@ from shared.errors import (
     UnknownArchitectureError,
 )
 from shared.model.checkpoint import open_checkpoint
-from shared.model.engine import Engine
 from shared.model.sampling import SamplingParams
 from shared.model.weights import load_attention_half, load_ffn_half
 from tests.conftest import make_tiny_checkpoint

@@ -14,10 +14,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from shared.engine import Engine
 from shared.model.attention import decode_kernel_fits
 from shared.model.checkpoint import open_checkpoint
 from shared.model.cpu_kernels import kernel_status
-from shared.model.engine import Engine
 from shared.model.quant import Int8Linear
 from shared.model.sampling import SamplingParams
 from tests.conftest import REPO_ROOT
@@ -130,7 +130,7 @@ def test_decode_attention_rejects_bad_slots_with_a_message() -> None:
 def test_unknown_kernel_choice_is_a_clear_error() -> None:
     # a fresh interpreter: the choice is read once per process
     result = subprocess.run(
-        [sys.executable, "-m", "services.cli", "generate", "--model", "default", "--quantize", "int8",
+        [sys.executable, "-m", "services.launcher.cli", "generate", "--model", "default", "--quantize", "int8",
          "--prompt-ids", "1,2", "--max-tokens", "1"],
         cwd=ROOT, env={"AFLEX_CPU_KERNELS": "fast", "PATH": "/usr/bin:/bin"}, capture_output=True, text=True,
         timeout=120)

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from shared.engine import Engine, forward_unsplit
 from shared.model.checkpoint import open_checkpoint
-from shared.model.engine import Engine, forward_unsplit
 from shared.model.sampling import SamplingParams
 from tests.conftest import ARCHITECTURES
 

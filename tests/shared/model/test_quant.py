@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from shared.engine import Engine, forward_unsplit
 from shared.model.checkpoint import open_checkpoint
-from shared.model.engine import Engine, forward_unsplit
 from shared.model.quant import Int8Linear, QuantizationError, check_quantization, hadamard, rotation_block
 from shared.model.sampling import SamplingParams
 from tests.conftest import ARCHITECTURES, REPO_ROOT

@@ -13,8 +13,8 @@ import sys
 import pytest
 import torch
 
+from shared.engine import Engine, forward_unsplit
 from shared.model.checkpoint import default_model_path, open_checkpoint
-from shared.model.engine import Engine, forward_unsplit
 from shared.model.sampling import SamplingParams
 
 QUESTION = "What is the capital of France?"
@@ -60,7 +60,7 @@ def test_chat_answer_names_paris(engine: Engine, chat_prompt_ids: list[int]) -> 
 
 def test_generate_command_json() -> None:
     """`aflex generate --json` prints generated ids only and their text; seeds reproduce."""
-    command = [sys.executable, "-m", "services.cli", "generate", "--model", "default", "--chat",
+    command = [sys.executable, "-m", "services.launcher.cli", "generate", "--model", "default", "--chat",
                "--prompt", QUESTION, "--max-tokens", "12", "--temperature", "0.8", "--seed", "42", "--json"]
     runs = [subprocess.run(command, capture_output=True, text=True, timeout=300, check=True) for _ in range(2)]
     first, second = (json.loads(run.stdout) for run in runs)
@@ -70,7 +70,7 @@ def test_generate_command_json() -> None:
 
 
 def test_generate_command_errors_are_one_line() -> None:
-    run = subprocess.run([sys.executable, "-m", "services.cli", "generate", "--model", "/no/such/model",
+    run = subprocess.run([sys.executable, "-m", "services.launcher.cli", "generate", "--model", "/no/such/model",
                           "--prompt-ids", "1,2,3", "--max-tokens", "4"], capture_output=True, text=True, timeout=120)
     assert run.returncode == 2
     assert "does not exist" in run.stderr and "Traceback" not in run.stderr

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
+from shared.engine import Engine
 from shared.model.checkpoint import open_checkpoint
-from shared.model.engine import Engine
 from shared.model.sampling import SamplingParams
 
 TARGET = [5, 17, 33, 101, 7, 250, 11, 64, 3]

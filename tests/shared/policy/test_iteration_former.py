@@ -14,9 +14,9 @@ import pytest
 
 from services.scheduler import aflex
 from services.scheduler.state import RequestState
+from shared.engine import Engine
 from shared.messages import SamplingSpec
 from shared.model.checkpoint import open_checkpoint
-from shared.model.engine import Engine
 from shared.model.sampling import SamplingParams
 from shared.policy import (
     AFLEX_BATCHING,

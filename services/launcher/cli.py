@@ -47,9 +47,9 @@ def _run_generate(args: argparse.Namespace) -> int:
     import orjson
     import torch
 
+    from shared.engine import Engine
     from shared.errors import TokenizerError
     from shared.model.checkpoint import open_checkpoint
-    from shared.model.engine import Engine
     from shared.model.sampling import SamplingParams
 
     checkpoint = open_checkpoint(args.model)
@@ -155,8 +155,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_services(sub)
     from loadgen.cli import add_bench_arguments, bench
     from loadgen.sim.cli import add_sim_arguments, sim
-    from services.supervisor import add_up_arguments, up
-    from tools.top import add_top_arguments, top
+    from services.launcher.supervisor import add_up_arguments, up
+    from services.launcher.top import add_top_arguments, top
 
     for name, help_text, add_arguments, run in (
             ("up", "the whole mesh: nats-server, scheduler, workers, gateway", add_up_arguments, up),

@@ -7,7 +7,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from services.children import ChildDeathHook, ChildExit, ChildSpec
+from services.launcher.children import ChildDeathHook, ChildExit, ChildSpec
 from shared.settings_flags import env_name
 
 WORKER_ROLES = frozenset({"attention-worker", "ffn-worker"})

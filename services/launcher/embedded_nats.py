@@ -10,7 +10,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence
 
-from services.children import ChildSpec
+from services.launcher.children import ChildSpec
 from shared.settings_flags import env_of
 from shared.transport import nats_auth
 from shared.transport.bus import server_list

@@ -24,8 +24,8 @@ from unittest import mock
 
 import pytest
 
-from services import supervisor as sup
-from services.cli import build_parser, main
+from services.launcher import supervisor as sup
+from services.launcher.cli import build_parser, main
 from shared.settings import (
     AttentionWorkerSettings,
     FFNWorkerSettings,
@@ -144,7 +144,7 @@ def test_build_commands_order_names_and_settings_in_the_environment() -> None:
     assert [s.name for s in specs] == ["scheduler", "attn-0", "attn-1", "ffn-0", "ffn-1", "ffn-2", "gateway"]
     parser = build_parser()
     for spec in specs:  # the argv names only the service; its settings travel as AFLEX_* variables
-        assert spec.argv == [sys.executable, "-m", "services.cli", spec.role]
+        assert spec.argv == [sys.executable, "-m", "services.launcher.cli", spec.role]
         assert parser.parse_args(spec.argv[3:]).command == spec.role
     classes = {"scheduler": SchedulerSettings, "attention-worker": AttentionWorkerSettings,
                "ffn-worker": FFNWorkerSettings, "gateway": GatewaySettings}
@@ -179,7 +179,7 @@ def test_up_hands_the_api_keys_to_the_gateway_alone() -> None:
 
 def test_service_flags_come_from_the_settings_fields() -> None:
     """Every settings field is a flag of its subcommand, and a flag's value reaches the settings."""
-    from services.cli import SERVICES
+    from services.launcher.cli import SERVICES
     from shared import settings as shared_settings
     from shared.settings_flags import flag_name, from_flags
 
@@ -384,8 +384,8 @@ UP_SCRIPT = textwrap.dedent('''\
     import sys
     sys.path.insert(0, {root!r})
     sys.path.insert(0, {tests!r})
-    from services import supervisor as sup
-    from services.cli import build_parser
+    from services.launcher import supervisor as sup
+    from services.launcher.cli import build_parser
     from test_supervisor import dummy_builder
     args = build_parser().parse_args(sys.argv[2:])
     raise SystemExit(sup.up(args, command_builder=dummy_builder(__import__("pathlib").Path(sys.argv[1]),

@@ -24,9 +24,9 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import IO
 
-from services.children import ChildDeathHook, ChildExit, ChildSpec, Role
-from services.restarts import RestartPolicy, Restarts
-from services.up_gpus import device_env, reset_clock_hook, worker_devices
+from services.launcher.children import ChildDeathHook, ChildExit, ChildSpec, Role
+from services.launcher.restarts import RestartPolicy, Restarts
+from services.launcher.worker_gpus import device_env, reset_clock_hook, worker_devices
 from shared.errors import AFlexError
 from shared.settings import GatewaySettings, SchedulerSettings, WorkerSettings
 from shared.settings_flags import add_flags, env_of
@@ -61,7 +61,8 @@ class ReadinessTimeoutError(SupervisorError):
 
 CommandBuilder = Callable[[argparse.Namespace], list[ChildSpec]]
 
-SCHEDULER_KNOBS = ("microbatch_depth", "batching", "freq_policy")  # what `aflex up` takes itself and hands down
+# what `aflex up` takes itself and hands down
+SCHEDULER_KNOBS = ("microbatch_depth", "batching", "freq_policy", "queue_deadline_s")
 GATEWAY_KNOBS = ("api_key",)
 WORKER_KNOBS = ("device", "dtype", "quantize", "torch_threads", "seam_transport", "gpu_backend", "gpu_profile",
                 "gpu_pace")  # (the flags of both are generated from these settings fields)
@@ -259,7 +260,7 @@ class Supervisor:
 
 # -- `aflex up` ------------------------------------------------------------------------------
 def add_up_arguments(parser: argparse.ArgumentParser) -> None:
-    """The flags of `aflex up`; the lead registers the subcommand with `set_defaults(func=up)`."""
+    """The flags of `aflex up`; cli.py registers the subcommand with `set_defaults(func=up)`."""
     parser.add_argument("--model", default="default", help="HF directory, .gguf file, or 'default' (SmolLM2)")
     parser.add_argument("--host", default="127.0.0.1", help="address the gateway listens on")
     parser.add_argument("--port", type=int, default=8000, help="port of the OpenAI API")
@@ -290,10 +291,10 @@ def _positive(text: str) -> int:
 
 
 def build_commands(args: argparse.Namespace) -> list[ChildSpec]:
-    """The real services, in start order: `python -m services.cli <subcommand>`, each with its settings
+    """The real services, in start order: `python -m services.launcher.cli <subcommand>`, each with its settings
     as `AFLEX_*` environment variables (a knob not given is left to the service: its env or default).
     NATS travels the same way, in `AFLEX_NATS_URL` (set by `up`)."""
-    cli = [sys.executable, "-m", "services.cli"]
+    cli = [sys.executable, "-m", "services.launcher.cli"]
     model = {"model": str(args.model)}
     worker = {k: getattr(args, k, None) for k in WORKER_KNOBS}
     n_workers = args.attention_workers + args.ffn_workers
@@ -345,7 +346,7 @@ def served_model_id(base_url: str, fallback: str) -> str:
 def up(args: argparse.Namespace, *, command_builder: CommandBuilder = build_commands,
        on_child_death: Iterable[ChildDeathHook] = ()) -> int:
     """Run the mesh until SIGINT/SIGTERM (exit 0) or until the gateway or the scheduler dies (exit 1)."""
-    from services.up_nats import UpNats
+    from services.launcher.embedded_nats import UpNats
 
     stop = threading.Event()
     previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}

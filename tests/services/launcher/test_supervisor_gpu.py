@@ -7,9 +7,9 @@ import argparse
 
 import pytest
 
-from services.cli import build_parser
-from services.supervisor import ChildExit, add_up_arguments, build_commands
-from services.up_gpus import reset_clock_hook
+from services.launcher.cli import build_parser
+from services.launcher.supervisor import ChildExit, add_up_arguments, build_commands
+from services.launcher.worker_gpus import reset_clock_hook
 from tests.shared.gpu.test_gpu_nvml import FakeNvml, nvml  # noqa: F401 - the fixture
 
 

@@ -11,10 +11,10 @@ from typing import Any
 import orjson
 import pytest
 
+from services.launcher.top import TopState, clock_text, main, render, run_top
 from shared import subjects
 from shared.messages import PhaseLatency, SchedulerTelemetry, WorkerTelemetry, encode
 from shared.transport import bus
-from tools.top import TopState, clock_text, main, render, run_top
 
 
 def worker(wid: str, role: str = "attention", **kw: Any) -> WorkerTelemetry:
@@ -124,7 +124,7 @@ def test_once_prints_one_table(nats_url: str) -> None:
 
 def test_json_lines(nats_url: str) -> None:
     """Through the real entry point in a child process, as a script would run it."""
-    code = "import sys; from tools.top import main; sys.exit(main(sys.argv[1:]))"
+    code = "import sys; from services.launcher.top import main; sys.exit(main(sys.argv[1:]))"
     proc = subprocess.Popen([sys.executable, "-c", code, "--nats", nats_url, "--json", "--once", "--interval", "3"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
