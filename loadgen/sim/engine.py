@@ -42,10 +42,10 @@ from shared.policy import (
     seq_chunk_cap,
     ttft_budget,
 )
-from shared.policy.pipeline import iteration_cost
-from shared.policy.placement import (
+from shared.policy.baseline_placement import (
     parking_state,
 )
+from shared.policy.pipeline import iteration_cost
 
 OPERATOR_KEYS = ("prefill-attention", "prefill-ffn", "decode-attention", "decode-ffn")
 AT_MAX = ClockRule(max_clock=True, depths=(1,))  # the prefill cap's "time at the top clock"

@@ -16,7 +16,7 @@ from loadgen.sim.arrivals import Arrivals
 from loadgen.sim.policies import PolicySpec
 from shared.perf import Predictor
 from shared.policy import ClockRule, ClusterSpec, PoolShape, WindowLoad, provision
-from shared.policy.placement import colocated_tp, distserve_placement, provision_colocated, provision_pd
+from shared.policy.baseline_placement import colocated_tp, distserve_placement, provision_colocated, provision_pd
 from shared.policy.provision import decode_point, prefill_point
 
 Shapes = dict[str, PoolShape]

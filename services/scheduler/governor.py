@@ -23,12 +23,12 @@ from services.scheduler.aflex import (
     sample_of,
     serving_order,
 )
-from services.scheduler.batcher import Pass
-from services.scheduler.clocks import PHASES, PhaseSignal, parse_fixed_clocks, percentile, plan_clocks
 from services.scheduler.model_info import ModelInfo
-from services.scheduler.overload import RunningBound
+from services.scheduler.passes import Pass
 from services.scheduler.registry import Registry, Worker
+from services.scheduler.running_bound import RunningBound
 from services.scheduler.state import RequestState
+from services.scheduler.window_clocks import PHASES, PhaseSignal, parse_fixed_clocks, percentile, plan_clocks
 from shared.gpu.base import GPUError
 from shared.gpu.emulated import GPUProfile, available_profiles, load_profile
 from shared.gpu.snap import snap_clock

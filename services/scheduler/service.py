@@ -1,7 +1,7 @@
 """The scheduler service (dispatch): admission, routing, per-worker iteration loops, streaming.
 
 One asyncio task per attention worker runs iterations: plan (`shared.policy.plan_iteration` through
-batcher.py, with the governor's iteration policy), publish the microbatch descriptors, wait for every
+passes.py, with the governor's iteration policy), publish the microbatch descriptors, wait for every
 `MicrobatchDone`, apply the sampled tokens, stream `OutputDelta`s. Everything runs on one event loop,
 so request state needs no locks; NATS callbacks only mutate state and set events, the loops do the
 waiting. Dispatch owns the per-request state; recovery.py decides what a failure costs (recompute,
@@ -24,14 +24,14 @@ from nats.aio.msg import Msg
 
 from services.scheduler import beacon, forks, recovery
 from services.scheduler.admission import RETRY_AFTER_S, Mesh, overdue, rejection
-from services.scheduler.batcher import Pass, PassPlan, plan_passes, release_only, share_energy
 from services.scheduler.gateways import GatewayWatch
 from services.scheduler.governor import Governor
 from services.scheduler.model_info import ModelInfo
 from services.scheduler.outputs import OutputStream, token_delta
-from services.scheduler.placement import Placement
+from services.scheduler.passes import Pass, PassPlan, plan_passes, release_only, share_energy
 from services.scheduler.recovery import InFlight
 from services.scheduler.registry import Registry, Worker
+from services.scheduler.routing import Placement
 from services.scheduler.state import RequestState, Status
 from shared import subjects
 from shared.error_types import ErrorType

@@ -12,7 +12,6 @@ from shared.policy.batching import (
     seq_chunk_cap,
     ttft_budget,
 )
-from shared.policy.clocks import BatchStats, ClockRule, OperatingPoint, PoolShape, SloMargin, choose_operating_point
 from shared.policy.iteration import (
     Feed,
     IterationForm,
@@ -24,6 +23,14 @@ from shared.policy.iteration import (
     microbatch_depth,
     plan_iteration,
     split_microbatches,
+)
+from shared.policy.operating_point import (
+    BatchStats,
+    ClockRule,
+    OperatingPoint,
+    PoolShape,
+    SloMargin,
+    choose_operating_point,
 )
 from shared.policy.pipeline import af_iteration, colocated_iteration, iteration_cost, megascale_depth, overlap_floor
 from shared.policy.provision import ClusterSpec, Plan, WindowLoad, provision

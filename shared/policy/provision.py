@@ -23,7 +23,7 @@ from dataclasses import dataclass, replace
 
 from shared.gpu.emulated import GPUProfile
 from shared.perf import Predictor
-from shared.policy.clocks import BatchStats, ClockRule, OperatingPoint, PoolShape, choose_operating_point
+from shared.policy.operating_point import BatchStats, ClockRule, OperatingPoint, PoolShape, choose_operating_point
 
 
 @dataclass(frozen=True)

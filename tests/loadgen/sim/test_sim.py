@@ -127,7 +127,7 @@ def _cluster(args: object, gpus: int = 16) -> object:
 
 
 def test_colocated_tp_follows_the_long_prompts() -> None:
-    from shared.policy.placement import colocated_tp
+    from shared.policy.baseline_placement import colocated_tp
 
     args = get_model("qwen3-32b")
     pred = cached_predictor(PROFILE, args)
@@ -140,7 +140,7 @@ def test_colocated_tp_follows_the_long_prompts() -> None:
 def test_distserve_placement_is_goodput_optimal_and_uses_every_gpu() -> None:
     """DistServe's placement holds the largest multiple of the load among every all-GPU P/D placement."""
     from shared.policy import ClockRule, WindowLoad
-    from shared.policy.placement import _feasible, distserve_placement
+    from shared.policy.baseline_placement import _feasible, distserve_placement
 
     pred = cached_predictor(PROFILE, MODEL)
     spec = _cluster(MODEL, 8)

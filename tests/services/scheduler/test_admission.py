@@ -8,7 +8,7 @@ import statistics
 from collections.abc import Callable
 
 from services.scheduler.admission import overdue
-from services.scheduler.overload import RECENT_STEPS, RunningBound
+from services.scheduler.running_bound import RECENT_STEPS, RunningBound
 from services.scheduler.state import RequestState
 from shared.messages import SamplingSpec
 

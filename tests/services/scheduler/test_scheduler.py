@@ -3,7 +3,7 @@
 A fake attention worker answers every descriptor with a `MicrobatchDone`; a sampled token is
 100 + the number of tokens that sequence has generated so far (it learns that count from
 `generated_ids` on a first pass, as a real worker's sampler does), unless a test scripts it.
-Pure unit tests of batcher.py come first.
+Pure unit tests of passes.py come first.
 """
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ import nats
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 
-from services.scheduler.batcher import Pass, plan_passes
 from services.scheduler.main import run
 from services.scheduler.model_info import ModelInfo
+from services.scheduler.passes import Pass, plan_passes
 from services.scheduler.state import RequestState
 from shared import subjects
 from shared.messages import (
@@ -48,7 +48,7 @@ MODEL = ModelInfo("test-model", frozenset({2}), vocab_size=1000, max_seq_len=409
 EOS = 2
 
 
-# -- batcher (pure) -------------------------------------------------------------------------------
+# -- passes (pure) --------------------------------------------------------------------------------
 
 
 def _state(rid: str, prompt_len: int, *, computed: int = 0, output: int = 0) -> RequestState:
@@ -62,7 +62,7 @@ def plan_iteration(running: list[RequestState], waiting: list[RequestState], *, 
                    max_num_seqs: int, kv: KvRoom[RequestState] | None = None, rule: BatchingRule | None = None,
                    now: float = 0.0, prefill_cap: DecodeAwareCap | None = None,
                    ) -> tuple[list[Pass], list[RequestState]]:
-    """The scheduler's planning call (batcher.plan_passes), as (passes, admitted)."""
+    """The scheduler's planning call (passes.plan_passes), as (passes, admitted)."""
     plan = plan_passes(running, waiting, IterationPolicy(max_batch_tokens, max_num_seqs, rule, now, prefill_cap), kv)
     return plan.passes, plan.admitted
 

@@ -1,6 +1,6 @@
 """Energy accounting, scheduler telemetry and frequency commands of the scheduler.
 
-Pure tests of the clock planner (clocks.py) and of energy sharing come first; then the scheduler
+Pure tests of the clock planner (window_clocks.py) and of energy sharing come first; then the scheduler
 on a real nats-server with fake workers (tests/test_scheduler.py's) that report a known
 `energy_j` in every `MicrobatchDone` and register supported clocks.
 """
@@ -15,8 +15,9 @@ import orjson
 import pytest
 from nats.aio.msg import Msg
 
-from services.scheduler.batcher import Pass, share_energy
-from services.scheduler.clocks import (
+from services.scheduler.passes import Pass, share_energy
+from services.scheduler.state import RequestState
+from services.scheduler.window_clocks import (
     PhaseSignal,
     SloRule,
     parse_fixed_clocks,
@@ -25,7 +26,6 @@ from services.scheduler.clocks import (
     slo_direction,
     step,
 )
-from services.scheduler.state import RequestState
 from shared import subjects
 from shared.gpu.snap import snap_clock
 from shared.messages import (

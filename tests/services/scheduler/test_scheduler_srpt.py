@@ -1,7 +1,7 @@
 """The live scheduler's `aflex` batching: the simulator's rules (shortest prompt first with aging, the
 prefill cap from the SLOs) and clock objective, on the scheduler's monotonic clock.
 
-Pure tests of batcher.py / aflex.py first (time is injected, nothing sleeps), then the scheduler on
+Pure tests of passes.py / aflex.py first (time is injected, nothing sleeps), then the scheduler on
 a real nats-server with tests/test_scheduler.py's fake workers.
 """
 
@@ -16,8 +16,7 @@ from services.scheduler.aflex import BATCHING, CLOCK_OBJECTIVE, AflexPlanner, se
 from services.scheduler.state import RequestState
 from shared.messages import SamplingSpec
 from shared.perf import cached_predictor, causal_pairs
-from shared.policy import BatchStats, ClockRule, PoolShape, prefill_budget
-from shared.policy import choose_operating_point as plan_clocks
+from shared.policy import BatchStats, ClockRule, PoolShape, choose_operating_point, prefill_budget
 from shared.policy.iteration import KvRoom
 from tests.services.scheduler.test_scheduler import FakeAttention, mesh, plan_iteration, wait_for
 from tests.services.scheduler.test_scheduler_policy import A800, QWEN, ProfiledAttention, live
@@ -129,7 +128,8 @@ def test_prefill_tokens_is_the_policys_budget() -> None:
         q1 = float(tokens)
         st = BatchStats("prefill", n_dec + tokens, ctx_sum + n_dec + tokens, ctx_sum + n_dec + tokens * tokens / 2,
                         n_dec + 1, q1, q1, causal_pairs(q1, q1))
-        return plan_clocks(pred, PoolShape(split=True), st, 0.0, ClockRule(max_clock=True, depths=(1,))).time_s
+        rule = ClockRule(max_clock=True, depths=(1,))
+        return choose_operating_point(pred, PoolShape(split=True), st, 0.0, rule).time_s
 
     iter_s = BATCHING.prefill_iter_frac * 0.400
     n = pl.prefill_tokens(A800, 8000, head_tokens=8000)

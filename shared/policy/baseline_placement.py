@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from shared.perf import Predictor
-from shared.policy.clocks import ClockRule, PoolShape
+from shared.policy.operating_point import ClockRule, PoolShape
 from shared.policy.provision import (
     INFEASIBLE,
     ClusterSpec,
