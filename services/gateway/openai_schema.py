@@ -13,7 +13,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, Strict, field_validator
 
 from shared.messages import SamplingSpec
-from shared.model.params import MAX_LOGPROBS
+from shared.model.params import VALUE_RANGES
 
 Int = Annotated[int, Strict()]
 Float = Annotated[float, Strict()]
@@ -21,6 +21,14 @@ Bool = Annotated[bool, Strict()]
 TokenId = Annotated[int, Strict(), Field(ge=0)]
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+
+
+def _bounds(name: str) -> Any:
+    """The pydantic bounds of a sampling value: its range as `shared.model.params.VALUE_RANGES` declares it."""
+    allowed = VALUE_RANGES[name]
+    if allowed.low_open:
+        return Field(gt=allowed.low, le=allowed.high)
+    return Field(ge=allowed.low, le=allowed.high)
 MAX_N = 16  # choices per request
 
 
@@ -73,23 +81,23 @@ class _GenerationRequest(_Model):
     """Fields common to chat completions and completions."""
 
     model: str | None = None
-    max_tokens: Annotated[int, Strict(), Field(ge=1)] | None = None
-    temperature: Annotated[float, Strict(), Field(ge=0.0, le=2.0)] | None = None
-    top_p: Annotated[float, Strict(), Field(gt=0.0, le=1.0)] | None = None
+    max_tokens: Annotated[int, Strict(), _bounds("max_tokens")] | None = None
+    temperature: Annotated[float, Strict(), _bounds("temperature")] | None = None
+    top_p: Annotated[float, Strict(), _bounds("top_p")] | None = None
     n: Annotated[int, Strict(), Field(ge=1, le=MAX_N)] = 1  # choices; they share the prompt's prefill
     stream: Bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
     seed: Annotated[int, Strict(), Field(ge=INT64_MIN, le=INT64_MAX)] | None = None
-    presence_penalty: Annotated[float, Strict(), Field(ge=-2.0, le=2.0)] | None = None
-    frequency_penalty: Annotated[float, Strict(), Field(ge=-2.0, le=2.0)] | None = None
+    presence_penalty: Annotated[float, Strict(), _bounds("presence_penalty")] | None = None
+    frequency_penalty: Annotated[float, Strict(), _bounds("frequency_penalty")] | None = None
     user: str | None = None
     response_format: ResponseFormat | None = None
     # vLLM extensions
-    repetition_penalty: Annotated[float, Strict(), Field(gt=0.0, le=2.0)] | None = None
+    repetition_penalty: Annotated[float, Strict(), _bounds("repetition_penalty")] | None = None
     return_tokens_as_token_ids: Bool = False  # logprobs name tokens "token_id:<id>", as vLLM can
-    top_k: Annotated[int, Strict(), Field(ge=-1)] | None = None
-    min_tokens: Annotated[int, Strict(), Field(ge=0)] = 0
+    top_k: Annotated[int, Strict(), _bounds("top_k")] | None = None
+    min_tokens: Annotated[int, Strict(), _bounds("min_tokens")] = 0
     ignore_eos: Bool = False
     stop_token_ids: list[TokenId] | None = None
 
@@ -130,12 +138,12 @@ class _GenerationRequest(_Model):
         )
 
 
-LogprobCount = Annotated[int, Strict(), Field(ge=0, le=MAX_LOGPROBS)]
+LogprobCount = Annotated[int, Strict(), _bounds("logprobs")]
 
 
 class ChatCompletionRequest(_GenerationRequest):
     messages: list[ChatMessage]
-    max_completion_tokens: Annotated[int, Strict(), Field(ge=1)] | None = None
+    max_completion_tokens: Annotated[int, Strict(), _bounds("max_tokens")] | None = None
     logprobs: Bool | None = None
     top_logprobs: LogprobCount | None = None  # needs `logprobs: true` (the route says so)
 

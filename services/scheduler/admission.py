@@ -17,7 +17,7 @@ from services.scheduler import forks
 from shared import subjects
 from shared.error_types import ErrorType
 from shared.errors import InvalidRequestError
-from shared.messages import ErrorBody, SamplingSpec, SubmitRequest
+from shared.messages import ErrorBody, SubmitRequest
 
 if TYPE_CHECKING:
     from services.scheduler.state import RequestState
@@ -78,18 +78,13 @@ def overdue(state: RequestState, now_mono: float, deadline_s: float, *, ready: b
                      f"s without starting (queue_deadline_s={deadline_s:g}); retry later", code="queue_deadline")
 
 
-def validate_sampling(spec: SamplingSpec) -> None:
-    """The ranges of `SamplingParams.validate` (torch-free), on the spec as it travels."""
-    spec.validate()
-
-
 def validate_request(req: SubmitRequest, *, context_limit: int, vocab_size: int | None = None) -> None:
     """Raise `InvalidRequestError` if `req` cannot run on a worker holding `context_limit` tokens."""
     if not req.prompt_ids:
         raise InvalidRequestError("the prompt is empty", param="prompt")
     if vocab_size is not None and any(not 0 <= t < vocab_size for t in req.prompt_ids):
         raise InvalidRequestError(f"prompt token ids must lie in [0, {vocab_size})", param="prompt")
-    validate_sampling(req.sampling)
+    req.sampling.validate()  # the ranges of `SamplingParams.validate`, on the spec as it travels
     if vocab_size is not None and any(not 0 <= t < vocab_size for t in req.generated_ids):
         raise InvalidRequestError(f"generated token ids must lie in [0, {vocab_size})", param="generated_ids")
     if len(req.generated_ids) >= req.sampling.max_tokens:

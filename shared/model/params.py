@@ -17,6 +17,36 @@ MAX_LOGPROBS = 20  # top alternatives per token, as vLLM's default `max_logprobs
 
 
 @dataclass(frozen=True)
+class ValueRange:
+    """The values a sampling parameter may take: declared once here, read by `SamplingParams.validate` and by
+    the gateway's request schema (its pydantic bounds), so the two cannot disagree."""
+
+    low: float | None = None
+    high: float | None = None
+    low_open: bool = False  # (low, high] rather than [low, high]
+
+    def holds(self, value: float) -> bool:
+        above = self.low is None or (value > self.low if self.low_open else value >= self.low)
+        return above and (self.high is None or value <= self.high)
+
+    def __str__(self) -> str:
+        return f"{'(' if self.low_open else '['}{self.low:g}, {self.high:g}]"
+
+
+VALUE_RANGES = {
+    "temperature": ValueRange(0.0, 2.0),
+    "top_p": ValueRange(0.0, 1.0, low_open=True),
+    "presence_penalty": ValueRange(-2.0, 2.0),
+    "frequency_penalty": ValueRange(-2.0, 2.0),
+    "repetition_penalty": ValueRange(0.0, 2.0, low_open=True),
+    "top_k": ValueRange(low=-1),  # -1 and 0: off
+    "max_tokens": ValueRange(low=1),
+    "min_tokens": ValueRange(low=0),  # and at most max_tokens
+    "logprobs": ValueRange(0, MAX_LOGPROBS),
+}
+
+
+@dataclass(frozen=True)
 class SamplingParams:
     """OpenAI-style sampling parameters of one request. Call `validate()` before using them.
 
@@ -80,29 +110,22 @@ class SamplingParams:
             value = getattr(self, name)
             if not (isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)):
                 raise InvalidRequestError(f"{name} must be a finite number, got {value!r}", name)
-        if not 0.0 <= self.temperature <= 2.0:
-            raise InvalidRequestError(f"temperature must be in [0, 2], got {self.temperature}", "temperature")
-        if not 0.0 < self.top_p <= 1.0:
-            raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p}", "top_p")
-        if self.top_k < -1:
+        for name in ("temperature", "top_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
+            value, allowed = getattr(self, name), VALUE_RANGES[name]
+            if not allowed.holds(value):
+                raise InvalidRequestError(f"{name} must be in {allowed}, got {value}", name)
+        if not VALUE_RANGES["top_k"].holds(self.top_k):
             raise InvalidRequestError(f"top_k must be -1, 0 (off) or a positive integer, got {self.top_k}",
                                       "top_k")
-        for name in ("presence_penalty", "frequency_penalty"):
-            value = getattr(self, name)
-            if not -2.0 <= value <= 2.0:
-                raise InvalidRequestError(f"{name} must be in [-2, 2], got {value}", name)
-        if not 0.0 < self.repetition_penalty <= 2.0:
-            raise InvalidRequestError(f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}",
-                                      "repetition_penalty")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
-            if value is not None and not (_is_int(value) and 0 <= value <= MAX_LOGPROBS):
+            if value is not None and not (_is_int(value) and VALUE_RANGES["logprobs"].holds(value)):
                 raise InvalidRequestError(f"{name} must be an integer in [0, {MAX_LOGPROBS}], got {value!r}", name)
         if self.grammar is not None and not (isinstance(self.grammar, str) and self.grammar):
             raise InvalidRequestError(f"grammar must be a non-empty string, got {self.grammar!r}", "grammar")
-        if self.max_tokens < 1:
+        if not VALUE_RANGES["max_tokens"].holds(self.max_tokens):
             raise InvalidRequestError(f"max_tokens must be >= 1, got {self.max_tokens}", "max_tokens")
-        if not 0 <= self.min_tokens <= self.max_tokens:
+        if not (VALUE_RANGES["min_tokens"].holds(self.min_tokens) and self.min_tokens <= self.max_tokens):
             raise InvalidRequestError(f"min_tokens must be in [0, max_tokens={self.max_tokens}], "
                                       f"got {self.min_tokens}", "min_tokens")
         if self.seed is not None and not _is_int(self.seed):
