@@ -7,7 +7,8 @@ length and the output length, both in the server's tokens.
   GeneratedTokens`, CC-BY 4.0, Patel et al., Splitwise, ISCA 2024). Arrival times are kept: the offset
   of each row from the first row of the window, divided by `time_scale` (a speed-up factor: 10 replays
   ten times faster). `window` = (start_s, end_s) in trace seconds from the trace's first row.
-  `conv` and `code` are looked up in $AFLEX_TRACES_DIR, else `../shared/traces` next to the repository.
+  `conv` and `code` are looked up in $AFLEX_TRACES_DIR, else `../shared/traces` next to the repository
+  (or `shared/traces` inside it); the simulator's `load_trace` resolves them here too.
 - Synthetic arrivals exactly as vLLM's `get_request`: inter-arrival ~ Gamma(shape=burstiness,
   scale=1/(rate*burstiness)) (burstiness 1 = Poisson), cumulated, then rescaled so that the last
   arrival is exactly N/rate; rate inf = everything at t=0; burstiness inf = constant 1/rate.
@@ -55,11 +56,24 @@ class TraceRow:
     output_len: int
 
 
+class TracesDirNotFoundError(WorkloadError):
+    """No directory holds the named traces: $AFLEX_TRACES_DIR is not one, or none is next to the repository."""
+
+
 def traces_dir() -> Path:
+    """Where `conv` and `code` live: $AFLEX_TRACES_DIR, else `shared/traces` beside or inside the repository."""
     env = os.environ.get("AFLEX_TRACES_DIR")
     if env:
+        if not Path(env).is_dir():
+            raise TracesDirNotFoundError(f"AFLEX_TRACES_DIR={env!r} is not a directory")
         return Path(env)
-    return Path(__file__).resolve().parent.parent.parent / "shared" / "traces"
+    repo = Path(__file__).resolve().parents[1]
+    candidates = (repo.parent / "shared" / "traces", repo / "shared" / "traces")
+    for cand in candidates:
+        if cand.is_dir():
+            return cand
+    looked = ", ".join(str(c) for c in candidates)
+    raise TracesDirNotFoundError(f"no traces directory (looked at {looked}; set AFLEX_TRACES_DIR)")
 
 
 def resolve_trace(spec: str) -> Path:

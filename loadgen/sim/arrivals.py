@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from datetime import datetime
-from pathlib import Path
 
 import numpy as np
 
-TRACE_FILES = {"conv": "AzureLLMInferenceTrace_conv.csv", "code": "AzureLLMInferenceTrace_code.csv"}
+from loadgen.workloads import resolve_trace
 
 
 @dataclass(frozen=True)
@@ -20,17 +18,6 @@ class Arrivals:
 
     def __len__(self) -> int:
         return len(self.time_s)
-
-
-def traces_dir() -> Path:
-    env = os.environ.get("AFLEX_TRACES_DIR")
-    if env:
-        return Path(env)
-    repo = Path(__file__).resolve().parents[2]
-    for cand in (repo.parent / "shared" / "traces", repo / "shared" / "traces", Path("/work/shared/traces")):
-        if (cand / TRACE_FILES["conv"]).is_file():
-            return cand
-    return repo.parent / "shared" / "traces"
 
 
 def _parse_ts(text: str) -> float:
@@ -47,11 +34,7 @@ def load_trace(name_or_path: str, time_scale: float = 1.0, window: tuple[float, 
     """`conv`, `code` or a CSV path (TIMESTAMP,ContextTokens,GeneratedTokens). `time_scale` < 1 compresses
     time (higher load); `window` keeps arrivals in [start, end) seconds of the (scaled) trace.
     `max_input_len` / `max_output_len` clip each request's lengths, as `aflex bench`'s flags of those names."""
-    path = Path(name_or_path)
-    if name_or_path in TRACE_FILES:
-        path = traces_dir() / TRACE_FILES[name_or_path]
-    if not path.is_file():
-        raise FileNotFoundError(f"trace {name_or_path!r} not found (looked at {path}; set AFLEX_TRACES_DIR)")
+    path = resolve_trace(name_or_path)
     ts, pr, out = [], [], []
     with path.open() as fh:
         next(fh)

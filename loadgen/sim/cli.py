@@ -18,6 +18,7 @@ from loadgen.sim.arrivals import Arrivals, load_trace, synthetic
 from loadgen.sim.engine import ACCOUNTINGS, SimConfig, Simulation
 from loadgen.sim.models import MODELS, get_model
 from loadgen.sim.policies import PAPER_POLICIES, policy_spec
+from loadgen.workloads import WorkloadError
 from shared.gpu.base import GPUError
 from shared.gpu.emulated import GPUProfile, available_profiles, load_profile
 from shared.perf import cached_predictor
@@ -159,7 +160,7 @@ def sim(args: argparse.Namespace) -> int:
         out = run_policies(args, record=bool(args.plots))
         if args.load:
             out["sweep"] = run_sweep(args)
-    except (ValueError, FileNotFoundError, GPUError) as exc:
+    except (ValueError, FileNotFoundError, GPUError, WorkloadError) as exc:
         print(f"aflex sim: {exc}", file=sys.stderr)
         return 2
     timelines = out.pop("timelines")

@@ -29,7 +29,6 @@ from shared.model.config import ModelArgs
 from shared.perf import Predictor, attention_core_work, attention_projections, causal_pairs, op_work, shard_work
 from shared.policy import (
     BatchStats,
-    ClockRule,
     ClusterSpec,
     PoolShape,
     SloMargin,
@@ -37,18 +36,16 @@ from shared.policy import (
     WorkItem,
     decode_admit,
     form_iteration,
-    prefill_budget,
     prefill_order,
     seq_chunk_cap,
-    ttft_budget,
 )
 from shared.policy.baseline_placement import (
     parking_state,
 )
 from shared.policy.pipeline import iteration_cost
+from shared.policy.prefill_cap import AT_MAX, prefill_cap, queue_ttft_budget
 
 OPERATOR_KEYS = ("prefill-attention", "prefill-ffn", "decode-attention", "decode-ffn")
-AT_MAX = ClockRule(max_clock=True, depths=(1,))  # the prefill cap's "time at the top clock"
 
 
 class Simulation:
@@ -187,27 +184,13 @@ class Simulation:
 
             head_rem = pool.queue[0][1]
 
-            def time_at_max(tokens: int) -> float:
-                q1 = min(tokens, head_rem)
-                st = BatchStats("prefill", n_dec + tokens, pool.ctx_sum + n_dec + tokens, pool.ctx_sum + n_dec + tokens
-                                * tokens / 2, n_dec + 1, q1, q1, causal_pairs(q1, q1))
-                return self.ctrl.plan(shape, st, 0.0, None, AT_MAX).time_s
-
-            rule = self.pol.batching
-            iter_s = rule.prefill_iter_frac * self.cfg.ttft_slo_s
-            take = prefill_budget(rule, pool.queued_tokens, n_dec, time_at_max if n_dec or iter_s > 0 else None,
-                                  tpot_b, units=shape.units, prefill_iter_s=iter_s)
+            take = prefill_cap(self.pol.batching, pool.queued_tokens,
+                               lambda st: self.ctrl.plan(shape, st, 0.0, None, AT_MAX).time_s,
+                               n_decode=n_dec, decode_ctx=pool.ctx_sum, head_tokens=head_rem,
+                               tpot_budget_s=tpot_b, ttft_slo_s=self.cfg.ttft_slo_s, units=shape.units)
             cap = seq_chunk_cap(self.pol.batching, take)
-            deadlines: list[float] = []
-            ahead: list[float] = []
-            acc = 0.0
-            for rid, rem in pool.queue:
-                if len(deadlines) >= 32:
-                    break
-                acc += rem
-                deadlines.append(float(self.arr.time_s[rid]) + ttft_margin)
-                ahead.append(acc)
-            budget = min(budget, ttft_budget(now, deadlines, ahead, max(take, 1)))
+            queue = ((float(self.arr.time_s[rid]), rem) for rid, rem in pool.queue)
+            budget = min(budget, queue_ttft_budget(now, queue, ttft_margin, max(take, 1)))
             # the scheduler's and the engine's iteration former: q = min(rem, left, cap) in serving order
             form = form_iteration((), [WorkItem(rid, rem) for rid, rem in pool.queue], token_budget=take, seq_cap=cap)
             for feed in form.feeds:  # a prefix of pool.queue

@@ -29,18 +29,16 @@ from shared.policy import (
     PoolShape,
     SloMargin,
     choose_operating_point,
-    prefill_budget,
     prefill_order,
-    ttft_budget,
 )
 from shared.policy.pipeline import seam_transfer_s
+from shared.policy.prefill_cap import AT_MAX, prefill_cap, prefill_stats_at, queue_ttft_budget
 
 # The simulator's `aflex` policy, one definition (`shared.policy.specs`): shortest-prompt-first prefill
 # with aging, prefill iterations capped by the SLOs, decode clocks scored by energy above the idle floor.
 # The clock depths are the scheduler's (`microbatch_depth`).
 BATCHING = AFLEX_BATCHING
 CLOCK_OBJECTIVE = AFLEX_CLOCK_OBJECTIVE
-_AT_MAX = ClockRule(max_clock=True, depths=(1,))
 
 
 def serving_order(now_mono: float, queue: Sequence[tuple[float, float]],
@@ -161,14 +159,8 @@ class AflexPlanner:
             return tpot_b
         ttft_b = self.margins["prefill"].budget(self.ttft_slo_ms / 1e3)
         chunk = float(max(1, min(rep.n_tokens, self.max_batch_tokens)))
-        deadlines = [now_unix + ttft_b]  # a fresh request with the window's longest prompt
-        ahead = [float(max(rep.max_prompt, 1))]
-        acc = 0.0
-        for arrival, tokens in queue[:32]:
-            acc += tokens
-            deadlines.append(arrival + ttft_b)
-            ahead.append(acc)
-        budget = ttft_budget(now_unix, deadlines, ahead, chunk)
+        # a fresh request with the window's longest prompt leads the queue
+        budget = queue_ttft_budget(now_unix, queue, ttft_b, chunk, lead_tokens=float(max(rep.max_prompt, 1)))
         return min(budget, tpot_b) if rep.n_decode else budget
 
     # -- planning ----------------------------------------------------------------------------------
@@ -191,30 +183,21 @@ class AflexPlanner:
     # -- prefill cap -------------------------------------------------------------------------------
     def prefill_time_at_max(self, profile: GPUProfile, tokens: int, n_decode: int = 0, decode_ctx: float = 0.0,
                             head_tokens: int | None = None, share: int = 1) -> float:
-        """Predicted time at the top clocks of an iteration of `tokens` fresh prefill tokens (the longest
-        one sequence's chunk at most `head_tokens`) beside `n_decode` decode sequences holding
-        `decode_ctx` tokens of context (the simulator's `time_at_max`; `share` as in `plan_pair`)."""
-        k = max(1, share)
-        q1 = float(tokens if head_tokens is None else min(tokens, head_tokens))
-        n = float(n_decode + tokens)
-        ctx = decode_ctx + n
-        pairs = decode_ctx + n_decode + tokens * tokens / 2.0
-        stats = BatchStats("prefill", n * k, ctx * k, pairs * k, float(n_decode + 1) * k, q1, q1, causal_pairs(q1, q1))
-        shape = PoolShape(split=True, attention=k, ffn=1, link_bytes_s=self.link_bytes_s)
-        return choose_operating_point(self.predictor(profile), shape, stats, 0.0, _AT_MAX).time_s
+        """Predicted time at the top clocks of an iteration of `tokens` fresh prefill tokens
+        (`shared.policy.prefill_stats_at`; `share` as in `plan_pair`)."""
+        return self._time_at_max(profile, prefill_stats_at(tokens, n_decode, decode_ctx, head_tokens, share), share)
+
+    def _time_at_max(self, profile: GPUProfile, stats: BatchStats, share: int) -> float:
+        shape = PoolShape(split=True, attention=max(1, share), ffn=1, link_bytes_s=self.link_bytes_s)
+        return choose_operating_point(self.predictor(profile), shape, stats, 0.0, AT_MAX).time_s
 
     def prefill_tokens(self, profile: GPUProfile, queued_tokens: int, n_decode: int = 0, decode_ctx: float = 0.0,
                        head_tokens: int | None = None, share: int = 1) -> int:
-        """Prefill tokens for one iteration of one attention worker (`shared.policy.prefill_budget`)."""
-        rule = self.batching
-
-        def time_at_max(tokens: int) -> float:
-            return self.prefill_time_at_max(profile, tokens, n_decode, decode_ctx, head_tokens, share)
-
-        iter_s = rule.prefill_iter_frac * self.ttft_slo_ms / 1e3
-        tpot_b = self.margins["decode"].budget(self.tpot_slo_ms / 1e3)
-        return prefill_budget(rule, queued_tokens, n_decode, time_at_max if n_decode or iter_s > 0 else None,
-                              tpot_b, prefill_iter_s=iter_s)
+        """Prefill tokens for one iteration of one attention worker (`shared.policy.prefill_cap`)."""
+        return prefill_cap(self.batching, queued_tokens, lambda stats: self._time_at_max(profile, stats, share),
+                           n_decode=n_decode, decode_ctx=decode_ctx, head_tokens=head_tokens, share=share,
+                           tpot_budget_s=self.margins["decode"].budget(self.tpot_slo_ms / 1e3),
+                           ttft_slo_s=self.ttft_slo_ms / 1e3)
 
     # -- online correction -------------------------------------------------------------------------
     def observe(self, profile: GPUProfile, phase: ClockPhase, sample: IterationSample, *, attention_s: float,

@@ -11,6 +11,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from shared.finish_rule import finish_reason
 from shared.messages import FinishReason, SamplingSpec, TokenLogprob
 from shared.token_history import TokenHistory
 
@@ -89,19 +90,7 @@ class RequestState(TokenHistory):
     def finish_reason_after(self, token_id: int, eos_token_ids: frozenset[int]) -> FinishReason | None:
         """Why the request ends if `token_id` is appended now (call before appending), or None.
 
-        Mirrors `SequenceSampler.finish_reason_after` so the scheduler and the attention worker's
-        sampler agree: stop ids (and EOS unless ignore_eos) end it once min_tokens are generated;
-        otherwise the max_tokens-th token ends it with "length".
+        The shared finish rule (`shared.finish_rule`), so the scheduler and the attention worker's sampler agree.
         """
-        spec = self.sampling
-        generated = len(self.output_ids)
-        stop_ids = set(spec.stop_token_ids)
-        if not spec.ignore_eos:
-            stop_ids |= eos_token_ids
-        if spec.grammar is not None and token_id in eos_token_ids:  # the grammar let EOS through: done
-            return "stop"
-        if token_id in stop_ids and generated >= spec.min_tokens:
-            return "stop"
-        if generated + 1 >= spec.max_tokens:
-            return "length"
-        return None
+        return finish_reason(self.sampling, len(self.output_ids), token_id, eos_token_ids,
+                             constrained=self.sampling.grammar is not None)

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 
 import torch
 
+from shared.finish_rule import finish_reason, stop_token_ids
 from shared.model.params import GREEDY_TEMPERATURE_EPS, SamplingParams, StopStringMatcher
 from shared.model.structured import Constraint
 
@@ -47,9 +48,7 @@ class SequenceSampler:
         self.token_counts: dict[int, int] = {}
         self.seen_ids: set[int] = set()  # prompt and output tokens, for `repetition_penalty` (kept only then)
         self.finish_reason: str | None = None
-        self._stop_ids = frozenset(params.stop_token_ids) | (
-            frozenset() if params.ignore_eos else frozenset(self.eos_token_ids)
-        )
+        self._stop_ids = stop_token_ids(params, self.eos_token_ids)
         self._generator: torch.Generator | None = None
 
     def generator(self, device: torch.device) -> torch.Generator:
@@ -77,16 +76,10 @@ class SequenceSampler:
     def finish_reason_after(self, token_id: int) -> str | None:
         """Why the sequence finishes if `token_id` is its next token (call before `record`), or None.
 
-        "stop" for an EOS (unless `ignore_eos`) or a stop token id once `min_tokens` are generated;
-        otherwise "length" when this token is the `max_tokens`-th.
+        The shared finish rule (`shared.finish_rule`), so the sampler and the scheduler agree.
         """
-        if self.constraint is not None and token_id in self.eos_token_ids:  # the grammar let EOS through: done
-            return "stop"
-        if token_id in self._stop_ids and self.num_generated >= self.params.min_tokens:
-            return "stop"
-        if self.num_generated + 1 >= self.params.max_tokens:
-            return "length"
-        return None
+        return finish_reason(self.params, self.num_generated, token_id, self.eos_token_ids,
+                             constrained=self.constraint is not None)
 
     def saw(self, token_ids: Sequence[int]) -> None:
         """Tokens fed to the sequence (its prompt, in one piece or chunk by chunk): `repetition_penalty` counts them."""

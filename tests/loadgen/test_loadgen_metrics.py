@@ -262,6 +262,9 @@ def test_named_traces_resolve(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -
     assert workloads.resolve_trace("conv") == tmp_path / "AzureLLMInferenceTrace_conv.csv"
     with pytest.raises(workloads.WorkloadError, match="AFLEX_TRACES_DIR"):
         workloads.resolve_trace("code")
+    monkeypatch.setenv("AFLEX_TRACES_DIR", str(tmp_path / "absent"))
+    with pytest.raises(workloads.TracesDirNotFoundError, match="AFLEX_TRACES_DIR"):
+        workloads.resolve_trace("conv")
 
 
 def test_presets_and_arrivals() -> None:

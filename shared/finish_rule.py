@@ -1,0 +1,36 @@
+"""When a request's generation ends: the one finish rule the scheduler and the worker's sampler share.
+
+Pure Python (no torch): the scheduler decides a request's end from the tokens it streams, the attention
+worker's sampler from the tokens it draws, and both must agree token for token.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from shared.messages import FinishReason
+from shared.model.params import SamplingParams
+
+
+def stop_token_ids(params: SamplingParams, eos_token_ids: Iterable[int]) -> frozenset[int]:
+    """The ids that end the request with "stop": its stop token ids, and EOS unless `ignore_eos`."""
+    stop_ids = frozenset(params.stop_token_ids)
+    return stop_ids if params.ignore_eos else stop_ids | frozenset(eos_token_ids)
+
+
+def finish_reason(params: SamplingParams, generated_count: int, token_id: int,
+                  eos_token_ids: Iterable[int], *, constrained: bool) -> FinishReason | None:
+    """Why the request ends if `token_id` is its next token, `generated_count` tokens in, or None.
+
+    Under a grammar (`constrained`) an EOS means the output is complete: "stop". Otherwise a stop id
+    (`stop_token_ids`) ends it once `min_tokens` are generated, else the `max_tokens`-th token ends it
+    with "length".
+    """
+    eos_ids = frozenset(eos_token_ids)
+    if constrained and token_id in eos_ids:
+        return "stop"
+    if token_id in stop_token_ids(params, eos_ids) and generated_count >= params.min_tokens:
+        return "stop"
+    if generated_count + 1 >= params.max_tokens:
+        return "length"
+    return None
