@@ -1,6 +1,6 @@
 """The `aflex` policy's constants, one definition for the live scheduler and the simulator.
 
-Both import these (`services.scheduler.aflex`, `loadgen.sim.engine.policy_spec`), so what the
+Both import these (`services.scheduler.aflex`, `loadgen.sim.policies`), so what the
 simulator evaluates is what the mesh serves with, not a copy that can drift from it.
 """
 
