@@ -8,12 +8,13 @@ through here: they are binary frames (`shared/transport/header.py`) on the seam,
 
 from __future__ import annotations
 
-from typing import Literal, TypeVar
+from typing import TypeVar
 
 import orjson
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from shared.errors import AFlexError
+from shared.kinds import ClockPhase, FinishReason, Phase, Role
 from shared.model.params import SamplingParams
 
 
@@ -109,7 +110,6 @@ class Usage(Message):
     energy_j: float | None = None
 
 
-FinishReason = Literal["stop", "length", "abort", "error"]
 
 
 class TokenLogprob(Message):
@@ -160,9 +160,6 @@ class SeqWork(Message):
     fork_of: str | None = None
 
 
-Phase = Literal["prefill", "decode", "mixed"]
-
-
 class MicrobatchDescriptor(Message):
     """`aflex.v1.attn.<wid>.mb`: run one microbatch through every layer with FFN worker `ffn_worker`."""
 
@@ -204,9 +201,6 @@ class MicrobatchDone(Message):
 
 
 # -- control --------------------------------------------------------------------------------------
-
-Role = Literal["attention", "ffn"]
-
 
 class Register(Message):
     """`aflex.v1.control.register` (request/reply): a worker announces itself."""
@@ -274,9 +268,6 @@ class SchedulerStatus(Message):
 
 
 # -- frequency commands and telemetry -------------------------------------------------------------
-
-ClockPhase = Literal["prefill", "decode"]
-
 
 class FrequencyCommand(Message):
     """`aflex.v1.freq.<wid>`: the SM clock a worker runs per phase, until `valid_until_ts`.

@@ -33,10 +33,10 @@ import numpy as np
 from shared.gpu.base import OperatorWork
 from shared.gpu.emulated import GPUProfile, operator_cost
 from shared.gpu.workload import ComposedWork, _gemm, ffn_work, lm_head_work
+from shared.kinds import CLOCK_PHASES
 from shared.model.config import ModelArgs
 
 OPS = ("attention", "ffn", "lm_head")
-PHASES = ("prefill", "decode")
 CostFn = Callable[[GPUProfile, OperatorWork, float], object]
 
 
@@ -188,7 +188,7 @@ class Predictor:
         key = (op, phase, shard)
         if key in self._fits:
             return self._fits[key]
-        rng = np.random.default_rng(self.seed + 7919 * OPS.index(op) + 104729 * PHASES.index(phase))
+        rng = np.random.default_rng(self.seed + 7919 * OPS.index(op) + 104729 * CLOCK_PHASES.index(phase))
         n, ctx, pairs = _grid(op, phase, rng, self.samples if op == "attention" else max(60, self.samples // 4))
         x = _features(op, n, ctx, pairs)
         b = _bucket(n)

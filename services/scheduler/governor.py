@@ -28,13 +28,14 @@ from services.scheduler.passes import Pass
 from services.scheduler.registry import Registry, Worker
 from services.scheduler.running_bound import RunningBound
 from services.scheduler.state import RequestState
-from services.scheduler.window_clocks import PHASES, PhaseSignal, parse_fixed_clocks, percentile, plan_clocks
+from services.scheduler.window_clocks import PhaseSignal, parse_fixed_clocks, percentile, plan_clocks
 from shared.gpu.base import GPUError
 from shared.gpu.emulated import GPUProfile, available_profiles, load_profile
 from shared.gpu.snap import snap_clock
-from shared.messages import ClockPhase, FinishReason, FrequencyCommand, MicrobatchDone, SchedulerTelemetry
+from shared.kinds import CLOCK_PHASES, ClockPhase, FinishReason
+from shared.messages import FrequencyCommand, MicrobatchDone, SchedulerTelemetry
 from shared.policy import IterationPolicy
-from shared.policy.iteration import DecodeAwareCap
+from shared.policy.iteration import DecodeAwareCap, parse_depth, planner_depths
 from shared.settings import SchedulerSettings
 
 log = logging.getLogger("aflex.scheduler")
@@ -67,16 +68,15 @@ class Governor:
         self._profiles: dict[tuple[str, str], GPUProfile | None] = {}
         self._warned: set[str] = set()
         self.batching = BATCHING if settings.batching == "aflex" else None
+        self.depth = parse_depth(settings.microbatch_depth)
         self.aflex: AflexPlanner | None = None  # the predictors behind aflex clocks and the aflex prefill cap
         if settings.freq_policy == "aflex" or settings.batching == "aflex":
             if model.args is None:
                 log.warning("aflex: the shape of model %s is unknown; no prefill cap, clocks fall back to slo",
                             model.model_id)
             else:
-                depth = settings.microbatch_depth
                 self.aflex = AflexPlanner(model.args, ttft_slo_ms=settings.ttft_slo_ms,
-                                          tpot_slo_ms=settings.tpot_slo_ms,
-                                          depths=(1, 2, 3, 4) if depth == "auto" else (int(depth),),
+                                          tpot_slo_ms=settings.tpot_slo_ms, depths=planner_depths(self.depth),
                                           link_bytes_s=settings.freq_link_gbs * 1e9,
                                           max_batch_tokens=settings.max_batch_tokens)
 
@@ -141,15 +141,13 @@ class Governor:
     def iteration_policy(self, worker: Worker, now_mono: float) -> IterationPolicy:
         """How `worker`'s next iteration is formed and cut (shared.policy.plan_iteration's policy)."""
         s = self.settings
-        planned: dict[str, int] = {}
-        if s.microbatch_depth == "auto" and self.aflex_clocks is not None:
-            planned = {phase: plan.op.depth for phase, plan in self.plans.get(worker.worker_id, {}).items()}
+        planned = {phase: plan.op.depth for phase, plan in self.plans.get(worker.worker_id, {}).items()}
         running_bound = self._bound(worker)
         bound = running_bound.bound(len(worker.lane.running))
         max_num_seqs = s.max_num_seqs if bound is None else min(s.max_num_seqs, bound)
         self._log_target(worker, running_bound)
         return IterationPolicy(s.max_batch_tokens, max_num_seqs, self.batching, now_mono, self._prefill_cap(worker),
-                               s.microbatch_depth, planned)
+                               self.depth, planned)
 
     def _log_target(self, worker: Worker, bound: RunningBound) -> None:
         target_s = bound.target_s
@@ -254,7 +252,7 @@ class Governor:
             clocks, reason = planned
         elif self.aflex_clocks is not None and self.profile_of(worker) is not None:
             top = worker.supported_clocks_mhz[-1]
-            clocks = dict(previous) if previous else {p: top for p in PHASES}
+            clocks = dict(previous) if previous else {p: top for p in CLOCK_PHASES}
             reason = "aflex: hold" if previous else "aflex: start at max"
         else:
             fallback = policy == "aflex"
@@ -290,7 +288,7 @@ class Governor:
                                   planner.batching)
             queue = [(waiting[k].arrival_ts, float(waiting[k].pending_tokens)) for k in order]
             previous = self.plans.setdefault(w.worker_id, {})
-            for phase in PHASES:
+            for phase in CLOCK_PHASES:
                 prev = previous.get(phase)
                 plan = planner.plan_pair(profile, phase, list(window), share, now_unix,
                                          queue if phase == "prefill" else (), prev.op if prev else None)
@@ -304,7 +302,7 @@ class Governor:
             table, before = w.supported_clocks_mhz, self.commanded.get(w.worker_id, {})
             clocks: dict[ClockPhase, int] = {}
             why = []
-            for phase in PHASES:
+            for phase in CLOCK_PHASES:
                 plans = [p[phase] for wid, p in fresh.items() if phase in p and (w.role == "ffn" or wid == w.worker_id)]
                 if not plans:
                     clocks[phase] = before.get(phase, table[-1])

@@ -13,8 +13,9 @@ from dataclasses import dataclass
 
 from services.scheduler.registry import Worker
 from services.scheduler.state import RequestState
+from shared.kinds import Phase
 from shared.messages import MicrobatchDescriptor, SeqWork
-from shared.policy.iteration import IterationPhase, IterationPolicy, KvRoom, WorkItem, phase_of, plan_iteration
+from shared.policy.iteration import IterationPolicy, KvRoom, WorkItem, phase_of, plan_iteration
 
 __all__ = ["Pass", "PassPlan", "plan_passes", "share_energy"]
 
@@ -49,8 +50,8 @@ class Pass:
 @dataclass(frozen=True)
 class PassPlan:
     groups: list[list[Pass]]  # the microbatches, in order; empty: nothing to run
-    phase: IterationPhase  # of the whole iteration
-    phases: list[IterationPhase]  # of each microbatch
+    phase: Phase  # of the whole iteration
+    phases: list[Phase]  # of each microbatch
     admitted: list[RequestState]  # waiting requests it admits, in order
 
     @property

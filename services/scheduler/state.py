@@ -11,8 +11,9 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-from shared.finish_rule import finish_reason
-from shared.messages import FinishReason, SamplingSpec, TokenLogprob
+from shared.kinds import FinishReason
+from shared.messages import SamplingSpec, TokenLogprob
+from shared.model.finish_rule import finish_reason
 from shared.token_history import TokenHistory
 
 
@@ -90,7 +91,7 @@ class RequestState(TokenHistory):
     def finish_reason_after(self, token_id: int, eos_token_ids: frozenset[int]) -> FinishReason | None:
         """Why the request ends if `token_id` is appended now (call before appending), or None.
 
-        The shared finish rule (`shared.finish_rule`), so the scheduler and the attention worker's sampler agree.
+        The shared finish rule (`shared.model.finish_rule`), so the scheduler and the attention worker's sampler agree.
         """
         return finish_reason(self.sampling, len(self.output_ids), token_id, eos_token_ids,
                              constrained=self.sampling.grammar is not None)

@@ -14,10 +14,9 @@ from dataclasses import dataclass
 from typing import Literal, get_args
 
 from shared.gpu.snap import snap_clock
-from shared.messages import ClockPhase, Role
+from shared.kinds import CLOCK_PHASES, ClockPhase, Role
 
 ClockPolicy = Literal["aflex", "max", "fixed", "slo"]
-PHASES: tuple[ClockPhase, ...] = ("prefill", "decode")
 ROLES: tuple[Role, ...] = get_args(Role)
 
 
@@ -51,9 +50,9 @@ def parse_fixed_clocks(spec: str) -> dict[tuple[Role, ClockPhase], int]:
             continue
         key, sep, value = item.partition("=")
         role, _, phase = key.strip().partition(".")
-        if not sep or role not in ROLES or (phase and phase not in PHASES):
+        if not sep or role not in ROLES or (phase and phase not in CLOCK_PHASES):
             raise ValueError(f"fixed clock {item!r}: expected role[.phase]=MHz with role in {ROLES} "
-                             f"and phase in {PHASES}")
+                             f"and phase in {CLOCK_PHASES}")
         try:
             mhz = int(value.strip())
         except ValueError:
@@ -63,7 +62,7 @@ def parse_fixed_clocks(spec: str) -> dict[tuple[Role, ClockPhase], int]:
         if phase:
             specific[(role, phase)] = mhz  # type: ignore[index]
         else:
-            for p in PHASES:
+            for p in CLOCK_PHASES:
                 out[(role, p)] = mhz  # type: ignore[index]
     out.update(specific)
     return out
@@ -105,18 +104,18 @@ def plan_clocks(policy: ClockPolicy, role: Role, supported: Sequence[int],
     table = _table(supported)
     top = table[-1]
     if policy == "max":
-        return {p: top for p in PHASES}, "max"
+        return {p: top for p in CLOCK_PHASES}, "max"
     if policy == "fixed":
         fixed = fixed or {}
-        return {p: snap_clock(table, fixed.get((role, p), top), "down") for p in PHASES}, "fixed"
+        return {p: snap_clock(table, fixed.get((role, p), top), "down") for p in CLOCK_PHASES}, "fixed"
     if policy != "slo":
         raise ValueError(f"unknown clock policy {policy!r} (aflex is planned by services.scheduler.aflex)")
     if previous is None:
-        return {p: top for p in PHASES}, "slo: start at max"
+        return {p: top for p in CLOCK_PHASES}, "slo: start at max"
     signals = signals or {}
     clocks: dict[ClockPhase, int] = {}
     why = []
-    for p in PHASES:
+    for p in CLOCK_PHASES:
         current = snap_clock(table, previous.get(p, top), "down")
         sig = signals.get(p)
         direction = slo_direction(sig, rule) if sig is not None else 0

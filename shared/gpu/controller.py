@@ -19,7 +19,6 @@ from shared.messages import FrequencyCommand
 
 log = logging.getLogger("aflex.gpu.controller")
 
-PHASES = ("prefill", "decode")
 
 
 class DVFSController:

@@ -18,9 +18,10 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING
 
 from shared.gpu.base import GPU
+from shared.kinds import Role
 from shared.messages import PhaseLatency, WorkerTelemetry, encode
 
 if TYPE_CHECKING:
@@ -34,7 +35,7 @@ log = logging.getLogger("aflex.gpu.telemetry")
 class WorkerMeter:
     """Counters a worker updates as it works; `snapshot` reads and restarts the period."""
 
-    def __init__(self, worker_id: str, role: Literal["attention", "ffn"], *,
+    def __init__(self, worker_id: str, role: Role, *,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.worker_id, self.role = worker_id, role
         self._clock = clock

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 import torch
 
-from shared.finish_rule import finish_reason, stop_token_ids
+from shared.model.finish_rule import finish_reason, stop_token_ids
 from shared.model.params import GREEDY_TEMPERATURE_EPS, SamplingParams, StopStringMatcher
 from shared.model.structured import Constraint
 
@@ -76,7 +76,7 @@ class SequenceSampler:
     def finish_reason_after(self, token_id: int) -> str | None:
         """Why the sequence finishes if `token_id` is its next token (call before `record`), or None.
 
-        The shared finish rule (`shared.finish_rule`), so the sampler and the scheduler agree.
+        The shared finish rule (`shared.model.finish_rule`), so the sampler and the scheduler agree.
         """
         return finish_reason(self.params, self.num_generated, token_id, self.eos_token_ids,
                              constrained=self.constraint is not None)

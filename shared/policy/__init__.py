@@ -21,7 +21,9 @@ from shared.policy.iteration import (
     WorkItem,
     form_iteration,
     microbatch_depth,
+    parse_depth,
     plan_iteration,
+    planner_depths,
     split_microbatches,
 )
 from shared.policy.operating_point import (
@@ -41,6 +43,6 @@ __all__ = [
     "IterationForm", "IterationPlan", "IterationPolicy", "KvRoom", "OperatingPoint", "Plan", "PoolShape",
     "SloMargin", "WindowLoad", "WorkItem", "af_iteration", "choose_operating_point", "colocated_iteration",
     "decode_admit", "form_iteration", "iteration_cost", "megascale_depth", "microbatch_depth", "overlap_floor",
-    "plan_iteration", "prefill_budget", "prefill_order", "provision", "seq_chunk_cap", "split_microbatches",
-    "ttft_budget",
+    "parse_depth", "plan_iteration", "planner_depths", "prefill_budget", "prefill_order", "provision",
+    "seq_chunk_cap", "split_microbatches", "ttft_budget",
 ]

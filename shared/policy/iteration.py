@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Generic, Literal, TypeVar
 
+from shared.kinds import ClockPhase, Phase, clock_phase
 from shared.policy.batching import BatchingRule, prefill_order
 
 K = TypeVar("K")
@@ -21,9 +22,10 @@ K = TypeVar("K")
 PrefillCap = Callable[[int, int], int]
 # (prefill tokens queued, decode steps beside them, their context tokens, the first's tokens) -> most prefill tokens
 DecodeAwareCap = Callable[[int, int, float, int], int]
-IterationPhase = Literal["decode", "prefill", "mixed"]
 
 AUTO_DEPTH_MIN_SEQS = 4  # below this many sequences overlap cannot pay: depth 1 (as the paper found)
+AUTO_PLANNER_DEPTHS = (1, 2, 3, 4)  # what a clock planner may choose among under "auto"
+DepthSetting = int | Literal["auto"]  # `microbatch_depth`: a fixed number of microbatches, or "auto"
 
 
 @dataclass(frozen=True)
@@ -117,15 +119,32 @@ def form_iteration(decodes: Iterable[WorkItem[K]], queue: Iterable[WorkItem[K]],
     return IterationForm(tuple(feeds), tuple(admitted))
 
 
-def microbatch_depth(setting: str, n_seqs: int) -> int:
-    """`"1"`, `"2"`, ... fixed; `"auto"`: 1 below AUTO_DEPTH_MIN_SEQS sequences, else 2. Never more than
-    n_seqs (a microbatch needs a sequence), never less than 1."""
+def parse_depth(setting: str | int) -> DepthSetting:
+    """The `microbatch_depth` setting, parsed once where it enters: "auto" or a whole number >= 1."""
     if setting == "auto":
-        depth = 1 if n_seqs < AUTO_DEPTH_MIN_SEQS else 2
-    elif setting.isdecimal() and int(setting) >= 1:
-        depth = int(setting)
+        return "auto"
+    if isinstance(setting, int) and not isinstance(setting, bool) and setting >= 1:
+        return setting
+    if isinstance(setting, str) and setting.isdecimal() and int(setting) >= 1:
+        return int(setting)
+    raise ValueError(f"microbatch depth must be 'auto' or a whole number of at least 1, got {setting!r}")
+
+
+def planner_depths(setting: DepthSetting) -> tuple[int, ...]:
+    """The depths a clock planner may choose among: all of them under "auto", else the fixed one."""
+    return AUTO_PLANNER_DEPTHS if setting == "auto" else (setting,)
+
+
+def microbatch_depth(setting: DepthSetting, n_seqs: int, planned: int | None = None) -> int:
+    """How many microbatches an iteration of `n_seqs` sequences is cut into: the one place "auto" is decided.
+
+    A fixed setting is kept; "auto" takes the clock plan's depth for the phase where there is one
+    (`planned`), else 1 below AUTO_DEPTH_MIN_SEQS sequences and 2 from there. Never more than n_seqs
+    (a microbatch needs a sequence), never less than 1."""
+    if setting == "auto":
+        depth = planned if planned is not None else 1 if n_seqs < AUTO_DEPTH_MIN_SEQS else 2
     else:
-        raise ValueError(f"microbatch depth must be 'auto' or a whole number of at least 1, got {setting!r}")
+        depth = setting
     return max(1, min(depth, n_seqs))
 
 
@@ -182,18 +201,18 @@ class IterationPolicy:
     rule: BatchingRule | None = None  # None: first-come first-served, running sequences in their order
     now_s: float = 0.0  # on the clock of the items' `arrival_s`
     prefill_cap: DecodeAwareCap | None = None
-    depth: str = "1"  # `microbatch_depth`'s setting
-    planned_depth: Mapping[str, int] = field(default_factory=dict)
+    depth: DepthSetting = 1  # `microbatch_depth`'s setting, parsed (`parse_depth`)
+    planned_depth: Mapping[ClockPhase, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
 class IterationPlan(Generic[K]):
     groups: tuple[tuple[Feed[K], ...], ...]  # the microbatches, in order; empty: nothing to run
-    phase: IterationPhase
+    phase: Phase
     admitted: tuple[K, ...]  # the waiting items it admits, in order
 
 
-def phase_of(feeds: Sequence[Feed[K]]) -> IterationPhase:
+def phase_of(feeds: Sequence[Feed[K]]) -> Phase:
     """"decode" when every feed is one decode step, "prefill" when none is, else "mixed"."""
     decodes = sum(f.item.is_decode and f.n_tokens == 1 for f in feeds)
     if decodes == len(feeds):
@@ -233,10 +252,6 @@ def plan_iteration(running: Sequence[WorkItem[K]], waiting: Iterable[WorkItem[K]
     if not form.feeds:
         return IterationPlan((), "decode", form.admitted)
     phase = phase_of(form.feeds)
-    planned = policy.planned_depth.get("decode" if phase == "decode" else "prefill")
-    if policy.depth == "auto" and planned is not None:
-        depth = max(1, min(planned, len(form.feeds)))
-    else:
-        depth = microbatch_depth(policy.depth, len(form.feeds))
+    depth = microbatch_depth(policy.depth, len(form.feeds), policy.planned_depth.get(clock_phase(phase)))
     groups = tuple(form.feeds[r.start:r.stop] for r in split_microbatches([f.n_tokens for f in form.feeds], depth))
     return IterationPlan(groups, phase, form.admitted)

@@ -21,9 +21,9 @@ from typing import Literal
 import torch
 
 from shared.errors import AFlexError
+from shared.kinds import ClockPhase
 
 FrameKind = Literal["to_ffn", "to_attention", "error"]
-FramePhase = Literal["decode", "prefill"]
 
 MAGIC = b"AFS1"
 MB_ID_MAX_BYTES = 192
@@ -35,7 +35,7 @@ _LAYOUT = struct.Struct(_FIELDS + f"{END_PAD_BYTES}x")
 HEADER_BYTES = _LAYOUT.size
 
 _KINDS: tuple[FrameKind, ...] = ("to_ffn", "to_attention", "error")
-_PHASES: tuple[FramePhase, ...] = ("decode", "prefill")
+_PHASES: tuple[ClockPhase, ...] = ("decode", "prefill")  # wire codes: this order is the protocol
 _DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16, torch.float16, torch.uint8, torch.int8)
 
 
@@ -51,7 +51,7 @@ class SeamHeader:
     kind: FrameKind
     mb_id: str
     layer: int
-    phase: FramePhase
+    phase: ClockPhase
     dtype: torch.dtype
     shape: tuple[int, ...]
     energy_j: float = 0.0  # FFN -> attention: this frame's share of the FFN forward's GPU energy
@@ -117,7 +117,7 @@ class SeamHeader:
         return header
 
 
-def header_for(kind: FrameKind, mb_id: str, layer: int, phase: FramePhase, tensor: torch.Tensor, *,
+def header_for(kind: FrameKind, mb_id: str, layer: int, phase: ClockPhase, tensor: torch.Tensor, *,
                energy_j: float = 0.0, compute_s: float = 0.0) -> SeamHeader:
     """The header that describes `tensor` (its dtype and shape)."""
     return SeamHeader(kind=kind, mb_id=mb_id, layer=layer, phase=phase, dtype=tensor.dtype,

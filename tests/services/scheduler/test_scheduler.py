@@ -41,7 +41,7 @@ from shared.messages import (
     encode,
 )
 from shared.policy import BatchingRule
-from shared.policy.iteration import DecodeAwareCap, IterationPolicy, KvRoom, microbatch_depth
+from shared.policy.iteration import DecodeAwareCap, IterationPolicy, KvRoom, microbatch_depth, parse_depth
 from shared.settings import SchedulerSettings
 
 MODEL = ModelInfo("test-model", frozenset({2}), vocab_size=1000, max_seq_len=4096)
@@ -99,12 +99,12 @@ def test_recompute_feeds_prompt_and_output_with_generated_ids() -> None:
 
 def test_depth_and_split() -> None:
     assert microbatch_depth("auto", 3) == 1 and microbatch_depth("auto", 4) == 2
-    assert microbatch_depth("3", 2) == 2 and microbatch_depth("4", 10) == 4
+    assert microbatch_depth(3, 2) == 2 and microbatch_depth(4, 10) == 4
     decoding = [_state(f"s{i}", 1, computed=1, output=1) for i in range(3)]
     prompt = _state("p", 100)
 
     def groups(depth: str, planned: dict[str, int] | None = None) -> list[list[str]]:
-        policy = IterationPolicy(1000, 16, depth=depth, planned_depth=planned or {})
+        policy = IterationPolicy(1000, 16, depth=parse_depth(depth), planned_depth=planned or {})
         return [[p.state.request_id for p in g] for g in plan_passes(decoding, [prompt], policy).groups]
     assert groups("2") == [["s0", "s1", "s2"], ["p"]]  # 3 tokens | 100 tokens
     assert groups("4") == [["s0"], ["s1"], ["s2"], ["p"]]
@@ -112,9 +112,9 @@ def test_depth_and_split() -> None:
     assert groups("auto", {"prefill": 1}) == [["s0", "s1", "s2", "p"]]  # the clock plan's depth for the phase
     assert groups("auto", {"decode": 3}) == [["s0", "s1", "s2"], ["p"]]  # (a plan for the other phase: unused)
     even = [_state(f"e{i}", 1, computed=1, output=1) for i in range(6)]
-    plan = plan_passes(even, [], IterationPolicy(1000, 16, depth="3"))
+    plan = plan_passes(even, [], IterationPolicy(1000, 16, depth=3))
     assert [len(g) for g in plan.groups] == [2, 2, 2] and plan.phase == "decode"
-    assert plan_passes([], [], IterationPolicy(1000, 16, depth="2")).groups == []
+    assert plan_passes([], [], IterationPolicy(1000, 16, depth=2)).groups == []
     assert plan_passes([], [_state("q", 8)], IterationPolicy(1000, 16)).phase == "prefill"
     assert plan_passes(even, [_state("q", 8)], IterationPolicy(1000, 16)).phase == "mixed"
 

@@ -129,7 +129,10 @@ def test_default_model_int8_answers_paris_and_tracks_float32() -> None:
     agreement = (forward_unsplit(engine.attention, engine.ffn, text).argmax(-1)
                  == forward_unsplit(exact.attention, exact.ffn, text).argmax(-1)).float().mean()
     assert agreement > 0.9, f"teacher-forced next-token agreement with float32 {agreement:.3f}"
+    # "Complete the sentence" leaves a wide margin at every greedy step (>= 1.7 nats, float32 and int8);
+    # "What is the capital of France?" opens with a near tie ("The" 0.08 nats over "L"), which the
+    # float rounding of another CPU flipped into a wrong answer in CI.
     prompt = engine.tokenizer.encode(engine.tokenizer.apply_chat_template(
-        [{"role": "user", "content": "What is the capital of France?"}]))
+        [{"role": "user", "content": "Complete the sentence: The capital of France is"}]))
     completion = engine.generate([prompt], SamplingParams(temperature=0.0, max_tokens=20))[0]
     assert "Paris" in completion.text

@@ -25,6 +25,8 @@ from shared.policy import (
     WorkItem,
     form_iteration,
     microbatch_depth,
+    parse_depth,
+    planner_depths,
     split_microbatches,
 )
 from tests.services.scheduler.test_scheduler import plan_iteration
@@ -74,10 +76,13 @@ def test_split_covers_every_item_once_in_order() -> None:
 
 def test_microbatch_depth_setting() -> None:
     assert microbatch_depth("auto", 3) == 1 and microbatch_depth("auto", 4) == 2
-    assert microbatch_depth("3", 2) == 2 and microbatch_depth("4", 10) == 4 and microbatch_depth("2", 0) == 1
-    for bad in ("0", "-1", "two", ""):
+    assert microbatch_depth(3, 2) == 2 and microbatch_depth(4, 10) == 4 and microbatch_depth(2, 0) == 1
+    assert microbatch_depth("auto", 6, planned=3) == 3 and microbatch_depth(2, 6, planned=3) == 2
+    assert parse_depth("auto") == "auto" and parse_depth("3") == 3 and parse_depth(2) == 2
+    assert planner_depths("auto") == (1, 2, 3, 4) and planner_depths(2) == (2,)
+    for bad in ("0", "-1", "two", "", 0, True):
         with pytest.raises(ValueError, match="microbatch depth"):
-            microbatch_depth(bad, 4)
+            parse_depth(bad)
 
 
 # -- the former, alone and through the scheduler --------------------------------------------------

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from shared.messages import FinishReason
+from shared.kinds import FinishReason
 from shared.model.params import SamplingParams
 
 
