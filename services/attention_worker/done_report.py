@@ -7,12 +7,24 @@ energy. A descriptor that does not decode still gets one when it names its `mb_i
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import orjson
 
 from shared.error_types import ErrorType
 from shared.messages import ErrorBody, MicrobatchDescriptor, MicrobatchDone, SeqResult
 
-_DONE_FIELDS = frozenset(MicrobatchDone.model_fields)  # energy fields are filled where the schema has them
+
+@dataclass
+class MicrobatchTiming:
+    """A microbatch's seconds and joules on this worker and its FFN worker, as its Done reports them."""
+
+    attention_s: float = 0.0  # embedding, attention layers, lm_head and sampling
+    ffn_wait_s: float = 0.0  # from sending ffn_in to having ffn_out, summed over layers
+    ffn_compute_s: float = 0.0  # of which the FFN worker's forwards
+    attention_energy_j: float = 0.0
+    ffn_energy_j: float = 0.0  # the FFN replies' shares of their forwards
+    total_s: float = 0.0  # from the task's start to its Done
 
 
 class Failures:
@@ -44,16 +56,19 @@ class Failures:
 
 
 def microbatch_done(mb_id: str, worker_id: str, kv_free_blocks: int, kv_total_blocks: int,
-                    results: list[SeqResult], failures: Failures, timing: dict[str, float] | None = None
+                    results: list[SeqResult], failures: Failures, timing: MicrobatchTiming | None = None
                     ) -> MicrobatchDone:
-    """The Done of a microbatch; `timing`: its seconds and joules by the Done's field names (and the
-    attention and FFN energies, summed into `energy_j`)."""
-    done = MicrobatchDone(mb_id=mb_id, worker_id=worker_id, results=results, kv_free_blocks=kv_free_blocks,
-                          kv_total_blocks=kv_total_blocks, error=failures.body(), failed_seq_ids=failures.seq_ids)
-    update: dict[str, object] = {"failed_codes": failures.codes}
-    if timing is not None:
-        update |= {**timing, "energy_j": timing["attention_energy_j"] + timing["ffn_energy_j"]}
-    return done.model_copy(update={k: v for k, v in update.items() if k in _DONE_FIELDS})
+    """The Done of a microbatch; without `timing` (a descriptor that did not decode) no energy is reported."""
+    t = timing or MicrobatchTiming()
+    measured = timing is not None
+    return MicrobatchDone(
+        mb_id=mb_id, worker_id=worker_id, results=results, kv_free_blocks=kv_free_blocks,
+        kv_total_blocks=kv_total_blocks, error=failures.body(), failed_seq_ids=failures.seq_ids,
+        failed_codes=failures.codes, attention_s=t.attention_s, ffn_wait_s=t.ffn_wait_s,
+        ffn_compute_s=t.ffn_compute_s, total_s=t.total_s,
+        energy_j=t.attention_energy_j + t.ffn_energy_j if measured else None,
+        attention_energy_j=t.attention_energy_j if measured else None,
+        ffn_energy_j=t.ffn_energy_j if measured else None)
 
 
 def undecodable(data: bytes, reason: str) -> tuple[str, Failures] | None:

@@ -21,9 +21,9 @@ from collections.abc import Callable
 from torch import Tensor
 
 from services.attention_worker.ffn_watch import FFNWatch
-from services.worker_common import clock_phase
 from shared.error_types import FFN_UNREACHABLE, ErrorType
 from shared.errors import AFlexError
+from shared.kinds import clock_phase
 from shared.messages import MicrobatchDescriptor
 from shared.transport.header import error_text, header_for
 from shared.transport.seam import Peer, Seam, SeamError

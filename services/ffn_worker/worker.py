@@ -12,13 +12,16 @@ import asyncio
 import gc
 import logging
 import time
+from contextlib import AsyncExitStack
 
 import torch
 from nats.aio.client import Client
 from torch import Tensor
 
 from services.ffn_worker.serving import ServingQueue, Work
-from services.worker_common import Presence, WorkerGPU, load_half, registration, stop_presence
+from services.worker_base.gpu import WorkerGPU
+from services.worker_base.loading import load_half
+from services.worker_base.presence import Presence, registration
 from shared import subjects
 from shared.errors import AFlexError
 from shared.gpu.base import GPU
@@ -71,36 +74,34 @@ class FFNWorker:
             # collector's sight, a full collection no longer walks it all in the middle of a hop.
             gc.freeze()
             assert self.model is not None
-            self.nc = nc = await bus.connect(self.settings.nats_url, name=f"aflex-ffn-{self.worker_id}",
-                                             user=self.settings.nats_user,
-                                             password=self.settings.nats_password)
-            self.gpu = gpu = WorkerGPU(self.settings, self.worker_id, "ffn", self._gpu_arg)
-            heartbeat_task: asyncio.Task[None] | None = None
-            seam: Seam | None = None
-            try:
+            s = self.settings
+            async with AsyncExitStack() as stack:  # each step's undo pushed as it starts: they run in reverse
+                self.nc = nc = await bus.connect(s.nats_url, name=f"aflex-ffn-{self.worker_id}", user=s.nats_user,
+                                                 password=s.nats_password)
+                stack.callback(log.info, "ffn worker %s stopped", self.worker_id)
+                stack.push_async_callback(bus.close, nc)
+                self.gpu = gpu = WorkerGPU(s, self.worker_id, "ffn", self._gpu_arg)
+                stack.push_async_callback(gpu.stop)  # resets the clock
+                stack.callback(self.queue.stop)
                 await gpu.start(nc)
-                s = self.settings
                 self.seam = seam = make_seam(s.seam_transport, self.worker_id, nc, self._on_frame, self._peer_lost,
                                              listen=True, nats_url=s.nats_url, device=s.device, host=s.seam_host)
+                stack.push_async_callback(self._close_seam, seam)
                 await seam.start()
                 presence = Presence(nc, registration(self.worker_id, "ffn", self.model_id, self.model.args.n_layers,
                                                      gpu=gpu.gpu, seam_address=seam.address),
-                                    self._heartbeat, period_s=self.settings.heartbeat_period_s,
-                                    register_timeout_s=self.settings.register_timeout_s)
-                if await presence.register(stop) is not None:
-                    heartbeat_task = asyncio.create_task(presence.heartbeat_loop(stop))
+                                    self._heartbeat, period_s=s.heartbeat_period_s,
+                                    register_timeout_s=s.register_timeout_s)
+                stack.push_async_callback(presence.stop)
+                if await presence.start(stop):
                     log.info("ffn worker %s serving %s, seam at %s (merge=%s)", self.worker_id, self.model_id,
-                             seam.address, self.settings.merge_microbatches)
+                             seam.address, s.merge_microbatches)
                     await stop.wait()
-            finally:
-                await stop_presence(heartbeat_task)
-                if seam is not None:
-                    await asyncio.to_thread(self.queue.idle.wait, SHUTDOWN_GRACE_S)  # answers what is queued
-                    await seam.close()
-                self.queue.stop()
-                await gpu.stop()  # resets the clock
-                await bus.close(nc)
-                log.info("ffn worker %s stopped", self.worker_id)
+
+    async def _close_seam(self, seam: Seam) -> None:
+        """Answer what is queued (for up to SHUTDOWN_GRACE_S), then close the seam."""
+        await asyncio.to_thread(self.queue.idle.wait, SHUTDOWN_GRACE_S)
+        await seam.close()
 
     def _heartbeat(self) -> Heartbeat:
         return Heartbeat(worker_id=self.worker_id, role="ffn", ts=time.time(), queue_depth=len(self.queue),

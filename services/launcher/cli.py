@@ -9,8 +9,12 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from shared.errors import AFlexError
+
+if TYPE_CHECKING:
+    from shared.settings import ServiceSettings
 
 
 def _parse_ids(text: str) -> list[int]:
@@ -94,10 +98,10 @@ SERVICES = {  # subcommand -> (settings class name in shared.settings, help)
 FLAG_ALIASES = {"gpu_backend": ("--gpu-control",), "merge_microbatches": ("--merge",)}
 
 
-def _setup_logging(settings: object) -> None:
+def _setup_logging(settings: ServiceSettings) -> None:
     import logging
 
-    level = str(getattr(settings, "log_level", "INFO")).upper()
+    level = settings.log_level.upper()
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
 
@@ -121,12 +125,12 @@ def _run_service(args: argparse.Namespace) -> int:
     else:
         from services.ffn_worker.worker import run as entry
     try:
-        settings: Any = from_flags(getattr(s, SERVICES[args.command][0]), args)
+        settings: s.ServiceSettings = from_flags(getattr(s, SERVICES[args.command][0]), args)
     except ValidationError as exc:  # a bad AFLEX_* value: say which, without a traceback
         problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
         raise AFlexError(f"invalid settings: {problems}") from None
     _setup_logging(settings)
-    threads = getattr(settings, "torch_threads", None)
+    threads = settings.torch_threads if isinstance(settings, s.WorkerSettings) else None
     if threads:
         # Workers sharing a machine's cores would otherwise each start a thread per core and thrash
         # when both halves compute at once (the ping-pong pipeline). Set on the thread that computes.

@@ -296,22 +296,22 @@ def build_commands(args: argparse.Namespace) -> list[ChildSpec]:
     NATS travels the same way, in `AFLEX_NATS_URL` (set by `up`)."""
     cli = [sys.executable, "-m", "services.launcher.cli"]
     model = {"model": str(args.model)}
-    worker = {k: getattr(args, k, None) for k in WORKER_KNOBS}
+    worker = {k: getattr(args, k) for k in WORKER_KNOBS}
     n_workers = args.attention_workers + args.ffn_workers
     # The workers share this machine's cores: give each its share, so that the two halves computing
     # at once (the ping-pong pipeline) do not oversubscribe them.
     worker["torch_threads"] = worker["torch_threads"] or max(1, (os.cpu_count() or 1) // n_workers)
     real_gpus = worker["gpu_backend"] in (None, "auto", "nvml", "nvml-readonly")
     devices = worker_devices(n_workers) if real_gpus else [None] * n_workers
-    scheduler = {k: getattr(args, k, None) for k in SCHEDULER_KNOBS}
+    scheduler = {k: getattr(args, k) for k in SCHEDULER_KNOBS}
     specs = [ChildSpec("scheduler", "scheduler", [*cli, "scheduler"], env_of({**model, **scheduler}))]
     names = [f"attn-{i}" for i in range(args.attention_workers)] + [f"ffn-{i}" for i in range(args.ffn_workers)]
     for name, device in zip(names, devices, strict=True):
         role: Role = "attention-worker" if name.startswith("attn") else "ffn-worker"
         env = env_of({**model, **worker, "worker_id": name}) | device_env(device)
         specs.append(ChildSpec(name, role, [*cli, role], env))
-    gateway = {k: getattr(args, k, None) for k in GATEWAY_KNOBS}
-    for i in range(getattr(args, "gateways", 1)):
+    gateway = {k: getattr(args, k) for k in GATEWAY_KNOBS}
+    for i in range(args.gateways):
         specs.append(ChildSpec("gateway" if i == 0 else f"gateway-{i}", "gateway", [*cli, "gateway"],
                                env_of({**model, **gateway, "host": args.host, "port": args.port + i})))
     return specs

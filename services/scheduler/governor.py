@@ -69,20 +69,22 @@ class Governor:
         self._warned: set[str] = set()
         self.batching = BATCHING if settings.batching == "aflex" else None
         self.depth = parse_depth(settings.microbatch_depth)
-        self.aflex: AflexPlanner | None = None  # the predictors behind aflex clocks and the aflex prefill cap
+        # aflex's predictors and margins: they price the aflex prefill cap, and pick the clocks under freq_policy aflex
+        self.planner: AflexPlanner | None = None
         if settings.freq_policy == "aflex" or settings.batching == "aflex":
             if model.args is None:
                 log.warning("aflex: the shape of model %s is unknown; no prefill cap, clocks fall back to slo",
                             model.model_id)
             else:
-                self.aflex = AflexPlanner(model.args, ttft_slo_ms=settings.ttft_slo_ms,
-                                          tpot_slo_ms=settings.tpot_slo_ms, depths=planner_depths(self.depth),
-                                          link_bytes_s=settings.freq_link_gbs * 1e9,
-                                          max_batch_tokens=settings.max_batch_tokens)
+                self.planner = AflexPlanner(model.args, ttft_slo_ms=settings.ttft_slo_ms,
+                                            tpot_slo_ms=settings.tpot_slo_ms, depths=planner_depths(self.depth),
+                                            link_bytes_s=settings.freq_link_gbs * 1e9,
+                                            max_batch_tokens=settings.max_batch_tokens)
 
     @property
-    def aflex_clocks(self) -> AflexPlanner | None:
-        return self.aflex if self.settings.freq_policy == "aflex" else None
+    def clock_planner(self) -> AflexPlanner | None:
+        """The planner when it picks the clocks (freq_policy aflex); None when another policy does."""
+        return self.planner if self.settings.freq_policy == "aflex" else None
 
     # -- events ---------------------------------------------------------------------------------
 
@@ -96,7 +98,7 @@ class Governor:
                                           None if tpot is None else tpot * 1000.0))
 
     def iteration_sent(self, worker: Worker, passes: list[Pass], depth: int, mono: float) -> None:
-        if self.aflex_clocks is None:
+        if self.clock_planner is None:
             return
         window = self.samples.setdefault(worker.worker_id, deque())
         window.append(_sample(passes, mono, depth))
@@ -107,7 +109,7 @@ class Governor:
                         lone: bool) -> None:
         """Correct the aflex predictors from one microbatch's timings at the clocks commanded for it (they
         serve the prefill cap too, whatever picks the clocks)."""
-        planner = self.aflex
+        planner = self.planner
         if planner is None or not self.settings.freq_observe or done.error is not None or not group:
             return
         if done.attention_s <= 0 and done.ffn_wait_s <= 0 and done.ffn_compute_s <= 0:
@@ -162,7 +164,7 @@ class Governor:
 
     def _prefill_cap(self, worker: Worker) -> DecodeAwareCap | None:
         """aflex batching: the policy's prefill tokens per iteration of `worker` (None: the token budget only)."""
-        planner = self.aflex if self.batching is not None else None
+        planner = self.planner if self.batching is not None else None
         profile = self.profile_of(worker) if planner is not None else None
         if planner is None or profile is None:
             return None
@@ -236,9 +238,9 @@ class Governor:
         """One frequency window: a command for every healthy worker with supported clocks."""
         signals = self.signals(now_mono, requests)
         planned: dict[str, Planned] = {}
-        if self.aflex_clocks is not None:
-            self.aflex_clocks.update_margins({p: (sig.p90_ms, sig.misses, sig.count) for p, sig in signals.items()})
-            planned = self._aflex_window(self.aflex_clocks, now_mono)
+        if self.clock_planner is not None:
+            self.clock_planner.update_margins({p: (sig.p90_ms, sig.misses, sig.count) for p, sig in signals.items()})
+            planned = self._aflex_window(self.clock_planner, now_mono)
         return [self.command(w, signals, planned.get(w.worker_id))
                 for w in sorted(self.registry.workers.values(), key=lambda w: w.worker_id)
                 if w.healthy and w.supported_clocks_mhz]
@@ -250,7 +252,7 @@ class Governor:
         previous = self.commanded.get(worker.worker_id)
         if planned is not None:
             clocks, reason = planned
-        elif self.aflex_clocks is not None and self.profile_of(worker) is not None:
+        elif self.clock_planner is not None and self.profile_of(worker) is not None:
             top = worker.supported_clocks_mhz[-1]
             clocks = dict(previous) if previous else {p: top for p in CLOCK_PHASES}
             reason = "aflex: hold" if previous else "aflex: start at max"
@@ -258,7 +260,7 @@ class Governor:
             fallback = policy == "aflex"
             if fallback and worker.worker_id not in self._warned:
                 self._warned.add(worker.worker_id)
-                why = "the model's shape is unknown" if self.aflex is None else \
+                why = "the model's shape is unknown" if self.planner is None else \
                     f"GPU profile unknown (profile {worker.gpu_profile!r}, name {worker.gpu_name!r})"
                 log.warning("clock policy aflex: worker %s falls back to slo: %s", worker.worker_id, why)
             clocks, reason = plan_clocks("slo" if fallback else policy, worker.role, worker.supported_clocks_mhz,

@@ -24,7 +24,7 @@ from loadgen.sim.models import get_model
 from services.scheduler.aflex import AflexPlanner, IterationSample, guess_profile, representative, sample_of
 from services.scheduler.model_info import ModelInfo
 from services.scheduler.service import Scheduler
-from services.worker_common import registration
+from services.worker_base.presence import registration
 from shared import subjects
 from shared.gpu.emulated import EmulatedGPU, available_profiles, load_profile
 from shared.gpu.snap import snap_clock
@@ -236,7 +236,7 @@ def test_aflex_commands_follow_the_policy_under_a_large_decode_batch(nats_url: s
             pred = cached_predictor(A800, QWEN)  # no timings reported: no correction either
             op = choose_operating_point(pred, PoolShape(split=True), rec.stats, rec.budget_s, AFLEX_RULE, rec.current)
             assert op == rec.op
-            assert rec.budget_s == pytest.approx(0.120 * (1 - lv.sched.governor.aflex.margins["decode"].margin))  # type: ignore[union-attr]
+            assert rec.budget_s == pytest.approx(0.120 * (1 - lv.sched.governor.planner.margins["decode"].margin))  # type: ignore[union-attr]
             a_cmd, f_cmd = lv.commands["a0"][-1].clocks_mhz, lv.commands["f0"][-1].clocks_mhz
             assert a_cmd["decode"] == snap_clock(A800_CLOCKS, op.clock_attention, "up")
             assert f_cmd["decode"] == snap_clock(A800_CLOCKS, op.clock_ffn, "up")
@@ -288,7 +288,7 @@ def test_aflex_clocks_rise_after_misses(nats_url: str) -> None:
             # Faster clocks for a tighter budget. Not each clock: at a tighter budget the least-energy split
             # may move one operator down while the other goes up (seen: A 300 -> 210, F 480 -> 1020 MHz).
             assert sum(last) > sum(first) and max(last) > max(first), (first, last, reasons)
-            assert lv.sched.governor.aflex is not None and lv.sched.governor.aflex.margins["decode"].margin > 0.3
+            assert lv.sched.governor.planner is not None and lv.sched.governor.planner.margins["decode"].margin > 0.3
             plan = lv.sched.governor.plans["a0"]["decode"]
             assert plan.budget_s < first_budget_s and plan.op.feasible and plan.op.time_s <= plan.budget_s
     asyncio.run(main())

@@ -185,7 +185,7 @@ def test_live_prefill_iterations_are_capped_by_the_ttft_budget(nats_url: str) ->
             done = await lv.submit("big", 3000, 2)
             await asyncio.wait_for(done.wait(), 15)
             chunks = [len(s.token_ids) for d, i in a0.seqs_of("big") if (s := d.seqs[i]).start_pos < 3000]
-            planner = lv.sched.governor.aflex
+            planner = lv.sched.governor.planner
             assert planner is not None and sum(chunks) == 3000 and len(chunks) > 1  # all fed, none twice
             left = 3000
             for c in chunks:  # each iteration takes the policy's cap for what is left
