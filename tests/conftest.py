@@ -1,7 +1,8 @@
-"""Shared fixtures: tiny random HF checkpoints made with `save_pretrained`, once per session."""
+"""Shared fixtures: tiny random HF checkpoints made with `save_pretrained`, once per session; the traces."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -10,6 +11,8 @@ import torch
 
 REPO_ROOT = Path(__file__).resolve().parent.parent  # tests/ mirrors the package tree below it
 TEST_DATA = REPO_ROOT / "tests" / "data"
+# the conversation trace's first 2,400 s, shipped (tests/data/traces/SOURCE.md): tests never read a copy outside
+os.environ.setdefault("AFLEX_TRACES_DIR", str(TEST_DATA / "traces"))
 
 TINY_CONFIGS: dict[str, dict] = {
     # untied embeddings, llama3 rope scaling
