@@ -1,7 +1,8 @@
 """`aflex sim`: replay a trace against a modelled cluster for AFlex and the baselines.
 
-Registered in services/cli.py with `add_sim_arguments(parser)` and `sim(args)`. `--load` runs a sweep
-(the trace's arrival rate scaled by each factor); every policy's figures come in both accountings.
+Registered in services/launcher/cli.py with `add_sim_arguments(parser)` and `sim(args)`. `--load` runs a
+sweep (the trace's arrival rate scaled by each factor); every policy's figures come in the cluster and
+active accountings (fixed-pool on request).
 `static-oracle` runs its grid search first (loadgen.sim.oracle) and reports the best configuration.
 """
 
@@ -72,7 +73,8 @@ def add_sim_arguments(p: argparse.ArgumentParser) -> None:
                    help="where GPUs outside a scaling policy's plan wait: warm (context kept, lowest clock), "
                         "cold (context released, bare idle; rejoin after a model load), auto (break-even)")
     p.add_argument("--accounting", choices=list(ACCOUNTINGS), default="cluster",
-                   help="which accounting the summary lines print (the JSON has both)")
+                   help="which accounting the summary lines print (the JSON has cluster and active); "
+                        "fixed-pool (the paper's: every GPU charged all run, none parked cold) forces warm parking")
     p.add_argument("--idle-clock-share", type=float, default=None,
                    help="share of context-idle power that follows f*V^2 (default: the profile's; a modelling choice)")
     p.add_argument("--oracle-workers", type=int, default=2, help="processes for static-oracle's grid replays")

@@ -30,7 +30,7 @@ class Controller:
         return float(2.0 ** (k / per_octave) - 1.0)
 
     def plan(self, shape: PoolShape, s: BatchStats, budget_s: float, current: OperatingPoint | None,
-             rule: ClockRule | None = None) -> OperatingPoint:
+             rule: ClockRule | None = None, next_prompt_rate_hz: float = 0.0) -> OperatingPoint:
         qn, qc = self._q(s.n_tokens, 16), self._q(s.ctx_tokens, 12)
         qp, qs = self._q(s.pairs, 8), self._q(s.n_sample, 16)
         # the single-sequence bound only matters when that sequence is more than one group's share
@@ -39,12 +39,14 @@ class Controller:
         qb = int(budget_s * 400)  # 2.5 ms
         cur = (current.depth, current.index) if current is not None else None
         rule = self.rule if rule is None else rule
-        key = (shape, s.phase, qn, qc, qp, qs, sq, qb, cur, rule)
+        qr = self._q(next_prompt_rate_hz * 100.0, 8) if next_prompt_rate_hz > 0 else -1  # 8 per octave
+        key = (shape, s.phase, qn, qc, qp, qs, sq, qb, cur, rule, qr)
         op = self.cache.get(key)
         if op is None:
             seq = (self._dq(sq[0], 16), self._dq(sq[1], 12), self._dq(sq[2], 8)) if big else (0.0, 0.0, 0.0)
             rep = BatchStats(s.phase, self._dq(qn, 16), self._dq(qc, 12), self._dq(qp, 8), self._dq(qs, 16), *seq)
-            op = choose_operating_point(self.pred, shape, rep, qb / 400.0, rule, current)
+            rate = self._dq(qr, 8) / 100.0 if qr >= 0 else 0.0
+            op = choose_operating_point(self.pred, shape, rep, qb / 400.0, rule, current, rate)
             if len(self.cache) > 200_000:
                 self.cache.clear()
             self.cache[key] = op

@@ -46,6 +46,9 @@ from shared.policy.pipeline import iteration_cost
 from shared.policy.prefill_cap import AT_MAX, prefill_cap, queue_ttft_budget
 
 OPERATOR_KEYS = ("prefill-attention", "prefill-ffn", "decode-attention", "decode-ffn")
+MIXED_MODES = ("mixed", "colocated")  # pools that serve prefill and decode
+PROMPT_MODES = ("prefill", *MIXED_MODES)  # in the order a plan's entry pool is looked up
+DECODE_MODES = ("decode", *MIXED_MODES)
 
 
 class Simulation:
@@ -71,8 +74,9 @@ class Simulation:
         self.weights = {"attention": attention_weight_bytes(args), "ffn": ffn_weight_bytes(args)}
         # parking: one rule for every policy; a GPU out of the plan is expected to stay out a window
         cold_j = profile.context_idle_power_w * profile.cold_rejoin_s(sum(self.weights.values()) / 2)
-        self.parking = parking_state(config.parking, config.window_s, profile.warm_parked_power_w,
-                                     profile.idle_power_w, cold_j)
+        # fixed-pool accounting: no GPU leaves its context, so parked GPUs idle warm at the lowest clock
+        self.parking = "warm" if config.accounting == "fixed-pool" else parking_state(
+            config.parking, config.window_s, profile.warm_parked_power_w, profile.idle_power_w, cold_j)
         self.parked_w = profile.warm_parked_power_w if self.parking == "warm" else profile.idle_power_w
         self.spec = ClusterSpec(
             gpus=config.gpus, gpu_memory_bytes=self.mem, attention_weight_bytes=self.weights["attention"],
@@ -85,22 +89,27 @@ class Simulation:
         self.fleet = Fleet(profile, config.gpus, self.switch_delay, self.weights, self.parking, self.ledger)
         self.pools, self.rejoins = self.fleet.pools, self.fleet.rejoins
         self.planned_rate = 0.0
+        self.plan_names: tuple[str, ...] = ()  # the pools of the latest plan
 
     # -- provisioning -------------------------------------------------------------------------
     def _apply_plan(self, now: float, shapes: dict[str, PoolShape]) -> None:
         self.fleet.apply(now, shapes)
+        self.plan_names = tuple(shapes)
         if self.pol.window_clocks:
             for name, shape in shapes.items():
                 self.pools[name].rule = self.planner.window_rule(name, shape)
-        self.plans.append((now, {k: [v.attention, v.ffn, v.attention_tp] if v.split else [v.replicas, v.tp]
-                                 for k, v in shapes.items()} | {"parked": self.cfg.gpus - sum(
-                                     sh.gpus for sh in shapes.values())}))
+        kind = "pd" if "prefill" in shapes else next(iter(shapes))
+        self.plans.append((now, {"kind": kind} | {
+            k: [v.attention, v.ffn, v.attention_tp] if v.split else [v.replicas, v.tp] for k, v in shapes.items()}
+            | {"parked": self.cfg.gpus - sum(sh.gpus for sh in shapes.values())}))
 
     def _provision(self, now: float, load: WindowLoad, scale_up_only: bool = False) -> None:
-        shapes = self.planner.window(load)
-        if scale_up_only:
-            current = {k: (p.next_shape or p.shape) for k, p in self.pools.items()}
-            if all(shapes[k].gpus <= current[k].gpus for k in shapes if k in current):
+        shapes = self.planner.window(load, same_kind=scale_up_only)
+        if scale_up_only:  # a tick between windows grows pools; it changes no plan's kind
+            if set(shapes) != set(self.plan_names):
+                return
+            current = {k: (self.pools[k].next_shape or self.pools[k].shape) for k in self.plan_names}
+            if all(shapes[k].gpus <= current[k].gpus for k in shapes):
                 return
             shapes = {k: (v if v.gpus >= current[k].gpus else current[k]) for k, v in shapes.items()}
             if sum(v.gpus for v in shapes.values()) > self.cfg.gpus:
@@ -161,6 +170,8 @@ class Simulation:
             heapq.heappush(pool.heap, (pool.iters + int(self.arr.output[rid]) - 1, rid))
 
     def _start(self, pool: Pool, now: float) -> None:
+        if pool.shape.gpus == 0:  # not grown yet (its GPUs are on their way), or retired
+            return
         if pool.mode != "prefill":
             self._admit(pool, now)
         n_dec = pool.n_run if pool.mode != "prefill" else 0
@@ -209,7 +220,10 @@ class Simulation:
         phase = "prefill" if n_pre > 0 else "decode"
         ctx_dec = pool.ctx_sum + n_dec
         stats = BatchStats(phase, n_dec + n_pre, ctx_dec + ctx_pre, ctx_dec + pairs_pre, n_dec + n_done_pre, *seq)
-        op = self.ctrl.plan(pool.shape, stats, budget, pool.op, pool.rule)
+        # the pool waits for the next prompt after an iteration that empties its queue with no decode beside it
+        drains = n_pre > 0 and n_dec == 0 and n_done_pre == len(pool.queue)
+        op = self.ctrl.plan(pool.shape, stats, budget, pool.op, pool.rule,
+                            self._recent_rate_hz(now) if drains else 0.0)
         t, e = self._truth(pool.shape, stats, op.depth, op.clock_attention, op.clock_ffn)
         prev = pool.op
         if prev is not None and (prev.clock_attention, prev.clock_ffn) != (op.clock_attention, op.clock_ffn) \
@@ -234,6 +248,26 @@ class Simulation:
         self.clock_weighted[f"{phase}-ffn"] += f_s * op.clock_ffn
         if self.cfg.record_power and (not self.clock_trace or now - self.clock_trace[-1][0] > 1.0):
             self.clock_trace.append((now, phase, op.clock_attention, op.clock_ffn, op.depth))
+
+    def _route(self, modes: tuple[str, ...]) -> Pool:
+        """The pool of the plan that takes work of these modes (prompts, or prefilled requests for decode).
+        While it is still growing from parking, a pool of the plan before that still serves takes it, so
+        no request waits for a model load; a pool that waits for GPUs another pool frees takes it at once
+        (that pool can only drain if it gets nothing new)."""
+        planned = self.pools[next(k for k in modes if k in self.plan_names)]
+        if planned.shape.gpus or planned.deficit:
+            return planned
+        serving = [p for p in self.pools.values() if p.mode in modes and p.shape.gpus and p.next_shape is None]
+        serving += [p for p in self.pools.values() if p.mode in modes and p.shape.gpus]
+        return serving[0] if serving else planned
+
+    def _recent_rate_hz(self, now: float) -> float:
+        """Arrivals per second over the last tick (what a controller can observe of the prompt rate)."""
+        span = min(self.cfg.tick_s, now)
+        if span <= 0:
+            return 0.0
+        i0, i1 = np.searchsorted(self.arr.time_s, [now - span, now])
+        return float(i1 - i0) / span
 
     def _finish_iteration(self, pool: Pool, now: float) -> list[int]:
         """Apply a finished iteration; returns requests whose prefill completed (for the decode pool)."""
@@ -277,8 +311,6 @@ class Simulation:
         next_tick = self.cfg.tick_s
         next_window = self.cfg.window_s
         last_tick = 0.0
-        pre_name = "prefill" if "prefill" in self.pools else "mixed"
-        dec_name = "decode" if "decode" in self.pools else "mixed"
         now = 0.0
         while True:
             busy = [p.busy_until for p in self.pools.values() if p.pending is not None]
@@ -308,7 +340,7 @@ class Simulation:
                 for pool in self.pools.values():
                     if pool.pending is not None and pool.busy_until <= now:
                         done = self._finish_iteration(pool, now)
-                        if pool.mode == "mixed":
+                        if pool.mode in MIXED_MODES:
                             pool.waiting.extend(done)
                         else:
                             for rid in done:
@@ -316,9 +348,9 @@ class Simulation:
                                 heapq.heappush(kv_heap, (now + kv_s, rid))
             while kv_heap and kv_heap[0][0] <= now:
                 _, rid = heapq.heappop(kv_heap)
-                self.pools[dec_name].waiting.append(rid)
+                self._route(DECODE_MODES).waiting.append(rid)
             while i < n and a.time_s[i] <= now:
-                pool = self.pools[pre_name]
+                pool = self._route(PROMPT_MODES)
                 pool.queue.append([i, int(a.prompt[i])])
                 pool.queued_tokens += int(a.prompt[i])
                 i += 1

@@ -9,13 +9,18 @@ at its first idle moment once every GPU it waits for is ready; GPUs it no longer
 parking in the policy's state. Rejoining GPUs draw context-idle power at f_max and count as in the
 plan; parked ones draw their state's power (ledger.py). Role changes inside a pool of the same size
 (A/F rebalancing) and KV migration are free: not modelled.
+
+A plan of another kind (P/D pools, one mixed pool, colocated replicas: `Plan.kind`) brings pools of
+other names: a new pool starts empty and grows as above; a pool the plan no longer names *retires*:
+it takes no new work, finishes what it holds (its queue and its running sequences), and only then
+gives its GPUs to the pools waiting for them, or to parking.
 """
 
 from __future__ import annotations
 
 import math
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from loadgen.sim.ledger import EnergyLedger
 from shared.gpu.emulated import GPUProfile
@@ -43,7 +48,13 @@ class Pool:
     joining: int = 0  # GPUs rejoining for `next_shape` (from parking, or freed by a pool that shrank)
     deficit: int = 0  # GPUs `next_shape` still waits for another pool to free
     rule: ClockRule | None = None  # the window's fixed clocks (global scheduler only), else the policy's
+    retiring: bool = False  # out of the plan: finishes what it holds, then gives its GPUs back
     energy_j: float = 0.0  # the pool's own iterations and idle stretches (cluster accounting)
+
+
+def empty_like(shape: PoolShape) -> PoolShape:
+    """A pool of the same kind with no GPUs: a pool not yet grown, or retired."""
+    return replace(shape, attention=0, ffn=0, replicas=0)
 
 
 class Fleet:
@@ -105,8 +116,13 @@ class Fleet:
             self.park(now, self.gpus - sum(sh.gpus for sh in shapes.values()))
         else:
             warm, cold = led.group_count("parked-warm"), led.group_count("parked-cold")
+            for name, pool in self.pools.items():
+                if name not in shapes and (pool.shape.gpus or pool.joining or pool.next_shape is not None):
+                    pool.retiring, pool.next_shape, pool.deficit = True, empty_like(pool.shape), 0
             for name, shape in shapes.items():
-                pool = self.pools[name]
+                pool = self.pools.get(name) or self.pools.setdefault(
+                    name, Pool(mode=name, shape=empty_like(shape), idle_since=now))
+                pool.retiring = False
                 pool.next_shape = shape
                 need = shape.gpus - (pool.shape.gpus + pool.joining + pool.deficit)
                 if need < 0:
@@ -132,6 +148,8 @@ class Fleet:
         (loading their new role's weights) or go to parking."""
         target = pool.next_shape
         if target is None or pool.pending is not None or now < pool.next_at or pool.deficit:
+            return
+        if pool.retiring and (pool.queue or pool.n_run or pool.waiting):
             return
         self.close_idle(pool, now)
         freed = pool.shape.gpus + pool.joining - target.gpus

@@ -17,7 +17,8 @@ from loadgen.sim.policies import PolicySpec
 from shared.perf import Predictor
 from shared.policy import ClockRule, ClusterSpec, PoolShape, WindowLoad, provision
 from shared.policy.baseline_placement import colocated_tp, distserve_placement, provision_colocated, provision_pd
-from shared.policy.provision import decode_point, prefill_point
+from shared.policy.footprint import elastic_plan
+from shared.policy.provision import Plan, decode_point, prefill_point
 
 Shapes = dict[str, PoolShape]
 
@@ -35,6 +36,7 @@ class SimPlanner:
     colocated_tp: int | None = None
     placement_note: str = ""  # how a static placement was chosen (reported)
     last_load: WindowLoad | None = None  # the load the latest plan was made for
+    kind: str | None = None  # the latest plan's kind ("pd", "mixed", "colocated"; `Plan.kind`)
 
     def load(self, t0: float, t1: float, burst: bool = False) -> WindowLoad:
         """The load of [t0, t1): mean rate, or with `burst` the `burst_quantile` of its sub-window rates
@@ -84,7 +86,7 @@ class SimPlanner:
             p90 = float(np.percentile(self.arrivals.prompt, 90)) if len(self.arrivals) else 0.0
             tp = self.colocated_tp or colocated_tp(self.pred, self.spec, p90)
             self.placement_note = f"{n // tp} x TP{tp}, smallest TP that fits the p90 prompt ({p90:.0f} tokens)"
-            return {"mixed": PoolShape(split=False, replicas=n // tp, tp=tp, link_bytes_s=self.spec.link_bytes_s)}
+            return {"colocated": PoolShape(split=False, replicas=n // tp, tp=tp, link_bytes_s=self.spec.link_bytes_s)}
         peak = self.peak_load()
         if pol.placement == "pd" and pol.static_plan == "goodput":
             g = distserve_placement(self.pred, peak, self.spec, pol.clock)
@@ -95,17 +97,26 @@ class SimPlanner:
             plan = provision_pd(self.pred, peak, self.spec, pol.clock, self.headroom, use_all=True)
         else:  # MegaScale-Infer-style plan search at the trace's peak 5-minute load, every GPU used
             plan = provision(self.pred, peak, self.spec, pol.clock, headroom=self.headroom, use_all=True)
-        return _shapes(plan)
+        return self._shapes(plan)
 
-    def window(self, load: WindowLoad) -> Shapes:
-        """A scaling policy's plan for `load`."""
+    def window(self, load: WindowLoad, same_kind: bool = False) -> Shapes:
+        """A scaling policy's plan for `load`; `same_kind`: of the current plan's kind (a tick between
+        windows grows pools, it does not drain them)."""
         pol = self.policy
         self.last_load = load
         if pol.placement == "colocated":
-            return _shapes(provision_colocated(self.pred, load, self.spec, pol.clock, self.headroom))
+            return self._shapes(provision_colocated(self.pred, load, self.spec, pol.clock, self.headroom))
         if pol.placement == "pd":
-            return _shapes(provision_pd(self.pred, load, self.spec, pol.clock, self.headroom))
-        return _shapes(provision(self.pred, load, self.spec, pol.clock, headroom=self.headroom))
+            return self._shapes(provision_pd(self.pred, load, self.spec, pol.clock, self.headroom))
+        if pol.kinds != ("pd",):
+            kinds = (self.kind,) if same_kind and self.kind in pol.kinds else pol.kinds
+            return self._shapes(elastic_plan(self.pred, load, self.spec, pol.clock, self.headroom, self.kind,
+                                             kinds=kinds))
+        return self._shapes(provision(self.pred, load, self.spec, pol.clock, headroom=self.headroom))
+
+    def _shapes(self, plan: Plan) -> Shapes:
+        self.kind = plan.kind
+        return plan.pools()
 
 
     def window_rule(self, mode: str, shape: PoolShape) -> ClockRule:
@@ -116,14 +127,11 @@ class SimPlanner:
         rule = replace(self.policy.clock, objective="total")
         top = float(self.pred.profile.max_mhz)
         pre = dec = (top, top)
-        if mode in ("prefill", "mixed"):
+        if mode in ("prefill", "mixed", "colocated"):
             op, _ = prefill_point(self.pred, shape, hl, self.spec, rule)
             pre = (op.clock_attention, op.clock_ffn) if op is not None else pre
-        if mode in ("decode", "mixed"):
+        if mode in ("decode", "mixed", "colocated"):
             op_d, _ = decode_point(self.pred, shape, hl, self.spec, rule)
             dec = (op_d.clock_attention, op_d.clock_ffn) if op_d.feasible else dec
         return replace(self.policy.clock, fixed_mhz=(pre, dec))
 
-
-def _shapes(plan: object) -> Shapes:
-    return {k: v for k in ("prefill", "decode", "mixed") if (v := getattr(plan, k)) is not None}

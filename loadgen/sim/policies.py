@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from shared.policy import AFLEX_BATCHING, AFLEX_CLOCK_OBJECTIVE, BatchingRule, ClockRule, PoolShape
+from shared.policy.footprint import AFLEX_KINDS
 
 PLACEMENTS = ("colocated", "pd", "af")
 
@@ -32,6 +33,9 @@ class PolicySpec:
     static_plan: str = "peak"  # non-scaling pd/af: "peak" (provision at the peak window, every GPU) or "goodput"
     fixed: FixedPlan | None = None  # the static oracle's configuration
     window_clocks: bool = False  # clocks fixed per window at the plan's operating point (no local DVFS)
+    # the plan kinds an A/F policy weighs each window (shared/policy/footprint.py): "pd" pools, one "mixed"
+    # split pool, "colocated" replicas; AFlex's elastic footprint weighs all three
+    kinds: tuple[str, ...] = ("pd",)
 
     @property
     def split(self) -> bool:
@@ -58,15 +62,21 @@ def _specs() -> dict[str, PolicySpec]:
         "distserve": s("distserve", "pd", MAX, FIXED, adaptive_margin=False, static_plan="goodput"),
         "biscale": s("biscale", "pd", PHASE_DVFS, FIXED, scaling=True),
         "af-max": s("af-max", "af", ClockRule(max_clock=True, depths=()), FIXED, adaptive_margin=False),
-        "aflex": s("aflex", "af", AFLEX_CLOCK, AFLEX_BATCHING, scaling=True),
+        "aflex": s("aflex", "af", AFLEX_CLOCK, AFLEX_BATCHING, scaling=True, kinds=AFLEX_KINDS),
+        # ablation: AFlex held to split P/D pools (the footprint before the elastic planner)
+        "aflex-pd-only": s("aflex-pd-only", "af", AFLEX_CLOCK, AFLEX_BATCHING, scaling=True),
+        "aflex-mixed-only": s("aflex-mixed-only", "af", AFLEX_CLOCK, AFLEX_BATCHING, scaling=True, kinds=("mixed",)),
+        "aflex-colocated-only": s("aflex-colocated-only", "af", AFLEX_CLOCK, AFLEX_BATCHING, scaling=True,
+                                  kinds=("colocated",)),
         "aflex-no-opfreq": s("aflex-no-opfreq", "af", ClockRule(per_operator=False, objective=AFLEX_CLOCK_OBJECTIVE),
-                             AFLEX_BATCHING, scaling=True),
+                             AFLEX_BATCHING, scaling=True, kinds=AFLEX_KINDS),
         "aflex-fixed-depth": s("aflex-fixed-depth", "af", ClockRule(depths=(2,), objective=AFLEX_CLOCK_OBJECTIVE),
-                               AFLEX_BATCHING, scaling=True),
-        "aflex-no-adaptive-batch": s("aflex-no-adaptive-batch", "af", AFLEX_CLOCK, FIXED, scaling=True),
+                               AFLEX_BATCHING, scaling=True, kinds=AFLEX_KINDS),
+        "aflex-no-adaptive-batch": s("aflex-no-adaptive-batch", "af", AFLEX_CLOCK, FIXED, scaling=True,
+                                     kinds=AFLEX_KINDS),
         # AFlex's global scheduler alone: its pools and base clocks per window, no per-iteration DVFS
         "aflex-global-only": s("aflex-global-only", "af", AFLEX_CLOCK, AFLEX_BATCHING, scaling=True,
-                               window_clocks=True),
+                               window_clocks=True, kinds=AFLEX_KINDS),
         # throttLL'eM's "autoscaling alone": DynamoLLM's instance scaling at the top clock
         "dynamollm-no-dvfs": s("dynamollm-no-dvfs", "colocated", MAX, FIXED, scaling=True),
     }
@@ -74,7 +84,7 @@ def _specs() -> dict[str, PolicySpec]:
 
 SPECS = _specs()
 POLICIES = ("aflex", "sglang", "distserve", "dynamollm", "biscale", "af-max", "phase-dvfs", "aflex-no-opfreq",
-            "aflex-fixed-depth", "aflex-no-adaptive-batch", "aflex-global-only")
+            "aflex-fixed-depth", "aflex-no-adaptive-batch", "aflex-global-only", "aflex-pd-only")
 PAPER_POLICIES = (*POLICIES, "static-oracle")
 
 

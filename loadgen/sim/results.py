@@ -69,6 +69,8 @@ def sim_results(sim: FinishedRun) -> dict[str, Any]:
         "active": energy_figures(led.active_j, led.active_gpu_s, sim.makespan - led.active_from_s, prompt_tokens,
                                  output_tokens),
     }
+    if cfg.accounting == "fixed-pool":  # a warm-parked run: every GPU charged start to end at its clock's idle
+        accounting["fixed-pool"] = accounting["cluster"]
     chosen = accounting[cfg.accounting]
     return {
         "requests": len(a),

@@ -18,8 +18,8 @@ from shared.policy.provision import (
     Plan,
     WindowLoad,
     decode_power,
-    idle_power_w,
     long_prompt_time,
+    mixed_power,
     prefill_power,
 )
 
@@ -61,17 +61,6 @@ def _total(rule: ClockRule) -> ClockRule:
 
 def _headroom(load: WindowLoad, headroom: float) -> WindowLoad:
     return WindowLoad(load.rate_rps * headroom, load.mean_prompt, load.mean_output, load.p90_prompt)
-
-
-def mixed_power(pred: Predictor, shape: PoolShape, load: WindowLoad, spec: ClusterSpec, rule: ClockRule) -> float:
-    """Predicted power (W) of one pool serving prefill and decode: both pools' power less the idle
-    power counted twice (the GPUs are the same)."""
-    dp = decode_power(pred, shape, load, spec, rule)
-    pp = prefill_power(pred, shape, load, spec, rule)
-    if dp >= INFEASIBLE or pp >= INFEASIBLE:
-        return max(dp, pp)
-    top = pred.profile.max_mhz
-    return dp + pp - idle_power_w(pred.profile, shape, top, top)
 
 
 def provision_colocated(pred: Predictor, load: WindowLoad, spec: ClusterSpec, rule: ClockRule,

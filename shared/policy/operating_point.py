@@ -85,6 +85,12 @@ class ClockRule:
     # "marginal-decode": marginal for decode-only iterations, total for any with prefill (AFlex): a
     # continuously busy decode pool turns a slower iteration into a larger batch (Little's law), which
     # reads the weights once for more tokens; a prefill pool's slack is the next prompts' queueing time.
+    # "idle-aware" (AFlex): marginal for decode-only iterations; a prefill iteration after which the pool's
+    # queue is empty is scored by its total energy plus the context-idle power the pool then draws at the
+    # same clocks until the next prompt comes (`choose_operating_point`'s `next_prompt_rate_hz`: the
+    # expected wait after an iteration of t seconds is exp(-rate·t)/rate for Poisson arrivals). A
+    # faster clock leaves a longer wait at a higher idle power; total energy alone never sees that wait,
+    # "marginal" never sees that idle power depends on the clock. Without a rate it is "total".
     objective: str = "total"
     # a fixed configuration (the static oracle): ((prefill attention, prefill FFN), (decode attention,
     # decode FFN)) MHz, snapped to the predictor's table; only the depth is still chosen
@@ -159,9 +165,15 @@ def idle_floor_w(pred: Predictor, shape: PoolShape) -> np.ndarray:
     return np.broadcast_to(shape.gpus * idle[:, None], (len(idle), len(idle)))
 
 
+OBJECTIVES = ("total", "marginal", "marginal-decode", "idle-aware")
+
+
 def choose_operating_point(pred: Predictor, shape: PoolShape, stats: BatchStats, budget_s: float, rule: ClockRule,
-                           current: OperatingPoint | None = None) -> OperatingPoint:
-    """The least-energy (depth, clock_a, clock_f) whose predicted time meets `budget_s`."""
+                           current: OperatingPoint | None = None, next_prompt_rate_hz: float = 0.0) -> OperatingPoint:
+    """The least-energy (depth, clock_a, clock_f) whose predicted time meets `budget_s`.
+
+    `next_prompt_rate_hz` (> 0: the pool waits for new prompts once this iteration ends, at this arrival
+    rate) prices that wait under the "idle-aware" objective."""
     args = pred.args
     clocks = pred.clocks
     top = len(clocks) - 1
@@ -180,10 +192,12 @@ def choose_operating_point(pred: Predictor, shape: PoolShape, stats: BatchStats,
     best: OperatingPoint | None = None
     fastest: OperatingPoint | None = None
     keep: OperatingPoint | None = None
-    marginal = rule.objective == "marginal" or (rule.objective == "marginal-decode" and stats.phase == "decode")
-    floor_w = idle_floor_w(pred, shape) if marginal else 0.0
-    if rule.objective not in ("total", "marginal", "marginal-decode"):
+    if rule.objective not in OBJECTIVES:
         raise ValueError(f"unknown clock objective {rule.objective!r}")
+    decode_only = stats.phase == "decode"
+    marginal = rule.objective == "marginal" or (rule.objective in ("marginal-decode", "idle-aware") and decode_only)
+    waits = rule.objective == "idle-aware" and not decode_only and next_prompt_rate_hz > 0
+    floor_w = idle_floor_w(pred, shape) if marginal or waits else 0.0
     best_v = keep_v = np.inf
     depths = tuple(dict.fromkeys(min(d, max(1, int(stats.n_tokens))) for d in depths))
     pin = _pinned(pred, shape, stats.phase, rule)
@@ -193,7 +207,7 @@ def choose_operating_point(pred: Predictor, shape: PoolShape, stats: BatchStats,
     else:
         oa = of = 0
         rows = cols = slice(None)
-    if marginal:
+    if marginal or waits:
         floor_w = floor_w[rows, cols]  # type: ignore[index]
     for d in depths:
         t, e = _tables(pred, shape, stats, d, args.dim, args.n_layers, rows, cols)
@@ -219,7 +233,10 @@ def choose_operating_point(pred: Predictor, shape: PoolShape, stats: BatchStats,
             fastest = p_fast
         ok = mask & (t <= budget_s)
         if ok.any():
-            v = e - floor_w * t  # the objective (total energy, or energy above the pool's idle floor)
+            # the objective: total energy; energy above the pool's idle floor (marginal); or total energy
+            # and the idle pool at these clocks until the next prompt (idle-aware, when the queue empties)
+            rate = next_prompt_rate_hz
+            v = e + floor_w * np.exp(-rate * t) / rate if waits else e - floor_w * t
             em = np.where(ok, v, np.inf)
             i = np.unravel_index(int(np.argmin(em)), t.shape)
             if best is None or float(v[i]) < best_v:

@@ -13,7 +13,8 @@ iterations use:
   (queueing); power = busy share at the chosen clocks + idle share at context-idle power.
 
 The plan minimises total power, counting GPUs left out (parked) at `parked_power_w`. With fewer
-than `min_pd_gpus` GPUs the cluster is one mixed split pool (no prefill/decode pools).
+than `min_pd_gpus` GPUs the cluster is one mixed split pool (no prefill/decode pools,
+`provision_mixed`). AFlex's planner weighs these beside colocated replicas (`footprint.py`).
 """
 
 from __future__ import annotations
@@ -77,6 +78,19 @@ class Plan:
     @property
     def gpus(self) -> int:
         return sum(p.gpus for p in (self.prefill, self.decode, self.mixed) if p is not None)
+
+    @property
+    def kind(self) -> str:
+        """"pd" (prefill and decode pools), "mixed" (one A/F split pool) or "colocated" (whole-model replicas)."""
+        if self.mixed is None:
+            return "pd"
+        return "mixed" if self.mixed.split else "colocated"
+
+    def pools(self) -> dict[str, PoolShape]:
+        """The plan's pools by name: "prefill" and "decode", or one "mixed" or "colocated" pool."""
+        if self.mixed is not None:
+            return {self.kind: self.mixed}
+        return {k: v for k, v in (("prefill", self.prefill), ("decode", self.decode)) if v is not None}
 
 
 INFEASIBLE = 1e9
@@ -155,6 +169,17 @@ def prefill_power(pred: Predictor, shape: PoolShape, load: WindowLoad, spec: Clu
     return prefill_point(pred, shape, load, spec, rule, max_utilisation)[1]
 
 
+def mixed_power(pred: Predictor, shape: PoolShape, load: WindowLoad, spec: ClusterSpec, rule: ClockRule) -> float:
+    """Predicted power (W) of one pool serving prefill and decode: both pools' power less the idle
+    power counted twice (the GPUs are the same)."""
+    dp = decode_power(pred, shape, load, spec, rule)
+    pp = prefill_power(pred, shape, load, spec, rule)
+    if dp >= INFEASIBLE or pp >= INFEASIBLE:
+        return max(dp, pp)
+    top = pred.profile.max_mhz
+    return dp + pp - idle_power_w(pred.profile, shape, top, top)
+
+
 def idle_power_w(prof: GPUProfile, shape: PoolShape, clock_attention: float, clock_ffn: float) -> float:
     """The pool's context-idle power (W) with its GPUs waiting at these clocks (a colocated pool runs
     both halves at the attention clock)."""
@@ -184,22 +209,7 @@ def provision(pred: Predictor, load: WindowLoad, spec: ClusterSpec, rule: ClockR
     n = spec.gpus
     fmin = spec.ffn_min
     if n < min_pd_gpus:
-        best: tuple[float, int, int] | None = None
-        both = hl
-        for f in range(fmin, n):
-            for a in range(1, n - f + 1):
-                if use_all and a + f != n:
-                    continue
-                p = decode_power(pred, _pool(a, f, spec), both, spec, rule)
-                idle = (a + f) * pred.profile.context_idle_power_w
-                p += prefill_power(pred, _pool(a, f, spec), both, spec, rule) - idle
-                p += (n - a - f) * spec.parked_power_w
-                if best is None or p < best[0]:
-                    best = (p, a, f)
-        if best is None:
-            raise ValueError(f"{n} GPUs cannot hold the model split (FFN needs {fmin})")
-        p, a, f = best
-        return Plan(None, None, _pool(a, f, spec), n - a - f, p, p < INFEASIBLE)
+        return provision_mixed(pred, load, spec, rule, headroom, use_all)
     pre: dict[int, tuple[float, int, int, int]] = {}
     dec: dict[int, tuple[float, int, int]] = {}
     max_tp = max(1, pred.args.n_kv_heads) if prefill_tp else 1
@@ -227,3 +237,24 @@ def provision(pred: Predictor, load: WindowLoad, spec: ClusterSpec, rule: ClockR
     _, pa, pf, ptp = pre[kp]
     _, da, df = dec[kd]
     return Plan(_pool(pa, pf, spec, ptp), _pool(da, df, spec), None, n - kp - kd, total, total < INFEASIBLE)
+
+
+def provision_mixed(pred: Predictor, load: WindowLoad, spec: ClusterSpec, rule: ClockRule, headroom: float = 1.3,
+                    use_all: bool = False) -> Plan:
+    """One A/F split pool serving prefill and decode: the (attention, FFN) GPUs with the least predicted
+    power for `load` × `headroom` (every GPU with `use_all`); the rest parked."""
+    hl = WindowLoad(load.rate_rps * headroom, load.mean_prompt, load.mean_output, load.p90_prompt)
+    rule = rule if rule.objective == "total" else replace(rule, objective="total")
+    n, fmin = spec.gpus, spec.ffn_min
+    best: tuple[float, int, int] | None = None
+    for f in range(fmin, n):
+        for a in range(1, n - f + 1):
+            if use_all and a + f != n:
+                continue
+            p = mixed_power(pred, _pool(a, f, spec), hl, spec, rule) + (n - a - f) * spec.parked_power_w
+            if best is None or p < best[0]:
+                best = (p, a, f)
+    if best is None:
+        raise ValueError(f"{n} GPUs cannot hold the model split (FFN needs {fmin})")
+    p, a, f = best
+    return Plan(None, None, _pool(a, f, spec), n - a - f, p, p < INFEASIBLE)

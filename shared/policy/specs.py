@@ -10,5 +10,6 @@ from shared.policy.batching import BatchingRule
 
 # shortest remaining prompt first with aging; a prefill-only iteration lasts at most 30% of the TTFT SLO
 AFLEX_BATCHING = BatchingRule(adaptive=True, order="srpt", prefill_iter_frac=0.3)
-# `ClockRule.objective`: decode iterations scored by energy above the pool's idle floor, prefill by total
-AFLEX_CLOCK_OBJECTIVE = "marginal-decode"
+# `ClockRule.objective`: decode iterations scored by energy above the pool's idle floor, prefill by total energy
+# and, when the queue empties, the idle pool until the next prompt (see ClockRule)
+AFLEX_CLOCK_OBJECTIVE = "idle-aware"

@@ -129,15 +129,16 @@ def test_row4_throttling_autoscaling_and_both(runner: Any) -> None:
 # -- row 5 ------------------------------------------------------------------------------------------------
 def test_row5a_operator_clocks(runner: Any) -> None:
     """16 x A800, Qwen3-32B, the first 300 s of the conv trace. The static baselines run at 1410 MHz
-    (> 1300, as published). AFlex's prefill clocks sit at 1050–1300 MHz against the published 656/452
-    and its decode clocks at 400–850 MHz (doc: a miss); DynamoLLM's and BiScale's decode clocks are
-    near 570 MHz, not above 1300 (doc: a miss)."""
+    (> 1300, as published). AFlex's prefill clocks sit at 900–1100 MHz against the published 656/452
+    (the idle-aware prefill objective took them down from 1050–1300; still a miss, doc) and its decode
+    clocks at 400–850 MHz; DynamoLLM's and BiScale's decode clocks are near 570 MHz, not above 1300
+    (doc: a miss)."""
     runs = cal.row5_run(runner, "conv", "qwen3-32b", ("aflex", *cal.ROW5_BASELINES), window=(0.0, 300.0))
     clocks = {k: r[0]["mean_clock_mhz"] for k, r in runs.items()}
     for name in ("sglang", "distserve"):
         assert min(clocks[name].values()) > 1300.0
     aflex = clocks["aflex"]
-    assert all(1050.0 <= aflex[k] <= 1300.0 for k in ("prefill-attention", "prefill-ffn"))
+    assert all(900.0 <= aflex[k] <= 1100.0 for k in ("prefill-attention", "prefill-ffn"))
     assert all(400.0 <= aflex[k] <= 850.0 for k in ("decode-attention", "decode-ffn"))
     for name in ("dynamollm", "biscale"):
         assert clocks[name]["decode-attention"] == pytest.approx(570.0, abs=30.0)

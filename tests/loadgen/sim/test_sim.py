@@ -195,3 +195,45 @@ def test_aflex_srpt_conserves_and_beats_fcfs_on_short_prompts() -> None:
         assert res[policy]["finished"] == n
         assert all(len(p.queue) == 0 and p.queued_tokens == 0 for p in sim.pools.values())
     assert res["aflex"]["p50_ttft_ms"] <= res["aflex-no-adaptive-batch"]["p50_ttft_ms"]
+
+
+def test_fixed_pool_accounting_charges_every_gpu_all_run_and_parks_none_cold() -> None:
+    """The paper's accounting: a run of its own with parking forced warm, whose books charge all 8 GPUs from
+    start to end at the context-idle power of the clock each is at (parked ones: the lowest clock)."""
+    sim, res = _run("aflex", record=True, accounting="fixed-pool", parking="cold")
+    fixed, cluster = res["accounting"]["fixed-pool"], res["accounting"]["cluster"]
+    assert res["parking"] == "warm" and sim.ledger.group_count("parked-cold") == 0 and res["parked_gpu_s"] > 0
+    assert fixed == cluster and res["energy_j"] == fixed["energy_j"]
+    assert fixed["gpu_s"] == pytest.approx(8 * res["makespan_s"], rel=1e-9)
+    tl = np.array(sim.ledger.timeline)
+    assert float(np.sum((tl[:, 1] - tl[:, 0]) * tl[:, 2])) == pytest.approx(fixed["energy_j"], rel=1e-9)
+    # no GPU ever draws less than a warm GPU at the lowest clock
+    assert fixed["energy_j"] >= 8 * PROFILE.warm_parked_power_w * res["makespan_s"] * 0.999
+    _, default = _run("aflex")
+    assert default["parking"] == "cold" and "fixed-pool" not in default["accounting"]
+    assert default["accounting"]["cluster"]["energy_j"] < fixed["energy_j"]  # cold parking is what it gives up
+
+
+def test_the_elastic_plan_changes_kind_with_the_load_and_loses_nothing() -> None:
+    """Mixtral on 8 GPUs: a trickle fits one colocated TP2 replica, a burst needs split P/D pools. The pools
+    of the plan before drain (every request finishes once, where it started) and the books stay whole."""
+    from loadgen.sim.arrivals import Arrivals
+
+    mixtral = get_model("mixtral-8x7b")
+    quiet = synthetic(0.2, 120.0, 5, prompt_mean=500, output_mean=100)
+    burst = synthetic(6.0, 60.0, 6, prompt_mean=1200, output_mean=200)
+    tail = synthetic(0.2, 120.0, 7, prompt_mean=500, output_mean=100)
+    arr = Arrivals(np.concatenate([quiet.time_s, 120 + burst.time_s, 180 + tail.time_s]),
+                   np.concatenate([quiet.prompt, burst.prompt, tail.prompt]),
+                   np.concatenate([quiet.output, burst.output, tail.output]))
+    sim = Simulation(PROFILE, mixtral, arr, policy_spec("aflex"),
+                     SimConfig(gpus=8, window_s=30, tick_s=10, record_power=True), cached_predictor(PROFILE, mixtral))
+    res = sim.run()
+    kinds = [p["kind"] for p in res["plans"]]
+    assert kinds[0] == "colocated" and "pd" in kinds and kinds[-1] == "colocated", kinds
+    assert res["finished"] == res["requests"] and np.all(sim.finish >= sim.first)
+    assert np.all(sim.first >= sim.arr.time_s)
+    assert res["accounting"]["cluster"]["gpu_s"] == pytest.approx(8 * res["makespan_s"], rel=1e-9)
+    tl = np.array(sim.ledger.timeline)
+    assert float(np.sum((tl[:, 1] - tl[:, 0]) * tl[:, 2])) == pytest.approx(res["energy_j"], rel=1e-9)
+    assert {"colocated", "prefill", "decode"} <= set(res["pool_energy_j"])

@@ -45,7 +45,7 @@ from shared.settings import SchedulerSettings
 from tests.services.scheduler.test_scheduler import FakeAttention, heartbeat, wait_for
 
 QWEN = get_model("qwen3-32b")
-AFLEX_RULE = ClockRule(objective="marginal-decode")  # the simulator's aflex clock rule (policy_spec("aflex"))
+AFLEX_RULE = ClockRule(objective="idle-aware")  # the simulator's aflex clock rule (policy_spec("aflex"))
 MODEL = ModelInfo("test-model", frozenset({2}), vocab_size=1000, max_seq_len=4096, args=QWEN)
 A800 = load_profile("a800")
 A800_CLOCKS = A800.clocks_mhz
@@ -88,7 +88,7 @@ def test_plan_pair_is_the_policy_and_misses_raise_clocks() -> None:
     pred = cached_predictor(A800, QWEN)
     expected = choose_operating_point(pred, PoolShape(split=True), BatchStats("decode", 1, 30, 30, 1), plan.budget_s,
                               AFLEX_RULE)
-    assert plan.op == expected and pl.rule.objective == "marginal-decode"
+    assert plan.op == expected and pl.rule.objective == "idle-aware"
     # energy above the idle floor, not the iteration's total: here a slower decode point than the old rule's
     total = choose_operating_point(pred, PoolShape(split=True), BatchStats("decode", 1, 30, 30, 1), plan.budget_s,
                            ClockRule())

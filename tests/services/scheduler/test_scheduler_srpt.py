@@ -39,9 +39,9 @@ def _order(passes: list) -> list[tuple[str, int]]:
 def test_live_rules_are_the_simulators_aflex() -> None:
     sim = policy_spec("aflex")
     assert sim.batching == BATCHING and BATCHING.order == "srpt" and BATCHING.prefill_iter_frac > 0
-    assert CLOCK_OBJECTIVE == sim.clock.objective == "marginal-decode"
+    assert CLOCK_OBJECTIVE == sim.clock.objective == "idle-aware"
     pl = AflexPlanner(QWEN, ttft_slo_ms=400, tpot_slo_ms=120, depths=(1, 2, 3, 4))
-    assert pl.rule == ClockRule(depths=(1, 2, 3, 4), objective="marginal-decode") and pl.batching == sim.batching
+    assert pl.rule == ClockRule(depths=(1, 2, 3, 4), objective="idle-aware") and pl.batching == sim.batching
 
 
 # -- ordering (pure) -------------------------------------------------------------------------------

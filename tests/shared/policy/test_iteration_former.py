@@ -242,5 +242,5 @@ def test_engine_tokens_hold_for_microbatches_and_preemption(tiny_checkpoints: di
 
 
 def test_aflex_constants_are_the_shared_specs() -> None:
-    assert aflex.BATCHING is AFLEX_BATCHING and aflex.CLOCK_OBJECTIVE == AFLEX_CLOCK_OBJECTIVE == "marginal-decode"
+    assert aflex.BATCHING is AFLEX_BATCHING and aflex.CLOCK_OBJECTIVE == AFLEX_CLOCK_OBJECTIVE == "idle-aware"
     assert AFLEX_BATCHING.order == "srpt" and AFLEX_BATCHING.adaptive and AFLEX_BATCHING.prefill_iter_frac == 0.3

@@ -174,3 +174,38 @@ def test_marginal_decode_scores_decode_only_and_provisioning_ignores_it(pred: Pr
                        400e9, 0.34, 0.1, pred.profile.idle_power_w)  # parked cold
     load = WindowLoad(2.0, 1000, 200, 2500)
     assert provision(pred, load, spec, md) == provision(pred, load, spec, ClockRule())
+
+
+def test_idle_aware_prefill_prices_the_wait_for_the_next_prompt(pred: Predictor) -> None:
+    """A prefill iteration that empties the queue is scored by its energy plus the pool's idle power at the
+    same clocks until the next prompt (exp(-rate·t)/rate); without a rate it is the total objective."""
+    import numpy as np
+
+    from shared.policy.operating_point import idle_floor_w
+
+    shape = PoolShape(split=True, attention=2, ffn=4, attention_tp=2)
+    pre = BatchStats("prefill", 1500, 1500, 1500 * 750, 1, 1500, 1500, 1500 * 750)
+    idle_aware, total = ClockRule(objective="idle-aware"), ClockRule()
+    assert choose(pred, shape, pre, 0.3, idle_aware) == choose(pred, shape, pre, 0.3, total)
+    for rate_hz in (0.5, 2.0, 8.0):
+        op = choose(pred, shape, pre, 0.3, idle_aware, next_prompt_rate_hz=rate_hz)
+        # brute force over the clock table at the chosen depth: the least energy + idle wait that meets the budget
+        t, e = [], []
+        for fa in range(len(pred.clocks)):
+            for ff in range(len(pred.clocks)):
+                pinned = ClockRule(fixed_mhz=((pred.clocks[fa], pred.clocks[ff]),) * 2, depths=(op.depth,))
+                p = choose(pred, shape, pre, 1e9, pinned)
+                t.append(p.time_s)
+                e.append(p.energy_j)
+        t_a, e_a = np.array(t).reshape(len(pred.clocks), -1), np.array(e).reshape(len(pred.clocks), -1)
+        score = e_a + idle_floor_w(pred, shape) * np.exp(-rate_hz * t_a) / rate_hz
+        score[t_a > 0.3] = np.inf
+        ia, iff = np.unravel_index(int(np.argmin(score)), score.shape)
+        assert (op.clock_attention, op.clock_ffn) == (pred.clocks[ia], pred.clocks[iff]), rate_hz
+    # a rarer next prompt means a longer wait at the chosen clocks' idle power: never faster clocks
+    slow = choose(pred, shape, pre, 0.3, idle_aware, next_prompt_rate_hz=0.5)
+    fast = choose(pred, shape, pre, 0.3, idle_aware, next_prompt_rate_hz=50.0)
+    assert slow.clock_attention + slow.clock_ffn <= fast.clock_attention + fast.clock_ffn
+    dec = BatchStats("decode", 64, 64 * 1500, 64 * 1500, 64)
+    assert choose(pred, shape, dec, 0.1, idle_aware, next_prompt_rate_hz=1.0) == choose(
+        pred, shape, dec, 0.1, ClockRule(objective="marginal"))

@@ -1,0 +1,65 @@
+"""AFlex's elastic footprint: one planning call weighs every shape a live mesh can serve, keeps the cheapest.
+
+The shapes (`Plan.kind`):
+- "pd": a prefill pool and a decode pool, each with attention and FFN GPUs (`provision.provision`);
+- "mixed": one A/F split pool whose attention GPUs run prefill and decode (`provision.provision_mixed`);
+- "colocated": whole-model replicas, both halves on one GPU or TP group, a clock per phase
+  (`baseline_placement.provision_colocated`, the search DynamoLLM's planner makes).
+
+Why all three: the split pays its seam hop and the idle power of two GPU roles per pool; a P/D plan
+needs at least 2 × (1 + the FFN's GPUs) GPUs, so at low load (or under `active` accounting, where
+only the plan's GPUs count) one TP2 replica can be cheaper than any split plan. Every candidate is
+priced by the same predictors and power model, under the same SLO budgets, and the least predicted
+power wins. The other kinds are weighed only while the P/D plan is at its smallest shape: once the
+load fills split pools past it, the split is what AFlex is for, and the pool models of a shared pool
+(prefill and decode priced apart, `mixed_power`) are too coarse to overrule it. A change of kind
+drains pools (requests finish where they are, their GPUs then move), so the current kind is kept
+unless another saves more than `switch_saving` of its predicted power.
+The simulator's AFlex planner calls `elastic_plan`; the live scheduler is to call the same.
+"""
+
+from __future__ import annotations
+
+from shared.perf import Predictor
+from shared.policy.baseline_placement import instance_tps, provision_colocated
+from shared.policy.operating_point import ClockRule
+from shared.policy.provision import ClusterSpec, Plan, WindowLoad, provision, provision_mixed
+
+KINDS = ("pd", "mixed", "colocated")
+AFLEX_KINDS = ("pd", "colocated")  # what AFlex weighs by default (why not "mixed": docs/evaluation.md)
+
+
+def candidate_plans(pred: Predictor, load: WindowLoad, spec: ClusterSpec, rule: ClockRule,
+                    headroom: float = 1.3, kinds: tuple[str, ...] = KINDS) -> dict[str, Plan]:
+    """The least-power plan of each kind that fits the cluster (a kind that cannot hold the model is left out)."""
+    plans: dict[str, Plan] = {}
+    if "pd" in kinds and spec.gpus >= smallest_pd_gpus(spec):
+        plans["pd"] = provision(pred, load, spec, rule, headroom=headroom, min_pd_gpus=smallest_pd_gpus(spec))
+    if "mixed" in kinds and spec.gpus >= 1 + spec.ffn_min:
+        plans["mixed"] = provision_mixed(pred, load, spec, rule, headroom)
+    if "colocated" in kinds and instance_tps(spec, spec.gpus):
+        plans["colocated"] = provision_colocated(pred, load, spec, rule, headroom)
+    return plans
+
+
+def smallest_pd_gpus(spec: ClusterSpec) -> int:
+    """The fewest GPUs a P/D plan takes: two pools of one attention GPU beside the FFN's GPUs."""
+    return 2 * (1 + spec.ffn_min)
+
+
+def elastic_plan(pred: Predictor, load: WindowLoad, spec: ClusterSpec, rule: ClockRule, headroom: float = 1.3,
+                 current_kind: str | None = None, switch_saving: float = 0.05,
+                 kinds: tuple[str, ...] = KINDS) -> Plan:
+    """The plan with the least predicted power among `candidate_plans` (feasible ones first); the current
+    kind's plan is kept unless the best saves more than `switch_saving` of its power."""
+    plans = candidate_plans(pred, load, spec, rule, headroom, kinds)
+    if not plans:
+        raise ValueError(f"{spec.gpus} GPUs hold no plan of kinds {', '.join(kinds)}")
+    pd = plans.get("pd")
+    if pd is not None and pd.feasible and pd.gpus > smallest_pd_gpus(spec):
+        return pd  # the split pools have grown past their smallest shape: the load fills them
+    best = min(plans.values(), key=lambda p: (not p.feasible, p.predicted_power_w))
+    held = plans.get(current_kind) if current_kind is not None else None
+    if held is not None and held.feasible and held.predicted_power_w * (1.0 - switch_saving) <= best.predicted_power_w:
+        return held
+    return best

@@ -1,0 +1,95 @@
+"""AFlex's elastic footprint (shared/policy/footprint.py): every plan kind weighed, the cheapest kept.
+
+The small cases are checked exhaustively: every shape of every kind that fits the cluster is priced with
+the provisioner's own pool models, and the planner's answer must be the least of them all.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from loadgen.sim.models import attention_weight_bytes, ffn_weight_bytes, get_model, kv_bytes_per_token
+from shared.gpu.emulated import load_profile
+from shared.perf import Predictor, cached_predictor
+from shared.policy import ClockRule, ClusterSpec, PoolShape, WindowLoad
+from shared.policy.baseline_placement import instance_tps
+from shared.policy.footprint import AFLEX_KINDS, KINDS, candidate_plans, elastic_plan, smallest_pd_gpus
+from shared.policy.provision import INFEASIBLE, decode_power, mixed_power, prefill_power
+
+RULE = ClockRule()  # plans are priced on whole-iteration energy whatever the clock objective
+
+
+def _spec(model: str, gpus: int, pred: Predictor) -> ClusterSpec:
+    args = get_model(model)
+    return ClusterSpec(gpus, 80e9, attention_weight_bytes(args), ffn_weight_bytes(args), kv_bytes_per_token(args),
+                       400e9, 0.34, 0.1, pred.profile.idle_power_w)  # parked cold
+
+
+def _exhaustive(pred: Predictor, load: WindowLoad, spec: ClusterSpec, headroom: float) -> dict[str, float]:
+    """The least predicted power of each kind over every shape that fits, priced as the provisioner prices."""
+    hl = WindowLoad(load.rate_rps * headroom, load.mean_prompt, load.mean_output, load.p90_prompt)
+    n, fmin, parked = spec.gpus, spec.ffn_min, spec.parked_power_w
+    split = [(a, f) for f in range(fmin, n) for a in range(1, n - f + 1)]
+    best = {"mixed": min(mixed_power(pred, PoolShape(True, a, f, link_bytes_s=spec.link_bytes_s), hl, spec, RULE)
+                         + (n - a - f) * parked for a, f in split)}
+    colocated = [PoolShape(False, replicas=r, tp=tp, link_bytes_s=spec.link_bytes_s)
+                 for tp in instance_tps(spec, n) for r in range(1, n // tp + 1)]
+    if colocated:
+        best["colocated"] = min(mixed_power(pred, s, hl, spec, RULE) + (n - s.gpus) * parked for s in colocated)
+    if n >= smallest_pd_gpus(spec):
+        pools = [PoolShape(True, a, f, link_bytes_s=spec.link_bytes_s, attention_tp=tp) for a, f in split
+                 for tp in (1, 2, 4, 8) if a % tp == 0 and tp <= pred.args.n_kv_heads]
+        pre = {p: prefill_power(pred, p, hl, spec, RULE) for p in pools}
+        dec = {p: decode_power(pred, p, hl, spec, RULE) for p in pools if p.attention_tp == 1}
+        best["pd"] = min(pp + dp + (n - p.gpus - d.gpus) * parked for p, pp in pre.items() for d, dp in dec.items()
+                         if p.gpus + d.gpus <= n)
+    return best
+
+
+@pytest.fixture(scope="module")
+def mixtral() -> Predictor:
+    return cached_predictor(load_profile("a800"), get_model("mixtral-8x7b"))
+
+
+def test_each_kind_is_the_least_of_its_shapes_checked_exhaustively(mixtral: Predictor) -> None:
+    spec = _spec("mixtral-8x7b", 7, mixtral)
+    load = WindowLoad(0.3, 600, 150, 1500)
+    plans = candidate_plans(mixtral, load, spec, RULE, headroom=1.3)
+    assert set(plans) == set(KINDS)
+    exhaustive = _exhaustive(mixtral, load, spec, 1.3)
+    for kind, plan in plans.items():
+        assert plan.kind == kind and plan.predicted_power_w == pytest.approx(exhaustive[kind], rel=1e-9), kind
+        assert plan.gpus + plan.parked == spec.gpus and set(plan.pools()) == ({"prefill", "decode"} if kind == "pd"
+                                                                               else {kind})
+
+
+def test_a_shared_pool_wins_where_the_split_cannot_shrink(mixtral: Predictor) -> None:
+    """Mixtral's experts need two GPUs, so a P/D split needs six; at a trickle one pool is cheaper, and the
+    planner's answer is the least predicted power of every shape of every kind it weighs."""
+    spec = _spec("mixtral-8x7b", 7, mixtral)
+    load = WindowLoad(0.3, 600, 150, 1500)
+    exhaustive = _exhaustive(mixtral, load, spec, 1.3)
+    for kinds in (KINDS, AFLEX_KINDS):
+        plan = elastic_plan(mixtral, load, spec, RULE, kinds=kinds)
+        least = min(exhaustive[k] for k in kinds)
+        assert plan.kind != "pd" and plan.feasible, kinds
+        assert plan.predicted_power_w == pytest.approx(least, rel=1e-9) and least < exhaustive["pd"] < INFEASIBLE
+    colocated = elastic_plan(mixtral, load, spec, RULE, kinds=AFLEX_KINDS)
+    assert colocated.kind == "colocated" and colocated.mixed is not None and colocated.mixed.gpus == 2  # one TP2
+
+
+def test_grown_split_pools_are_kept_and_a_kind_change_must_pay(mixtral: Predictor) -> None:
+    spec = _spec("mixtral-8x7b", 16, mixtral)
+    busy = WindowLoad(10.0, 1000, 250, 2500)
+    plan = elastic_plan(mixtral, busy, spec, RULE)
+    assert plan.kind == "pd" and plan.gpus > smallest_pd_gpus(spec)
+    quiet = WindowLoad(0.3, 600, 150, 1500)
+    plans = candidate_plans(mixtral, quiet, spec, RULE)
+    cheapest = min(plans.values(), key=lambda p: p.predicted_power_w)
+    saving = 1 - cheapest.predicted_power_w / plans["pd"].predicted_power_w
+    assert cheapest.kind != "pd" and saving > 0
+    # held at its kind unless the other saves more than switch_saving of its power
+    assert elastic_plan(mixtral, quiet, spec, RULE, current_kind="pd", switch_saving=saving + 0.01).kind == "pd"
+    assert elastic_plan(mixtral, quiet, spec, RULE, current_kind="pd", switch_saving=saving / 2).kind == cheapest.kind
+    with pytest.raises(ValueError, match="hold no plan"):
+        elastic_plan(mixtral, quiet, _spec("mixtral-8x7b", 1, mixtral), RULE)
