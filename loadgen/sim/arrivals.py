@@ -76,3 +76,26 @@ def synthetic(rate_rps: float, duration_s: float, seed: int, burstiness: float =
     prompt = np.maximum(1, rng.lognormal(np.log(prompt_mean) - sigma**2 / 2, sigma, k)).astype(np.int64)
     output = np.maximum(1, rng.lognormal(np.log(output_mean) - sigma**2 / 2, sigma, k)).astype(np.int64)
     return Arrivals(t, np.minimum(prompt, 16000), np.minimum(output, 4000))
+
+
+LONG_CONTEXT_PROMPT = (8_000, 32_000)  # tokens: a retrieved document set, or an agent's accumulated context
+LONG_CONTEXT_OUTPUT = (200, 1_000)  # tokens: an answer, a plan or a tool call with its reasoning
+
+
+def long_context(rate_rps: float, duration_s: float, seed: int, burstiness: float = 1.0) -> Arrivals:
+    """A synthetic agentic/RAG workload: Gamma inter-arrivals (CV = burstiness), prompts log-uniform over
+    8-32K tokens and outputs over 200-1,000. Why these: retrieval-augmented and agent requests carry
+    whole documents or a growing tool transcript (the Azure traces' prompts are ~1K), and answer at
+    length; prefill then dominates the work, and decode reads a long KV per token, so attention, not the
+    FFN, sets the decode step: the regime where per-operator clocks differ most."""
+    rng = np.random.default_rng(seed)
+    shape = 1.0 / max(burstiness, 1e-3) ** 2
+    n = int(rate_rps * duration_s * 1.5) + 16
+    t = np.cumsum(rng.gamma(shape, 1.0 / (rate_rps * shape), n))
+    t = t[t < duration_s]
+    k = len(t)
+
+    def log_uniform(lo_hi: tuple[int, int]) -> np.ndarray:
+        lo, hi = np.log(lo_hi[0]), np.log(lo_hi[1])
+        return np.exp(rng.uniform(lo, hi, k)).astype(np.int64)
+    return Arrivals(t, log_uniform(LONG_CONTEXT_PROMPT), log_uniform(LONG_CONTEXT_OUTPUT))

@@ -3,7 +3,8 @@
 Registered in services/launcher/cli.py with `add_sim_arguments(parser)` and `sim(args)`. `--load` runs a
 sweep (the trace's arrival rate scaled by each factor); every policy's figures come in the cluster and
 active accountings (fixed-pool on request).
-`static-oracle` runs its grid search first (loadgen.sim.oracle) and reports the best configuration.
+`static-oracle` and `pool-oracle` run their grid searches first (loadgen.sim.oracle) and report the best
+configuration.
 """
 
 from __future__ import annotations
@@ -15,10 +16,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from loadgen.sim.arrivals import Arrivals, load_trace, synthetic
+from loadgen.sim.arrivals import Arrivals, load_trace, long_context, synthetic
 from loadgen.sim.engine import ACCOUNTINGS, SimConfig, Simulation
 from loadgen.sim.models import MODELS, get_model
-from loadgen.sim.policies import PAPER_POLICIES, policy_spec
+from loadgen.sim.policies import ORACLES, PAPER_POLICIES, policy_spec
 from loadgen.workloads import WorkloadError
 from shared.gpu.base import GPUError
 from shared.gpu.emulated import GPUProfile, available_profiles, load_profile
@@ -47,7 +48,9 @@ def _loads(text: str) -> tuple[float, ...]:
 
 
 def add_sim_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--trace", default=None, help="conv, code, or a CSV path (default: synthetic --rate)")
+    p.add_argument("--trace", default=None,
+                   help="conv, code, a CSV path, or long-context (synthetic 8-32K-token prompts at --rate); "
+                        "default: synthetic --rate")
     p.add_argument("--time-scale", type=float, default=1.0, help="multiply trace times (0.5 = twice the load)")
     p.add_argument("--load", type=_loads, default=None,
                    help="comma-separated arrival-rate multipliers for a sweep, e.g. 0.25,0.5,1,2")
@@ -77,13 +80,15 @@ def add_sim_arguments(p: argparse.ArgumentParser) -> None:
                         "fixed-pool (the paper's: every GPU charged all run, none parked cold) forces warm parking")
     p.add_argument("--idle-clock-share", type=float, default=None,
                    help="share of context-idle power that follows f*V^2 (default: the profile's; a modelling choice)")
-    p.add_argument("--oracle-workers", type=int, default=2, help="processes for static-oracle's grid replays")
+    p.add_argument("--oracle-workers", type=int, default=2, help="processes for the oracles' grid replays")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, help="write results here")
     p.add_argument("--plots", default=None, help="directory for PNG plots")
 
 
 def _arrivals(args: argparse.Namespace) -> Arrivals:
+    if args.trace == "long-context":  # synthetic, at --rate for --duration (loadgen.sim.arrivals.long_context)
+        return long_context(args.rate / args.time_scale, args.duration, args.seed, args.burstiness)
     if args.trace:
         return load_trace(args.trace, time_scale=args.time_scale, window=args.window,
                           max_input_len=getattr(args, "max_input_len", None),
@@ -127,10 +132,11 @@ def run_policies(args: argparse.Namespace, record: bool = False) -> dict[str, An
         cfg = sim_config(args, record)
         t0 = time.perf_counter()
         simulation: Simulation | None = None
-        if name == "static-oracle":
-            from loadgen.sim.oracle import search_oracle
+        if name in ORACLES:
+            from loadgen.sim.oracle import search_oracle, search_pool_oracle
 
-            oracle = search_oracle(profile, model, arrivals, cfg, workers=args.oracle_workers)
+            search = search_pool_oracle if name == "pool-oracle" else search_oracle
+            oracle = search(profile, model, arrivals, cfg, workers=args.oracle_workers)
             res = oracle.result
             simulation = oracle.rerun(profile, model, arrivals, cfg, pred) if record else None
         else:

@@ -12,6 +12,11 @@ MODELS: dict[str, ModelArgs] = {
     "mixtral-8x7b": ModelArgs(arch="mixtral", vocab_size=32000, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8,
                               head_dim=128, intermediate_size=14336, n_experts=8, n_experts_per_tok=2,
                               moe_intermediate_size=14336, sparse_layers=tuple(range(32)), max_seq_len=32768),
+    # Qwen/Qwen3-30B-A3B config.json: hidden 2048, 48 layers, 32/4 heads of 128, 128 experts top-8 of 768
+    # (an MoE with many small experts: a decode batch touches most of them, so its FFN reads nearly all weights)
+    "qwen3-30b-a3b": ModelArgs(arch="qwen3_moe", vocab_size=151936, dim=2048, n_layers=48, n_heads=32, n_kv_heads=4,
+                               head_dim=128, intermediate_size=6144, qk_norm=True, n_experts=128, n_experts_per_tok=8,
+                               moe_intermediate_size=768, sparse_layers=tuple(range(48)), max_seq_len=40960),
     # meta-llama/Meta-Llama-3-8B config.json: hidden 4096, 32 layers, 32/8 heads, MLP 14336
     "llama-3-8b": ModelArgs(arch="llama", vocab_size=128256, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8,
                             head_dim=128, intermediate_size=14336, max_seq_len=8192),

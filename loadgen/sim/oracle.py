@@ -1,4 +1,5 @@
-"""`static-oracle`: the best fixed AFlex configuration for a trace, chosen in hindsight by replaying a grid.
+"""`static-oracle`: the best fixed AFlex configuration for a trace, chosen in hindsight by replaying a grid;
+`pool-oracle`: the same search over instance pools (P/D or colocated) at one clock per pool and phase.
 
 A configuration is AFlex's pipeline with the pool shapes and four clocks (prefill/decode × attention/
 FFN) held for the whole trace; shapes from AFlex's provisioner on the busiest window at each of
@@ -28,6 +29,7 @@ from shared.gpu.snap import snap_clock
 from shared.model.config import ModelArgs
 from shared.perf import Predictor, cached_predictor
 from shared.policy import PoolShape, provision
+from shared.policy.baseline_placement import provision_colocated, provision_pd
 
 HEADROOMS = (1.0, 1.5, 2.0)
 Clocks = tuple[tuple[float, float], tuple[float, float]]
@@ -35,21 +37,30 @@ Clocks = tuple[tuple[float, float], tuple[float, float]]
 
 @dataclass(frozen=True)
 class OracleConfig:
+    """Pool shapes and fixed clocks held for a whole trace: AFlex's split P/D pools (`static-oracle`), or
+    instance pools, P/D or one colocated pool in `prefill`, at one clock per pool and phase (`pool-oracle`)."""
+
     prefill: PoolShape
-    decode: PoolShape
+    decode: PoolShape | None  # None: `prefill` is one colocated pool serving both phases
     clocks_mhz: Clocks  # ((prefill attention, prefill FFN), (decode attention, decode FFN))
+    name: str = "static-oracle"
 
     def spec(self) -> PolicySpec:
         base = policy_spec("aflex")
-        return replace(base, name="static-oracle", scaling=False, fixed=FixedPlan(
-            (("prefill", self.prefill), ("decode", self.decode))),
-            clock=replace(base.clock, fixed_mhz=self.clocks_mhz))
+        pools = (("prefill", self.prefill), ("decode", self.decode)) if self.decode is not None else (
+            ("colocated", self.prefill),)
+        clock = replace(base.clock, fixed_mhz=self.clocks_mhz)
+        placement = base.placement if self.prefill.split else "pd" if self.decode is not None else "colocated"
+        return replace(base, name=self.name, placement=placement, scaling=False, fixed=FixedPlan(pools), clock=clock)
 
     def describe(self) -> dict[str, Any]:
         (pa, pf), (da, df) = self.clocks_mhz
-        return {"prefill": [self.prefill.attention, self.prefill.ffn, self.prefill.attention_tp],
-                "decode": [self.decode.attention, self.decode.ffn, self.decode.attention_tp],
-                "clocks_mhz": {"PA": pa, "PF": pf, "DA": da, "DF": df}}
+
+        def shape(s: PoolShape) -> list[int]:
+            return [s.attention, s.ffn, s.attention_tp] if s.split else [s.replicas, s.tp]
+        pools = {"prefill": shape(self.prefill), "decode": shape(self.decode)} if self.decode is not None else {
+            "colocated": shape(self.prefill)}
+        return pools | {"clocks_mhz": {"PA": pa, "PF": pf, "DA": da, "DF": df}}
 
 
 @dataclass
@@ -135,7 +146,7 @@ def prefill_screen_j(profile: GPUProfile, run: dict[str, Any], horizon_s: float)
 
 
 def _finals(profile: GPUProfile, runs: list[dict[str, Any]], shapes: Sequence[tuple[PoolShape, PoolShape]],
-            cfg: SimConfig, top_k: int, slack: float = 0.01) -> list[OracleConfig]:
+            cfg: SimConfig, top_k: int, slack: float = 0.01, name: str = "static-oracle") -> list[OracleConfig]:
     """The joint replays after the screening. Per shape, its `top_k` prefill clock pairs (least prefill-pool
     energy, P90 TTFT inside the SLO) are paired with its `top_k` decode pairs (least energy outside the
     prefill pool -- a decode choice also sets how long the run lasts -- P90 TPOT inside); a pair is
@@ -156,7 +167,7 @@ def _finals(profile: GPUProfile, runs: list[dict[str, Any]], shapes: Sequence[tu
             if _meets(r["result"], cfg, "tpot"):
                 rest.setdefault(r["config"].clocks_mhz[1], _rest_j(r))
         tried = {r["config"].clocks_mhz for r in mine}
-        cands += [(e_p + e_r, OracleConfig(ps, ds, (bp, bd))) for bp, e_p in list(pre.items())[:top_k]
+        cands += [(e_p + e_r, OracleConfig(ps, ds, (bp, bd), name)) for bp, e_p in list(pre.items())[:top_k]
                   for bd, e_r in list(rest.items())[:top_k] if (bp, bd) not in tried]
     if not cands:
         return []
@@ -165,30 +176,37 @@ def _finals(profile: GPUProfile, runs: list[dict[str, Any]], shapes: Sequence[tu
 
 
 def search_oracle(profile: GPUProfile, model: ModelArgs, arrivals: Arrivals, cfg: SimConfig, workers: int = 2,
-                  levels: int = 4, shapes: Sequence[tuple[PoolShape, PoolShape]] | None = None,
+                  levels: int = 4, shapes: Sequence[tuple[PoolShape, PoolShape | None]] | None = None,
                   levels_mhz: tuple[Sequence[float], Sequence[float]] | None = None,
-                  exhaustive: bool = False, top_k: int = 3) -> OracleResult:
-    """The least-energy fixed configuration that meets both SLOs over the whole trace (module docstring)."""
+                  exhaustive: bool = False, top_k: int = 3, name: str = "static-oracle",
+                  per_pool: bool = False) -> OracleResult:
+    """The least-energy fixed configuration that meets both SLOs over the whole trace (module docstring).
+
+    `per_pool`: one clock for both halves of a pool (`pool-oracle`). A colocated shape (decode None) serves
+    both phases in one pool, so its prefill and decode clocks cannot be screened apart: every pair is replayed."""
     pred = cached_predictor(profile, model)
     probe = Simulation(profile, model, arrivals, policy_spec("aflex"), cfg, pred)
-    shapes = list(shapes) if shapes is not None else oracle_shapes(pred, probe.planner)
+    shapes = list(shapes) if shapes is not None else list(oracle_shapes(pred, probe.planner))
     if levels_mhz is None:
         pre_levels, dec_levels = clock_levels(profile, levels, pred.clocks)
     else:
         pre_levels, dec_levels = snap_to_table(levels_mhz[0], pred.clocks), snap_to_table(levels_mhz[1], pred.clocks)
-    pre_grid = list(itertools.product(pre_levels, pre_levels))
-    dec_grid = list(itertools.product(dec_levels, dec_levels))
+
+    def pairs(levels_of: list[float]) -> list[tuple[float, float]]:
+        return [(f, f) for f in levels_of] if per_pool else list(itertools.product(levels_of, levels_of))
+    pre_grid, dec_grid = pairs(pre_levels), pairs(dec_levels)
     configs: list[OracleConfig] = []
     for ps, ds in shapes:
-        if exhaustive:
-            configs += [OracleConfig(ps, ds, (p, d)) for p in pre_grid for d in dec_grid]
+        if exhaustive or ds is None:
+            configs += [OracleConfig(ps, ds, (p, d), name) for p in pre_grid for d in dec_grid]
         else:
             n = max(len(pre_grid), len(dec_grid))  # the shorter grid cycles
-            configs += [OracleConfig(ps, ds, (pre_grid[k % len(pre_grid)], dec_grid[k % len(dec_grid)]))
+            configs += [OracleConfig(ps, ds, (pre_grid[k % len(pre_grid)], dec_grid[k % len(dec_grid)]), name)
                         for k in range(n)]
     runs = _run_all([(profile, model, arrivals, cfg, c) for c in configs], workers)
     if not exhaustive:
-        finals = _finals(profile, runs, shapes, cfg, top_k)
+        split = [(ps, ds) for ps, ds in shapes if ds is not None]
+        finals = _finals(profile, runs, split, cfg, top_k, name=name)
         runs += _run_all([(profile, model, arrivals, cfg, c) for c in finals], workers)
     feasible = [r for r in runs if _meets(r["result"], cfg, "ttft") and _meets(r["result"], cfg, "tpot")]
     table = [{**r["config"].describe(), "energy_j": r["result"]["energy_j"],
@@ -202,3 +220,30 @@ def search_oracle(profile: GPUProfile, model: ModelArgs, arrivals: Arrivals, cfg
                      "levels_mhz": [list(pre_levels), list(dec_levels)], "best": best["config"].describe(),
                      "grid": table}
     return OracleResult(best["config"], res, table)
+
+
+def pool_oracle_shapes(pred: Predictor, planner: SimPlanner, headrooms: Sequence[float] = HEADROOMS,
+                       ) -> list[tuple[PoolShape, PoolShape | None]]:
+    """`pool-oracle`'s shapes: the P/D instance pools (BiScale's coarse tier) and the colocated pool
+    (DynamoLLM's) that the baselines' planners pick for the busiest window, at each headroom."""
+    peak = planner.peak_load()
+    rule = policy_spec("biscale").clock
+    out: list[tuple[PoolShape, PoolShape | None]] = []
+    for h in headrooms:
+        pd = provision_pd(pred, peak, planner.spec, rule, h)
+        colocated = provision_colocated(pred, peak, planner.spec, rule, h)
+        for shape in ((pd.prefill, pd.decode), (colocated.mixed, None)):
+            if shape[0] is not None and shape not in out:
+                out.append(shape)  # type: ignore[arg-type]
+    return out
+
+
+def search_pool_oracle(profile: GPUProfile, model: ModelArgs, arrivals: Arrivals, cfg: SimConfig,
+                       workers: int = 2, levels: int = 4) -> OracleResult:
+    """`pool-oracle`: the best fixed clock per prefill and decode pool (one clock for both halves), P/D
+    instance pools or one colocated pool, that meets both SLOs over the trace, in hindsight: the
+    counterfactual for "per-operator clocks beat per-pool clocks"."""
+    pred = cached_predictor(profile, model)
+    probe = Simulation(profile, model, arrivals, policy_spec("biscale"), cfg, pred)
+    return search_oracle(profile, model, arrivals, cfg, workers, levels, pool_oracle_shapes(pred, probe.planner),
+                         name="pool-oracle", per_pool=True)

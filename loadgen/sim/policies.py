@@ -85,14 +85,15 @@ def _specs() -> dict[str, PolicySpec]:
 SPECS = _specs()
 POLICIES = ("aflex", "sglang", "distserve", "dynamollm", "biscale", "af-max", "phase-dvfs", "aflex-no-opfreq",
             "aflex-fixed-depth", "aflex-no-adaptive-batch", "aflex-global-only", "aflex-pd-only")
-PAPER_POLICIES = (*POLICIES, "static-oracle")
+ORACLES = ("static-oracle", "pool-oracle")  # searched in hindsight (loadgen.sim.oracle), not specs
+PAPER_POLICIES = (*POLICIES, *ORACLES)
 
 
 def policy_spec(name: str) -> PolicySpec:
     """The spec of `name` (an alias gives the spec under its own name, so reports keep what was asked)."""
     key = ALIASES.get(name, name)
     if key not in SPECS:
-        known = ", ".join([*SPECS, *ALIASES, "static-oracle"])
+        known = ", ".join([*SPECS, *ALIASES, *ORACLES])
         raise ValueError(f"unknown policy {name!r}; known: {known}")
     spec = SPECS[key]
     return spec if key == name else PolicySpec(**{**spec.__dict__, "name": name})

@@ -237,3 +237,21 @@ def test_the_elastic_plan_changes_kind_with_the_load_and_loses_nothing() -> None
     tl = np.array(sim.ledger.timeline)
     assert float(np.sum((tl[:, 1] - tl[:, 0]) * tl[:, 2])) == pytest.approx(res["energy_j"], rel=1e-9)
     assert {"colocated", "prefill", "decode"} <= set(res["pool_energy_j"])
+
+
+def test_long_context_workload_and_a_many_expert_moe() -> None:
+    """The agentic/RAG workload draws 8-32K-token prompts and 200-1,000-token outputs at its rate; Qwen3-30B-A3B
+    (128 experts, top-8) serves it on the simulator with every request finished once."""
+    from loadgen.sim.arrivals import LONG_CONTEXT_OUTPUT, LONG_CONTEXT_PROMPT, long_context
+
+    arr = long_context(0.5, 400.0, 3)
+    assert 150 < len(arr) < 250 and np.all(np.diff(arr.time_s) >= 0)
+    assert arr.prompt.min() >= LONG_CONTEXT_PROMPT[0] and arr.prompt.max() <= LONG_CONTEXT_PROMPT[1]
+    assert arr.output.min() >= LONG_CONTEXT_OUTPUT[0] and arr.output.max() <= LONG_CONTEXT_OUTPUT[1]
+    moe = get_model("qwen3-30b-a3b")
+    assert moe.n_experts == 128 and moe.n_experts_per_tok == 8
+    short = long_context(0.2, 60.0, 4)
+    sim = Simulation(PROFILE, moe, short, policy_spec("aflex"), SimConfig(gpus=8, window_s=30, tick_s=10,
+                     ttft_slo_s=4.0), cached_predictor(PROFILE, moe))
+    res = sim.run()
+    assert res["finished"] == res["requests"] > 0 and res["p90_ttft_ms"] > 400  # a long prompt's prefill

@@ -84,6 +84,29 @@ def test_a_fixed_configuration_keeps_its_clocks_and_shapes() -> None:
     assert len(pre) == len(dec) == 4 and pre[-1] == PROFILE.max_mhz and set(pre + dec) <= set(table.tolist())
 
 
+def test_the_pool_oracle_holds_one_clock_per_pool_and_is_the_least_feasible_replay() -> None:
+    """`pool-oracle`: instance pools (P/D or one colocated pool) at one clock for both halves of each pool;
+    its answer is the least energy among its replays that meet both SLOs, and a colocated shape is
+    replayed at every prefill × decode clock pair (it cannot be screened apart)."""
+    from loadgen.sim.oracle import pool_oracle_shapes, search_pool_oracle
+    from loadgen.sim.policies import policy_spec
+
+    res = search_pool_oracle(PROFILE, MODEL, ARRIVALS, CFG, workers=2, levels=2)
+    best = res.best
+    (pa, pf), (da, df) = best.clocks_mhz
+    assert pa == pf and da == df and not best.prefill.split and best.name == "pool-oracle"
+    assert res.result["oracle"]["feasible"] and res.result["finished"] == res.result["requests"]
+    ok = [r for r in res.replays if r["p90_ttft_ms"] <= 400 and r["p90_tpot_ms"] <= 120]
+    assert res.result["energy_j"] == min(r["energy_j"] for r in ok)
+    probe = Simulation(PROFILE, MODEL, ARRIVALS, policy_spec("biscale"), CFG, cached_predictor(PROFILE, MODEL))
+    shapes = pool_oracle_shapes(cached_predictor(PROFILE, MODEL), probe.planner)
+    colocated = [s for s, d in shapes if d is None]
+    assert colocated and {"prefill", "decode"} & set().union(*[set(r) for r in res.replays])
+    for shape in colocated:
+        mine = [r for r in res.replays if r.get("colocated") == [shape.replicas, shape.tp]]
+        assert len(mine) == 4  # 2 prefill levels x 2 decode levels, each replayed
+
+
 def _sim_cli(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "loadgen.sim.cli", *args], capture_output=True, text=True,
                           timeout=300, cwd=REPO_ROOT)
