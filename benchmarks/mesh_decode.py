@@ -84,7 +84,7 @@ if rank == 0:
 SEAM_ECHO = """
 import asyncio, dataclasses, sys
 from shared.transport import bus
-from shared.transport.seams import make_seam
+from shared.transport.seam_factory import make_seam
 
 async def main():
     nc = await bus.connect(sys.argv[1], name="bench-seam-echo")
@@ -234,7 +234,7 @@ async def seam_round_trip_s(rows: int, hidden: int, samples: int) -> float:
     its framing, and no mesh around it."""
     from shared.transport.header import header_for
     from shared.transport.seam import Peer
-    from shared.transport.seams import make_seam
+    from shared.transport.seam_factory import make_seam
 
     with EmbeddedNatsServer() as server:
         echo = subprocess.Popen([sys.executable, "-c", SEAM_ECHO, server.url], stdin=subprocess.PIPE,

@@ -225,7 +225,7 @@ def _frames() -> list[str]:
     lines += [f"| `{f}` | {t} | {m} |" for f, t, m in FRAME_FIELDS]
     lines += [
         "",
-        "What crosses the seam for every layer `l` (`shared/model/seam.py`):",
+        "What crosses the seam for every layer `l` (`shared/model/split_point.py`):",
         "",
         "```",
         "attention -> FFN:  ffn_in[l]  = post_attention_norm(residual + attn_out)   [T, D]   kind to_ffn",

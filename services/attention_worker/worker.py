@@ -37,7 +37,7 @@ from shared.model.kv_cache import BlockAllocator, BlockTables
 from shared.settings import AttentionWorkerSettings
 from shared.transport import bus
 from shared.transport.seam import Frame, Seam
-from shared.transport.seams import make_seam
+from shared.transport.seam_factory import make_seam
 
 log = logging.getLogger("aflex.attention_worker")
 

@@ -33,7 +33,7 @@ from shared.settings import FFNWorkerSettings
 from shared.transport import bus
 from shared.transport.header import SeamHeader, error_payload
 from shared.transport.seam import Frame, Peer, Seam
-from shared.transport.seams import make_seam
+from shared.transport.seam_factory import make_seam
 
 log = logging.getLogger("aflex.ffn_worker")
 

@@ -21,7 +21,7 @@ from torch import Tensor, nn
 from shared.model.config import ModelArgs
 from shared.model.cpu_kernels import CPUKernels, load_kernels
 from shared.model.layers import RMSNorm, RotaryEmbedding, apply_rope
-from shared.model.seam import add_rms_norm
+from shared.model.split_point import add_rms_norm
 
 
 class PagedKVStore:

@@ -45,7 +45,7 @@ from shared.settings import AttentionWorkerSettings, FFNWorkerSettings
 from shared.transport import bus
 from shared.transport.header import error_text, header_for
 from shared.transport.seam import Frame, Peer, Seam
-from shared.transport.seams import make_seam
+from shared.transport.seam_factory import make_seam
 
 PROMPT_A = [5, 17, 33, 101, 7, 250, 11, 64, 3]
 PROMPT_B = [9, 8, 200, 31, 4, 77]

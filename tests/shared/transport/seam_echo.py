@@ -13,7 +13,7 @@ import sys
 
 from shared.transport import bus
 from shared.transport.seam import Frame, Peer
-from shared.transport.seams import make_seam
+from shared.transport.seam_factory import make_seam
 
 
 async def main(transport: str, nats_url: str, worker_id: str) -> None:

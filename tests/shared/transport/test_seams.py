@@ -25,7 +25,7 @@ from torch.distributed import TCPStore
 from shared.transport import bus
 from shared.transport.header import HEADER_BYTES, header_for
 from shared.transport.seam import Frame, Peer, Seam, SeamError, SeamTransport
-from shared.transport.seams import make_seam
+from shared.transport.seam_factory import make_seam
 from shared.transport.torch_pair import INLINE_BYTES
 from tests.conftest import REPO_ROOT
 

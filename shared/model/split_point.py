@@ -1,4 +1,4 @@
-"""The seam between the attention half and the FFN half: what crosses, and the fused norm.
+"""Where the model is split: what crosses between the attention half and the FFN half, and the fused norm.
 
 For every layer l, exactly one tensor crosses each way:
 
