@@ -145,7 +145,8 @@ def run_policies(args: argparse.Namespace, record: bool = False) -> dict[str, An
         res["wall_s"] = round(time.perf_counter() - t0, 2)
         out["policies"][name] = res
         if record and simulation is not None:
-            out["timelines"][name] = {"clocks": simulation.clock_trace, "power": simulation.ledger.timeline}
+            out["timelines"][name] = {"clocks": simulation.clock_trace, "power": simulation.ledger.timeline,
+                                      "plans": res["plans"]}
         print(_summary(name, res, args.accounting), file=sys.stderr)
     return out
 

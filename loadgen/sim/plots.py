@@ -1,4 +1,4 @@
-"""PNG plots for `aflex sim --plots DIR`: clocks over time, and energy per token against load."""
+"""PNG plots for `aflex sim --plots DIR`: clocks and plan shapes over time, and energy per token against load."""
 
 from __future__ import annotations
 
@@ -31,8 +31,41 @@ def write_plots(directory: Path, timelines: dict[str, Any], sweep: dict[str, dic
     fig.savefig(p, dpi=110)
     plt.close(fig)
     paths.append(p)
+    paths.append(plot_plans(directory / "plans_over_time.png", {k: tl.get("plans", []) for k, tl in timelines.items()}))
     paths.append(plot_energy_vs_load(directory / "energy_vs_load.png", sweep))
     return paths
+
+
+KIND_COLOURS = {"pd": "tab:blue", "mixed": "tab:orange", "colocated": "tab:green"}
+
+
+def plot_plans(path: Path, plans: dict[str, list[dict[str, Any]]]) -> Path:
+    """The GPUs each policy's plan holds over time, coloured by the plan's kind (P/D, mixed, colocated)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(len(plans), 1, figsize=(9, 1.8 * max(1, len(plans))), squeeze=False)
+    for ax, (name, steps) in zip(axes[:, 0], plans.items(), strict=True):
+        for i, step in enumerate(steps):
+            end = steps[i + 1]["t_s"] if i + 1 < len(steps) else step["t_s"] + 300.0
+            # split pools are [attention, ffn, attention TP]; colocated ones [replicas, TP]
+            gpus = sum(v[0] + v[1] if len(v) == 3 else v[0] * v[1]
+                       for k, v in step.items() if k in ("prefill", "decode", "mixed", "colocated"))
+            kind = step.get("kind", "pd")
+            ax.fill_between([step["t_s"], end], 0, gpus, step="pre", color=KIND_COLOURS.get(kind, "grey"), alpha=0.6,
+                            label=kind)
+        handles, labels = ax.get_legend_handles_labels()
+        unique = dict(zip(labels, handles, strict=True))
+        ax.legend(unique.values(), unique.keys(), fontsize=7, loc="upper right")
+        ax.set_title(name, fontsize=9)
+        ax.set_ylabel("GPUs in plan")
+    axes[-1, 0].set_xlabel("time (s)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
 
 
 def plot_energy_vs_load(path: Path, sweep: dict[str, dict[str, Any]], title: str = "") -> Path:

@@ -128,7 +128,7 @@ def test_the_load_sweep_and_both_accountings_on_the_command_line(tmp_path: Path)
             assert res["accounting"]["active"]["energy_j"] <= res["accounting"]["cluster"]["energy_j"]
     assert data["sweep"]["2"]["sglang"]["requests"] > data["sweep"]["0.5"]["sglang"]["requests"]
     assert "active E/token" in proc.stderr
-    for png in ("clocks_over_time.png", "energy_vs_load.png"):
+    for png in ("clocks_over_time.png", "plans_over_time.png", "energy_vs_load.png"):
         assert (tmp_path / "plots" / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
