@@ -104,8 +104,10 @@ class Simulation:
             | {"parked": self.cfg.gpus - sum(sh.gpus for sh in shapes.values())}))
 
     def _provision(self, now: float, load: WindowLoad, scale_up_only: bool = False) -> None:
-        shapes = self.planner.window(load, same_kind=scale_up_only)
-        if scale_up_only:  # a tick between windows grows pools; it changes no plan's kind
+        # a tick between windows grows pools: it keeps split P/D pools, and leaves a shared pool only for them
+        shapes = self.planner.window(load, same_kind=scale_up_only and "prefill" in self.plan_names)
+        growing_into_split = "prefill" in shapes and "prefill" not in self.plan_names
+        if scale_up_only and not growing_into_split:
             if set(shapes) != set(self.plan_names):
                 return
             current = {k: (self.pools[k].next_shape or self.pools[k].shape) for k in self.plan_names}
