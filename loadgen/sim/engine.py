@@ -224,6 +224,9 @@ class Simulation:
         stats = BatchStats(phase, n_dec + n_pre, ctx_dec + ctx_pre, ctx_dec + pairs_pre, n_dec + n_done_pre, *seq)
         # the pool waits for the next prompt after an iteration that empties its queue with no decode beside it
         drains = n_pre > 0 and n_dec == 0 and n_done_pre == len(pool.queue)
+        frac = self.pol.batching.prefill_iter_frac
+        if drains and frac > 0:  # a prompt that comes meanwhile waits for it: as long as the rule sized it for
+            budget = min(budget, frac * ttft_margin)
         op = self.ctrl.plan(pool.shape, stats, budget, pool.op, pool.rule,
                             self._recent_rate_hz(now) if drains else 0.0)
         t, e = self._truth(pool.shape, stats, op.depth, op.clock_attention, op.clock_ffn)
