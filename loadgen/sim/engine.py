@@ -262,9 +262,8 @@ class Simulation:
         planned = self.pools[next(k for k in modes if k in self.plan_names)]
         if planned.shape.gpus or planned.deficit:
             return planned
-        serving = [p for p in self.pools.values() if p.mode in modes and p.shape.gpus and p.next_shape is None]
-        serving += [p for p in self.pools.values() if p.mode in modes and p.shape.gpus]
-        return serving[0] if serving else planned
+        serving = [p for p in self.pools.values() if p.mode in modes and p.shape.gpus]
+        return min(serving, key=lambda p: p.next_shape is not None) if serving else planned  # settled ones first
 
     def _recent_rate_hz(self, now: float) -> float:
         """Arrivals per second over the last tick (what a controller can observe of the prompt rate)."""

@@ -120,8 +120,7 @@ class Fleet:
                 if name not in shapes and (pool.shape.gpus or pool.joining or pool.next_shape is not None):
                     pool.retiring, pool.next_shape, pool.deficit = True, empty_like(pool.shape), 0
             for name, shape in shapes.items():
-                pool = self.pools.get(name) or self.pools.setdefault(
-                    name, Pool(mode=name, shape=empty_like(shape), idle_since=now))
+                pool = self.pools.setdefault(name, Pool(mode=name, shape=empty_like(shape), idle_since=now))
                 pool.retiring = False
                 pool.next_shape = shape
                 need = shape.gpus - (pool.shape.gpus + pool.joining + pool.deficit)
