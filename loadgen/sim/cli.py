@@ -2,7 +2,8 @@
 
 Registered in services/launcher/cli.py with `add_sim_arguments(parser)` and `sim(args)`. `--load` runs a
 sweep (the trace's arrival rate scaled by each factor); every policy's figures come in the cluster and
-active accountings (fixed-pool on request).
+active accountings (fixed-pool on request). The accounting asked for is also the deployment the scaling
+planners plan for (`config.planner_parked_w`).
 `static-oracle` and `pool-oracle` run their grid searches first (loadgen.sim.oracle) and report the best
 configuration.
 """
@@ -76,8 +77,10 @@ def add_sim_arguments(p: argparse.ArgumentParser) -> None:
                    help="where GPUs outside a scaling policy's plan wait: warm (context kept, lowest clock), "
                         "cold (context released, bare idle; rejoin after a model load), auto (break-even)")
     p.add_argument("--accounting", choices=list(ACCOUNTINGS), default="cluster",
-                   help="which accounting the summary lines print (the JSON has cluster and active); "
-                        "fixed-pool (the paper's: every GPU charged all run, none parked cold) forces warm parking")
+                   help="the deployment and which accounting the summary lines print (the JSON has cluster "
+                        "and active): active prices a parked GPU at 0 W in every scaling planner (it is handed "
+                        "back); fixed-pool (the paper's: every GPU charged all run, none parked cold) forces "
+                        "warm parking")
     p.add_argument("--idle-clock-share", type=float, default=None,
                    help="share of context-idle power that follows f*V^2 (default: the profile's; a modelling choice)")
     p.add_argument("--oracle-workers", type=int, default=2, help="processes for the oracles' grid replays")

@@ -3,6 +3,8 @@
 `fixed-pool` is the paper's accounting (a fixed set of A800 nodes): every GPU of the cluster is charged
 from start to end at the context-idle power of the clock it is at, and no policy may park cold. It is
 a run of its own (parking is forced warm), whose `cluster` books are then the fixed-pool figures.
+`active` is a deployment too: a parked GPU is handed back, so the scaling planners price it at 0 W
+(`planner_parked_w`); its replay's `active` books are the figures.
 """
 
 from __future__ import annotations
@@ -10,6 +12,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 ACCOUNTINGS = ("cluster", "active", "fixed-pool")
+
+
+def planner_parked_w(accounting: str, parked_w: float) -> float:
+    """What a GPU outside the plan costs every scaling policy's planner (W): nothing under `active`
+    accounting, whose deployment hands a parked GPU back (a cloud or shared pool) and pays only for the
+    plan's GPUs; its parking state's power under `cluster` and `fixed-pool`, which own every GPU."""
+    return 0.0 if accounting == "active" else parked_w
 
 
 @dataclass

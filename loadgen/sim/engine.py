@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from loadgen.sim.arrivals import Arrivals
-from loadgen.sim.config import ACCOUNTINGS, SimConfig
+from loadgen.sim.config import ACCOUNTINGS, SimConfig, planner_parked_w
 from loadgen.sim.controller import Controller
 from loadgen.sim.fleet import Fleet, Pool
 from loadgen.sim.ledger import EnergyLedger
@@ -82,7 +82,7 @@ class Simulation:
             gpus=config.gpus, gpu_memory_bytes=self.mem, attention_weight_bytes=self.weights["attention"],
             ffn_weight_bytes=self.weights["ffn"], kv_bytes_per_token=self.kv_tok,
             link_bytes_s=config.link_bytes_s, ttft_budget_s=config.ttft_slo_s * 0.85,
-            tpot_budget_s=config.tpot_slo_s * 0.85, parked_power_w=self.parked_w)
+            tpot_budget_s=config.tpot_slo_s * 0.85, parked_power_w=planner_parked_w(config.accounting, self.parked_w))
         self.planner = SimPlanner(policy, self.spec, predictor, arrivals, config.window_s, config.headroom,
                                   config.burst_subwindow_s, config.burst_quantile, config.colocated_tp)
         self.ledger = EnergyLedger(active_from_s=float(arrivals.time_s[0]) if n else 0.0, record=config.record_power)

@@ -7,15 +7,16 @@ The shapes (`Plan.kind`):
   (`baseline_placement.provision_colocated`, the search DynamoLLM's planner makes).
 
 Why all three: the split pays its seam hop and the idle power of two GPU roles per pool; a P/D plan
-needs at least 2 × (1 + the FFN's GPUs) GPUs, so at low load (or under `active` accounting, where
-only the plan's GPUs count) one TP2 replica can be cheaper than any split plan. Every candidate is
-priced by the same predictors and power model, under the same SLO budgets, and the least predicted
-power wins. The other kinds are weighed only while the P/D plan is feasible at its smallest shape:
-once the load fills split pools past it (or more than the cluster holds), the split is what AFlex is
-for, and the pool model of a shared pool (prefill and decode priced apart, `mixed_power`) is too
-coarse to overrule it (measured: at a peak it sent conv-Qwen3 x2 to colocated replicas, P90 TTFT 10 s). A change of kind
-drains pools (requests finish where they are, their GPUs then move), so the current kind is kept
-unless another saves more than `switch_saving` of its predicted power.
+needs at least 2 × (1 + the FFN's GPUs) GPUs, and a prefill pool whose long prompts need attention
+TP needs more, so at low load (or under `active` accounting, where a parked GPU costs the planner
+nothing) one TP2 or TP4 replica can be cheaper than any split plan. Every candidate is priced by the
+same predictors and power model, under the same SLO budgets, and the least predicted power wins.
+When the P/D plan overflows the cluster (infeasible) the split is kept: the shared-pool model (prefill
+and decode priced apart, `mixed_power`) has no interference term, so it is not trusted past the
+cluster's capacity. That same model favours oversized mixed A/F pools, which is why AFlex weighs
+`AFLEX_KINDS` (docs/evaluation.md). A change of kind drains pools (requests finish where they are,
+their GPUs then move), so the current kind is kept unless another saves more than `switch_saving` of
+its predicted power.
 The simulator's AFlex planner calls `elastic_plan`; the live scheduler is to call the same.
 """
 
@@ -57,8 +58,8 @@ def elastic_plan(pred: Predictor, load: WindowLoad, spec: ClusterSpec, rule: Clo
     if not plans:
         raise ValueError(f"{spec.gpus} GPUs hold no plan of kinds {', '.join(kinds)}")
     pd = plans.get("pd")
-    if pd is not None and (not pd.feasible or pd.gpus > smallest_pd_gpus(spec)):
-        return pd  # the load fills split pools past their smallest shape (or overflows the cluster)
+    if pd is not None and not pd.feasible:
+        return pd  # the load overflows the cluster: the split holds the most
     best = min(plans.values(), key=lambda p: (not p.feasible, p.predicted_power_w))
     held = plans.get(current_kind) if current_kind is not None else None
     if held is not None and held.feasible and held.predicted_power_w * (1.0 - switch_saving) <= best.predicted_power_w:

@@ -214,6 +214,30 @@ def test_fixed_pool_accounting_charges_every_gpu_all_run_and_parks_none_cold() -
     assert default["accounting"]["cluster"]["energy_j"] < fixed["energy_j"]  # cold parking is what it gives up
 
 
+def test_active_accounting_plans_as_if_parked_gpus_are_handed_back() -> None:
+    """Under `active` a parked GPU costs the planner nothing (the deployment hands it back). Qwen3-32B's P/D
+    split at 2 req/s keeps 7-11 of 16 GPUs at low clocks, cheap beside 34 W parked; handed back, one TP4
+    replica costs less: fewer GPUs planned, lighter active books, every request served."""
+    qwen = get_model("qwen3-32b")
+    arr = synthetic(2.0, 90.0, 1, burstiness=1.5, prompt_mean=1500, output_mean=150)
+    res, specs = {}, {}
+    for accounting in ("cluster", "active"):
+        sim = Simulation(PROFILE, qwen, arr, policy_spec("aflex"),
+                         SimConfig(gpus=16, window_s=30, tick_s=10, accounting=accounting),
+                         cached_predictor(PROFILE, qwen))
+        res[accounting], specs[accounting] = sim.run(), sim.spec
+    assert specs["cluster"].parked_power_w == PROFILE.idle_power_w and specs["active"].parked_power_w == 0.0
+    assert res["active"]["finished"] == res["active"]["requests"] == res["cluster"]["requests"] == len(arr)
+
+    def planned_gpu_s(r: dict) -> float:
+        plans = r["plans"]
+        ends = [p["t_s"] for p in plans[1:]] + [r["makespan_s"]]
+        return sum((stop - p["t_s"]) * (r["gpus"] - p["parked"]) for p, stop in zip(plans, ends, strict=True))
+
+    assert planned_gpu_s(res["active"]) < planned_gpu_s(res["cluster"])
+    assert res["active"]["accounting"]["active"]["energy_j"] < res["cluster"]["accounting"]["active"]["energy_j"]
+
+
 def test_the_elastic_plan_changes_kind_with_the_load_and_loses_nothing() -> None:
     """Mixtral on 8 GPUs: a trickle fits one colocated TP2 replica, a burst needs split P/D pools. The pools
     of the plan before drain (every request finishes once, where it started) and the books stay whole."""
@@ -221,7 +245,7 @@ def test_the_elastic_plan_changes_kind_with_the_load_and_loses_nothing() -> None
 
     mixtral = get_model("mixtral-8x7b")
     quiet = synthetic(0.2, 120.0, 5, prompt_mean=500, output_mean=100)
-    burst = synthetic(6.0, 60.0, 6, prompt_mean=1200, output_mean=200)
+    burst = synthetic(10.0, 60.0, 6, prompt_mean=1200, output_mean=200)
     tail = synthetic(0.2, 120.0, 7, prompt_mean=500, output_mean=100)
     arr = Arrivals(np.concatenate([quiet.time_s, 120 + burst.time_s, 180 + tail.time_s]),
                    np.concatenate([quiet.prompt, burst.prompt, tail.prompt]),

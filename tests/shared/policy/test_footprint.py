@@ -81,8 +81,10 @@ def test_a_shared_pool_wins_where_the_split_cannot_shrink(mixtral: Predictor) ->
 def test_grown_split_pools_are_kept_and_a_kind_change_must_pay(mixtral: Predictor) -> None:
     spec = _spec("mixtral-8x7b", 16, mixtral)
     busy = WindowLoad(10.0, 1000, 250, 2500)
-    plan = elastic_plan(mixtral, busy, spec, RULE)
+    plan = elastic_plan(mixtral, busy, spec, RULE, kinds=AFLEX_KINDS)
+    busy_plans = candidate_plans(mixtral, busy, spec, RULE, kinds=AFLEX_KINDS)
     assert plan.kind == "pd" and plan.gpus > smallest_pd_gpus(spec)
+    assert plan.predicted_power_w == min(p.predicted_power_w for p in busy_plans.values())
     quiet = WindowLoad(0.3, 600, 150, 1500)
     plans = candidate_plans(mixtral, quiet, spec, RULE)
     cheapest = min(plans.values(), key=lambda p: p.predicted_power_w)
