@@ -14,6 +14,13 @@ ClockPhase = Literal["prefill", "decode"]  # a phase with a clock of its own (mi
 CLOCK_PHASES: tuple[ClockPhase, ...] = ("prefill", "decode")
 Role = Literal["attention", "ffn"]  # the half of the model a worker serves
 FinishReason = Literal["stop", "length", "abort", "error"]
+# what the global scheduler assigns a worker each provisioning window (issue 26): the pool it serves in,
+# or where it waits while parked (warm: model kept, lowest clock; cold: weights released)
+Assignment = Literal["prefill-attention", "decode-attention", "mixed-attention", "ffn", "colocated",
+                     "parked-warm", "parked-cold"]
+ASSIGNMENTS: tuple[Assignment, ...] = ("prefill-attention", "decode-attention", "mixed-attention", "ffn",
+                                       "colocated", "parked-warm", "parked-cold")
+PARKED: tuple[Assignment, ...] = ("parked-warm", "parked-cold")
 
 
 def clock_phase(phase: str) -> ClockPhase:

@@ -14,7 +14,7 @@ import orjson
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from shared.errors import AFlexError
-from shared.kinds import ClockPhase, FinishReason, Phase, Role
+from shared.kinds import Assignment, ClockPhase, FinishReason, Phase, Role
 from shared.model.params import SamplingParams
 
 
@@ -254,6 +254,7 @@ class WorkerInfo(Message):
     kv_free_blocks: int = 0
     kv_total_blocks: int = 0
     last_seen_s_ago: float = 0.0
+    assignment: Assignment | None = None  # the global scheduler's (None: no plan yet, or provisioning off)
 
 
 class SchedulerStatus(Message):
@@ -308,6 +309,37 @@ class WorkerTelemetry(Message):
     kv_blocks_total: int = 0
     tokens_done: int = 0  # monotonic
     microbatches_done: int = 0  # monotonic
+    assignment: Assignment | None = None  # the global scheduler's latest for it (None: none received)
+
+
+class RoleAssignment(Message):
+    """`aflex.v1.control.role.<wid>`: the worker's assignment for this provisioning window (only the
+    scheduler publishes). A parked worker takes no work; the scheduler drains it before it parks."""
+
+    worker_id: str
+    assignment: Assignment
+    plan_id: int  # the plan it belongs to (monotonic per scheduler run)
+    issued_ts: float
+    reason: str = ""
+
+
+class PlanTelemetry(Message):
+    """`aflex.v1.telemetry.plan`: the global scheduler's plan for the window, published at every plan."""
+
+    scheduler_id: str
+    ts: float
+    plan_id: int
+    kind: str  # "pd", "mixed" or "colocated" (`shared.policy.Plan.kind`)
+    pools: dict[str, list[int]]  # pool -> [attention GPUs, FFN GPUs, attention TP] (colocated: [replicas, TP])
+    assignments: dict[str, Assignment]  # worker -> its assignment
+    changed: list[str] = Field(default_factory=list)  # workers whose assignment this plan changed
+    predicted_power_w: float | None = None
+    feasible: bool = True
+    load_rps: float = 0.0  # the load planned for (before headroom)
+    mean_prompt: float = 0.0
+    mean_output: float = 0.0
+    p90_prompt: float = 0.0
+    reason: str = ""
 
 
 class SchedulerTelemetry(Message):
@@ -322,3 +354,5 @@ class SchedulerTelemetry(Message):
     ttft_p90_ms: float | None = None
     tpot_p90_ms: float | None = None
     clocks_mhz: dict[str, dict[str, int]] = Field(default_factory=dict)  # commanded, by worker and phase
+    assignments: dict[str, Assignment] = Field(default_factory=dict)  # the global scheduler's, by worker
+    plan_id: int = 0  # plans made so far (0: none; provisioning off)

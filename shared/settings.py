@@ -75,6 +75,16 @@ class SchedulerSettings(ServiceSettings):
         default="aflex",
         description="prefill order and cap: aflex (shortest remaining prompt first with aging, prefill "
                              "capped by the SLOs: the simulator's rule) or fcfs (first come first served)")
+    provisioning: Literal["aflex", "off"] = Field(
+        default="aflex", description="the global scheduler: aflex (every provisioning window, the simulator's plan "
+                                     "over the live workers: who serves, who parks warm) or off (every worker "
+                                     "serves, prefill and decode alike)")
+    provision_window_s: float = Field(
+        default=300.0, gt=0, description="provisioning window: the load of the last one plans the next (the "
+                                         "simulator's 5 minutes)")
+    provision_headroom: float = Field(default=1.3, ge=1.0, description="plans hold this multiple of the load seen")
+    provision_min_attention: int = Field(default=1, ge=1, description="attention workers that never park")
+    provision_min_ffn: int = Field(default=1, ge=1, description="FFN workers that never park")
     heartbeat_timeout_s: float = Field(default=5.0, description="a worker silent this long is unhealthy")
     microbatch_timeout_s: float = Field(default=120.0, description="longest wait for a MicrobatchDone")
     microbatch_lost_after_s: float = Field(

@@ -10,7 +10,7 @@ Layout, so that NATS per-user permissions can be written by prefix:
     aflex.v1.sched.*          workers -> scheduler
     aflex.v1.freq.<wid>       scheduler -> worker (only the scheduler may publish)
     aflex.v1.telemetry.>      anyone may read
-    aflex.v1.control.*        worker registration and heartbeats
+    aflex.v1.control.*        worker registration and heartbeats; roles (scheduler -> worker)
 """
 
 from __future__ import annotations
@@ -55,6 +55,14 @@ def freq(worker_id: str) -> str:
 
 def telemetry(role: str, worker_id: str) -> str:
     return f"{PREFIX}.telemetry.{role}.{worker_id}"
+
+
+def role(worker_id: str) -> str:
+    """Where the scheduler tells a worker its assignment for the provisioning window (only it publishes)."""
+    return f"{PREFIX}.control.role.{worker_id}"
+
+
+TELEMETRY_PLAN = f"{PREFIX}.telemetry.plan"  # the global scheduler's plan, every window and every change
 
 
 def heartbeat(worker_id: str) -> str:

@@ -44,6 +44,7 @@ from shared.policy.baseline_placement import (
 )
 from shared.policy.pipeline import iteration_cost
 from shared.policy.prefill_cap import AT_MAX, prefill_cap, queue_ttft_budget
+from shared.policy.provision import GPU_MEMORY_BYTES
 
 OPERATOR_KEYS = ("prefill-attention", "prefill-ffn", "decode-attention", "decode-ffn")
 MIXED_MODES = ("mixed", "colocated")  # pools that serve prefill and decode
@@ -63,7 +64,7 @@ class Simulation:
             raise ValueError(f"unknown accounting {config.accounting!r}; known: {', '.join(ACCOUNTINGS)}")
         self.margin_ttft, self.margin_tpot = SloMargin(), SloMargin()
         self.kv_tok = kv_bytes_per_token(args)
-        self.mem = 80e9
+        self.mem = GPU_MEMORY_BYTES
         n = len(arrivals)
         self.first = np.full(n, np.nan)
         self.finish = np.full(n, np.nan)
@@ -78,11 +79,10 @@ class Simulation:
         self.parking = "warm" if config.accounting == "fixed-pool" else parking_state(
             config.parking, config.window_s, profile.warm_parked_power_w, profile.idle_power_w, cold_j)
         self.parked_w = profile.warm_parked_power_w if self.parking == "warm" else profile.idle_power_w
-        self.spec = ClusterSpec(
-            gpus=config.gpus, gpu_memory_bytes=self.mem, attention_weight_bytes=self.weights["attention"],
-            ffn_weight_bytes=self.weights["ffn"], kv_bytes_per_token=self.kv_tok,
-            link_bytes_s=config.link_bytes_s, ttft_budget_s=config.ttft_slo_s * 0.85,
-            tpot_budget_s=config.tpot_slo_s * 0.85, parked_power_w=planner_parked_w(config.accounting, self.parked_w))
+        self.spec = ClusterSpec.for_model(
+            args, config.gpus, ttft_slo_s=config.ttft_slo_s, tpot_slo_s=config.tpot_slo_s,
+            link_bytes_s=config.link_bytes_s, parked_power_w=planner_parked_w(config.accounting, self.parked_w),
+            gpu_memory_bytes=self.mem)
         self.planner = SimPlanner(policy, self.spec, predictor, arrivals, config.window_s, config.headroom,
                                   config.burst_subwindow_s, config.burst_quantile, config.colocated_tp)
         self.ledger = EnergyLedger(active_from_s=float(arrivals.time_s[0]) if n else 0.0, record=config.record_power)

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 from shared.model.config import ModelArgs
+from shared.model.sizes import DTYPE_BYTES, attention_weight_bytes, ffn_weight_bytes, kv_bytes_per_token
+
+__all__ = ["DTYPE_BYTES", "MODELS", "attention_weight_bytes", "ffn_weight_bytes", "get_model", "kv_bytes_per_token"]
 
 MODELS: dict[str, ModelArgs] = {
     # Qwen/Qwen3-32B config.json: hidden 5120, 64 layers, 64 q heads, 8 kv heads, head_dim 128, MLP 25600
@@ -35,29 +38,8 @@ MODELS: dict[str, ModelArgs] = {
                               head_dim=64, intermediate_size=1536, tie_word_embeddings=True, max_seq_len=8192),
 }
 
-DTYPE_BYTES = 2  # bf16 weights, activations and KV cache
-
-
 def get_model(name: str) -> ModelArgs:
     try:
         return MODELS[name.lower()]
     except KeyError:
         raise ValueError(f"unknown model {name!r}; known: {', '.join(MODELS)}") from None
-
-
-def attention_weight_bytes(args: ModelArgs) -> float:
-    per_layer = args.dim * (args.q_dim + 2 * args.kv_dim) + args.q_dim * args.dim
-    embeddings = (1 if args.tie_word_embeddings else 2) * args.vocab_size * args.dim  # input table + LM head
-    return float(per_layer * args.n_layers + embeddings) * DTYPE_BYTES
-
-
-def ffn_weight_bytes(args: ModelArgs) -> float:
-    if args.n_experts:
-        per_layer = args.n_experts * 3 * args.dim * args.moe_intermediate_size + args.dim * args.n_experts
-    else:
-        per_layer = 3 * args.dim * args.intermediate_size
-    return float(per_layer * args.n_layers) * DTYPE_BYTES
-
-
-def kv_bytes_per_token(args: ModelArgs) -> float:
-    return float(2 * args.kv_dim * args.n_layers * DTYPE_BYTES)

@@ -19,6 +19,7 @@ from shared.policy import ClockRule, ClusterSpec, PoolShape, WindowLoad, provisi
 from shared.policy.baseline_placement import colocated_tp, distserve_placement, provision_colocated, provision_pd
 from shared.policy.footprint import elastic_plan
 from shared.policy.provision import Plan, decode_point, prefill_point
+from shared.policy.window_load import window_load
 
 Shapes = dict[str, PoolShape]
 
@@ -42,21 +43,10 @@ class SimPlanner:
         """The load of [t0, t1): mean rate, or with `burst` the `burst_quantile` of its sub-window rates
         (the global controller provisions for the bursts it saw, not their average)."""
         a = self.arrivals
-        t0 = max(0.0, t0)
-        i0, i1 = np.searchsorted(a.time_s, [t0, t1])
-        k = i1 - i0
-        if k == 0:
-            mp = float(np.mean(a.prompt)) if len(a) else 1.0
-            return WindowLoad(0.05, mp, float(np.mean(a.output)) if len(a) else 1.0)
-        rate = k / max(t1 - t0, 1e-9)
-        sub = self.burst_subwindow_s
-        if burst and t1 - t0 > 1.5 * sub:
-            edges = np.arange(t0, t1 + 1e-9, sub)
-            counts = np.diff(np.searchsorted(a.time_s, edges))
-            rate = max(rate, float(np.quantile(counts / sub, self.burst_quantile)))
-        prompts = a.prompt[i0:i1]
-        return WindowLoad(rate, float(np.mean(prompts)), float(np.mean(a.output[i0:i1])),
-                          float(np.percentile(prompts, 90)))
+        idle_prompt = float(np.mean(a.prompt)) if len(a) else 1.0
+        idle_output = float(np.mean(a.output)) if len(a) else 1.0
+        return window_load(a.time_s, a.prompt, a.output, t0, t1, burst=burst, subwindow_s=self.burst_subwindow_s,
+                           quantile=self.burst_quantile, idle_prompt=idle_prompt, idle_output=idle_output)
 
     def peak_load(self) -> WindowLoad:
         """The busiest `window_s` window of the trace (what a static deployment is sized for)."""

@@ -124,6 +124,11 @@ class Governor:
                         clock_ffn=self.commanded.get(ffn_id, {}).get(phase), lone=lone,
                         ffn_compute_s=done.ffn_compute_s)
 
+    def worker_woken(self, worker_id: str) -> None:
+        """A parked worker serves again: its clocks start over (at max under aflex), not at the parked lowest."""
+        self.commanded.pop(worker_id, None)
+        self.plans.pop(worker_id, None)
+
     def worker_restarted(self, worker_id: str) -> None:
         """A (re)started worker starts over: at max for "slo", and aflex holds nothing for it (its running-set
         bound is kept: the same hardware, and a new one would be unbounded for its first steps)."""
@@ -176,8 +181,8 @@ class Governor:
         return cap
 
     def share(self) -> int:
-        """Attention workers per FFN worker (each FFN worker serves about this many)."""
-        n_attention, n_ffn = len(self.registry.healthy("attention")), len(self.registry.healthy("ffn"))
+        """Serving attention workers per serving FFN worker (each FFN worker serves about this many)."""
+        n_attention, n_ffn = len(self.registry.serving("attention")), len(self.registry.serving("ffn"))
         return max(1, -(-n_attention // max(1, n_ffn)))
 
     def profile_of(self, worker: Worker) -> GPUProfile | None:
@@ -250,7 +255,9 @@ class Governor:
         """The worker's command for this window (and what it was told last, for the next one)."""
         policy = self.settings.freq_policy
         previous = self.commanded.get(worker.worker_id)
-        if planned is not None:
+        if worker.parked and worker.drained:  # warm: the model kept, the GPU at its lowest clock
+            clocks, reason = {p: worker.supported_clocks_mhz[0] for p in CLOCK_PHASES}, f"{worker.assignment}"
+        elif planned is not None:
             clocks, reason = planned
         elif self.clock_planner is not None and self.profile_of(worker) is not None:
             top = worker.supported_clocks_mhz[-1]
@@ -275,7 +282,7 @@ class Governor:
     def _aflex_window(self, planner: AflexPlanner, now_mono: float) -> dict[str, Planned]:
         """Clocks for every worker aflex can plan: each attention worker from its own pair plan, each FFN
         worker at the highest FFN clock any pair asks for; a phase nothing ran in holds its clock."""
-        attention, ffn = self.registry.healthy("attention"), self.registry.healthy("ffn")
+        attention, ffn = self.registry.serving("attention"), self.registry.serving("ffn")
         share, now_unix = self.share(), time.time()
         fresh: dict[str, dict[ClockPhase, PairPlan]] = {}
         for w in attention:
@@ -323,7 +330,7 @@ class Governor:
 
     # -- telemetry ------------------------------------------------------------------------------
 
-    def telemetry(self, queue_depth: int, running: int) -> SchedulerTelemetry:
+    def telemetry(self, queue_depth: int, running: int, plan_id: int = 0) -> SchedulerTelemetry:
         now = time.monotonic()
         self._prune(now)
         ttft_slo, tpot_slo = self.settings.ttft_slo_ms, self.settings.tpot_slo_ms
@@ -337,7 +344,9 @@ class Governor:
         return SchedulerTelemetry(
             scheduler_id=self.settings.scheduler_id, ts=time.time(), queue_depth=queue_depth, running=running,
             finished=self.finished_total, slo_attainment=good / len(done) if done else None,
-            ttft_p90_ms=percentile(ttfts, 90), tpot_p90_ms=percentile(tpots, 90), clocks_mhz=clocks)
+            ttft_p90_ms=percentile(ttfts, 90), tpot_p90_ms=percentile(tpots, 90), clocks_mhz=clocks,
+            assignments={w.worker_id: w.assignment for w in self.registry.workers.values()
+                         if w.healthy and w.assignment is not None}, plan_id=plan_id)
 
 
 def _sample(passes: list[Pass], mono: float, depth: int = 1) -> IterationSample:

@@ -17,6 +17,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from services.scheduler.state import RequestState
+from shared.kinds import PARKED, Assignment
 from shared.messages import Heartbeat, Register, Role, WorkerInfo
 from shared.policy.iteration import KvRoom
 
@@ -77,6 +78,18 @@ class Worker:
     gpu_profile: str = ""  # as registered; the scheduler resolves it (or the name) to a profile
     supported_clocks_mhz: list[int] = field(default_factory=list)  # empty: no frequency commands
     attention_lane: AttentionLane | None = None
+    assignment: Assignment | None = None  # the global scheduler's (None: no plan yet, or provisioning off)
+
+    @property
+    def parked(self) -> bool:
+        """Parked by the global scheduler: it takes no new work (what it holds finishes first)."""
+        return self.assignment in PARKED
+
+    @property
+    def drained(self) -> bool:
+        """Nothing queued or running on it (an FFN worker holds nothing between microbatches)."""
+        lane = self.attention_lane
+        return lane is None or not (lane.waiting or lane.running)
 
     def __post_init__(self) -> None:
         if self.role == "attention" and self.attention_lane is None:
@@ -110,7 +123,7 @@ class Worker:
     def info(self, now: float) -> WorkerInfo:
         return WorkerInfo(worker_id=self.worker_id, role=self.role, healthy=self.healthy,
                           kv_free_blocks=self.kv_free_blocks, kv_total_blocks=self.kv_total_blocks,
-                          last_seen_s_ago=round(now - self.last_seen, 3))
+                          last_seen_s_ago=round(now - self.last_seen, 3), assignment=self.assignment)
 
 
 class Registry:
@@ -174,9 +187,17 @@ class Registry:
         """The lane of every attention worker known, healthy or not."""
         return [w.attention_lane for w in self.workers.values() if w.attention_lane is not None]
 
-    def usable_attention(self) -> list[Worker]:
-        """Healthy attention workers whose capacity we know (they registered)."""
+    def attention_workers(self) -> list[Worker]:
+        """Healthy attention workers whose capacity we know (they registered), parked or not."""
         return [w for w in self.healthy("attention") if w.capacity_tokens > 0]
+
+    def usable_attention(self) -> list[Worker]:
+        """The attention workers new requests may go to: registered, healthy, not parked."""
+        return [w for w in self.attention_workers() if not w.parked]
+
+    def serving(self, role: Role) -> list[Worker]:
+        """Healthy workers of `role` the global scheduler has not parked."""
+        return [w for w in self.healthy(role) if not w.parked]
 
     @property
     def ready(self) -> bool:
@@ -192,8 +213,9 @@ class Registry:
                    default=None)
 
     def next_ffn(self) -> Worker | None:
-        """Round-robin over healthy FFN workers, one turn per microbatch."""
-        ffn = self.healthy("ffn")
+        """Round-robin over the serving FFN workers (every healthy one if all are parked), one turn per
+        microbatch."""
+        ffn = self.serving("ffn") or self.healthy("ffn")
         if not ffn:
             return None
         worker = ffn[self._ffn_turn % len(ffn)]

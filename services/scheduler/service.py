@@ -29,6 +29,7 @@ from services.scheduler.governor import Governor
 from services.scheduler.model_info import ModelInfo
 from services.scheduler.outputs import OutputStream, token_delta
 from services.scheduler.passes import Pass, PassPlan, plan_passes, release_only, share_energy
+from services.scheduler.provisioning import ProvisioningLoop
 from services.scheduler.recovery import InFlight
 from services.scheduler.registry import Registry, Worker
 from services.scheduler.routing import Placement
@@ -72,6 +73,8 @@ class Scheduler:
         self.governor = Governor(settings, model, self.registry)
         self.gateways = GatewayWatch(settings.gateway_silence_s)
         self.outputs = OutputStream(nc)
+        self.provisioning = ProvisioningLoop(settings, nc, self.registry, self.governor, self._on_plan_change) \
+            if settings.provisioning == "aflex" else None
 
     # -- lifecycle ------------------------------------------------------------------------------
 
@@ -88,11 +91,13 @@ class Scheduler:
         self._spawn(self._health_loop())
         if self.settings.freq_window_s > 0:
             self._spawn(self._freq_loop())
+        if self.provisioning is not None:
+            self._spawn(self.provisioning.run())
         s = self.settings
         self._spawn(beacon.heartbeat_loop(nc, s.scheduler_id, self._run_token, s.heartbeat_s))
         if s.telemetry_hz > 0:
             self._spawn(beacon.telemetry_loop(nc, s.scheduler_id, s.telemetry_hz, lambda: self.governor.telemetry(
-                self.queue_depth, self.running_count)))
+                self.queue_depth, self.running_count, self.provisioning.plan_id if self.provisioning else 0)))
 
     async def stop(self) -> None:
         for task in list(self._tasks):
@@ -162,6 +167,27 @@ class Scheduler:
         for worker in self.registry.healthy("attention"):
             worker.lane.wake.set()
 
+    def _on_plan_change(self, changed: list[Worker]) -> None:
+        """The global scheduler moved `changed`: a parked attention worker's requests that have not started
+        go elsewhere (what it holds finishes there), woken ones start taking work, and every changed
+        worker gets its clocks now rather than at the next frequency window."""
+        for worker in changed:
+            lane = worker.attention_lane
+            if worker.parked and lane is not None:
+                for state in [s for s in lane.waiting if not (s.first_pass_sent or s.num_computed or s.fork_from)]:
+                    lane.detach(state)
+                    self.placement.route(state)
+        self._on_capacity_change()
+        if self.settings.freq_window_s > 0:
+            self._spawn(self._command(changed))
+
+    async def _command(self, workers: list[Worker]) -> None:
+        signals = self.governor.signals(time.monotonic(), self.requests.values())
+        for worker in workers:
+            if worker.healthy and worker.supported_clocks_mhz:
+                cmd = self.governor.command(worker, signals)
+                await self.nc.publish(subjects.freq(worker.worker_id), encode(cmd))
+
     async def _health_loop(self) -> None:
         timeout = self.settings.heartbeat_timeout_s
         while True:
@@ -171,6 +197,8 @@ class Scheduler:
                             worker.role, timeout)
                 if worker.role == "attention":
                     recovery.lose(worker, self.in_flight, restarted=False)
+                if self.provisioning is not None:
+                    self.provisioning.lost(worker)
             for state in self.gateways.orphans(time.monotonic(), list(self.requests.values())):
                 if not state.finished:  # (finished meanwhile, while a delta was published)
                     await self._finish(state, "abort")
@@ -243,6 +271,8 @@ class Scheduler:
         self.gateways.heard(req.gateway_id, time.monotonic())
         self.requests[req.request_id] = state
         self.placement.admit(state, self.requests.get(req.fork_of) if req.fork_of else None)
+        if self.provisioning is not None:
+            self.provisioning.admitted(state)
         return SubmitReply(request_id=req.request_id, accepted=True, scheduler_instance=self._run_token)
 
     # -- cancellation ---------------------------------------------------------------------------
@@ -414,6 +444,8 @@ class Scheduler:
                 lane.pending_release.append(state.request_id)
                 lane.wake.set()
         self.governor.finished(state, reason, time.monotonic())
+        if self.provisioning is not None:
+            self.provisioning.finished(state)
         usage = Usage(prompt_tokens=len(state.prompt_ids), completion_tokens=len(state.output_ids),
                       total_tokens=state.num_tokens, energy_j=state.energy_j)
         delta = (token_delta(state, state.next_index, finish_reason=reason, usage=usage, error=error) if last_token

@@ -21,7 +21,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from shared.gpu.base import GPU
-from shared.kinds import Role
+from shared.kinds import Assignment, Role
 from shared.messages import PhaseLatency, WorkerTelemetry, encode
 
 if TYPE_CHECKING:
@@ -48,6 +48,7 @@ class WorkerMeter:
         self.queue_depth = 0
         self.kv_blocks_used = 0
         self.kv_blocks_total = 0
+        self.assignment: Assignment | None = None  # the global scheduler's latest (None: none received)
 
     def op(self, phase: str, measured_s: float, modelled_s: float) -> None:
         """One operator call (a layer's attention, an FFN forward, the lm_head) on the GPU."""
@@ -89,7 +90,7 @@ class WorkerMeter:
             power_w=gpu.power_w(), energy_j=gpu.total_energy_j(), utilization=utilization,
             latency_ms=latency, queue_depth=self.queue_depth, kv_blocks_used=self.kv_blocks_used,
             kv_blocks_total=self.kv_blocks_total, tokens_done=self.tokens_done,
-            microbatches_done=self.microbatches_done)
+            microbatches_done=self.microbatches_done, assignment=self.assignment)
 
 
 async def publish_loop(nc: Client, subject: str, meter: WorkerMeter, gpu: GPU,

@@ -23,6 +23,8 @@ import math
 from dataclasses import dataclass, replace
 
 from shared.gpu.emulated import GPUProfile
+from shared.model.config import ModelArgs
+from shared.model.sizes import attention_weight_bytes, ffn_weight_bytes, kv_bytes_per_token
 from shared.perf import Predictor
 from shared.policy.operating_point import BatchStats, ClockRule, OperatingPoint, PoolShape, choose_operating_point
 
@@ -33,6 +35,10 @@ class WindowLoad:
     mean_prompt: float
     mean_output: float
     p90_prompt: float = 0.0  # > 0: a prompt this long, alone, must fit the TTFT budget on one group
+
+
+GPU_MEMORY_BYTES = 80e9  # the modelled GPUs' memory (A800/A100/H100 80 GB)
+SLO_BUDGET_SHARE = 0.85  # plans meet this share of each SLO
 
 
 @dataclass(frozen=True)
@@ -47,6 +53,25 @@ class ClusterSpec:
     tpot_budget_s: float
     parked_power_w: float
     memory_fraction: float = 0.9
+    # a live mesh's workers load one half each: at most this many can serve attention / the FFN (None: any
+    # GPU can take either role, as in the simulator's cluster)
+    max_attention: int | None = None
+    max_ffn: int | None = None
+
+    @classmethod
+    def for_model(cls, args: ModelArgs, gpus: int, *, ttft_slo_s: float, tpot_slo_s: float, link_bytes_s: float,
+                  parked_power_w: float, gpu_memory_bytes: float = GPU_MEMORY_BYTES, max_attention: int | None = None,
+                  max_ffn: int | None = None) -> ClusterSpec:
+        """The cluster that serves `args` on `gpus` GPUs, planned to `SLO_BUDGET_SHARE` of each SLO (the rest is
+        the queueing and dispatch a plan does not see): the simulator's and the live scheduler's one spec."""
+        return cls(gpus, gpu_memory_bytes, attention_weight_bytes(args), ffn_weight_bytes(args),
+                   kv_bytes_per_token(args), link_bytes_s, ttft_slo_s * SLO_BUDGET_SHARE,
+                   tpot_slo_s * SLO_BUDGET_SHARE, parked_power_w, max_attention=max_attention, max_ffn=max_ffn)
+
+    def role_fits(self, attention: int, ffn: int) -> bool:
+        """Whether `attention` attention and `ffn` FFN GPUs, together, fit the cluster and its role limits."""
+        return (attention + ffn <= self.gpus and (self.max_attention is None or attention <= self.max_attention)
+                and (self.max_ffn is None or ffn <= self.max_ffn))
 
     @property
     def ffn_min(self) -> int:
@@ -170,14 +195,17 @@ def prefill_power(pred: Predictor, shape: PoolShape, load: WindowLoad, spec: Clu
 
 
 def mixed_power(pred: Predictor, shape: PoolShape, load: WindowLoad, spec: ClusterSpec, rule: ClockRule) -> float:
-    """Predicted power (W) of one pool serving prefill and decode: both pools' power less the idle
-    power counted twice (the GPUs are the same)."""
+    """Predicted power (W) of one pool serving prefill and decode: the decode pool's power, plus the prefill
+    pool's above its own idle (the GPUs are the same: while they do not prefill, they decode, which the
+    decode pool's power already counts). That is the prefill pool's power less its idle power at the clocks
+    it was priced at, not at the top clock: that would discount every GPU of a larger pool."""
     dp = decode_power(pred, shape, load, spec, rule)
-    pp = prefill_power(pred, shape, load, spec, rule)
+    op, pp = prefill_point(pred, shape, load, spec, rule)
     if dp >= INFEASIBLE or pp >= INFEASIBLE:
         return max(dp, pp)
-    top = pred.profile.max_mhz
-    return dp + pp - idle_power_w(pred.profile, shape, top, top)
+    if op is None:  # no prefill load: the pool only decodes
+        return dp
+    return dp + pp - idle_power_w(pred.profile, shape, op.clock_attention, op.clock_ffn)
 
 
 def idle_power_w(prof: GPUProfile, shape: PoolShape, clock_attention: float, clock_ffn: float) -> float:
@@ -210,33 +238,33 @@ def provision(pred: Predictor, load: WindowLoad, spec: ClusterSpec, rule: ClockR
     fmin = spec.ffn_min
     if n < min_pd_gpus:
         return provision_mixed(pred, load, spec, rule, headroom, use_all)
-    pre: dict[int, tuple[float, int, int, int]] = {}
-    dec: dict[int, tuple[float, int, int]] = {}
+    pre: dict[tuple[int, int], tuple[float, int]] = {}  # (attention, FFN) GPUs -> (power, attention TP)
+    dec: dict[tuple[int, int], float] = {}
     max_tp = max(1, pred.args.n_kv_heads) if prefill_tp else 1
     for f in range(fmin, n):
         for a in range(1, n - f):
-            k = a + f
+            if not spec.role_fits(a, f):
+                continue
             for tp in attention_tp_options(a, max_tp):
                 pp = prefill_power(pred, _pool(a, f, spec, tp), hl, spec, rule)
-                if k not in pre or pp < pre[k][0]:
-                    pre[k] = (pp, a, f, tp)
-            dp = decode_power(pred, _pool(a, f, spec), hl, spec, rule)
-            if k not in dec or dp < dec[k][0]:
-                dec[k] = (dp, a, f)
-    choice: tuple[float, int, int] | None = None
-    for kp, (pp, _, _, _) in pre.items():
-        for kd, (dp, _, _) in dec.items():
-            if kp + kd > n or (use_all and kp + kd != n):
+                if (a, f) not in pre or pp < pre[(a, f)][0]:
+                    pre[(a, f)] = (pp, tp)
+            dec[(a, f)] = decode_power(pred, _pool(a, f, spec), hl, spec, rule)
+    choice: tuple[float, tuple[int, int], tuple[int, int]] | None = None
+    for (pa, pf), (pp, _) in pre.items():
+        for (da, df), dp in dec.items():
+            used = pa + pf + da + df
+            if not spec.role_fits(pa + da, pf + df) or (use_all and used != n):
                 continue
-            total = pp + dp + (n - kp - kd) * spec.parked_power_w
+            total = pp + dp + (n - used) * spec.parked_power_w
             if choice is None or total < choice[0]:
-                choice = (total, kp, kd)
+                choice = (total, (pa, pf), (da, df))
     if choice is None:
         raise ValueError(f"{n} GPUs cannot hold a prefill and a decode pool")
-    total, kp, kd = choice
-    _, pa, pf, ptp = pre[kp]
-    _, da, df = dec[kd]
-    return Plan(_pool(pa, pf, spec, ptp), _pool(da, df, spec), None, n - kp - kd, total, total < INFEASIBLE)
+    total, (pa, pf), (da, df) = choice
+    ptp = pre[(pa, pf)][1]
+    return Plan(_pool(pa, pf, spec, ptp), _pool(da, df, spec), None, n - pa - pf - da - df, total,
+                total < INFEASIBLE)
 
 
 def provision_mixed(pred: Predictor, load: WindowLoad, spec: ClusterSpec, rule: ClockRule, headroom: float = 1.3,
@@ -249,7 +277,7 @@ def provision_mixed(pred: Predictor, load: WindowLoad, spec: ClusterSpec, rule: 
     best: tuple[float, int, int] | None = None
     for f in range(fmin, n):
         for a in range(1, n - f + 1):
-            if use_all and a + f != n:
+            if (use_all and a + f != n) or not spec.role_fits(a, f):
                 continue
             p = mixed_power(pred, _pool(a, f, spec), hl, spec, rule) + (n - a - f) * spec.parked_power_w
             if best is None or p < best[0]:

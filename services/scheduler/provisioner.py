@@ -1,0 +1,176 @@
+"""The global scheduler, live: every provisioning window, the simulator's planning call over the live workers.
+
+Pure (no I/O, no clock of its own): dispatch tells it what it admitted and what finished, and asks it
+for a plan with the workers it has; it answers each worker's assignment. The decisions are
+shared/policy's: the window's load (`window_load`, the simulator's rule: the burst quantile of
+30-second rates), the cluster (`ClusterSpec.for_model`, limited to the halves the workers loaded)
+and the plan (`elastic_plan`, the call the simulator's AFlex planner makes). Only the mapping of a
+plan's pools onto named workers is this module's: a worker keeps its role where the plan allows, so a
+plan moves as few workers as it can.
+
+Kinds live: a mesh whose workers each load one half serves "mixed" pools (every attention worker runs
+prefill and decode beside the FFN workers). "pd" pools need the KV handoff between attention workers,
+"colocated" a worker that loads both halves; until those land the live planner does not weigh them.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass, field, replace
+
+from shared.gpu.emulated import GPUProfile
+from shared.kinds import Assignment
+from shared.model.config import ModelArgs
+from shared.perf import Predictor
+from shared.policy import ClockRule, ClusterSpec, Plan, WindowLoad
+from shared.policy.footprint import elastic_plan
+from shared.policy.window_load import window_load
+
+LIVE_KINDS: tuple[str, ...] = ("mixed",)
+POOL_ASSIGNMENT: dict[str, Assignment] = {"prefill": "prefill-attention", "decode": "decode-attention",
+                                          "mixed": "mixed-attention", "colocated": "colocated"}
+
+
+@dataclass
+class Arrival:
+    request_id: str
+    mono: float
+    prompt_tokens: int
+    max_tokens: int
+    output_tokens: int | None = None  # known once it finished
+
+
+class LoadLog:
+    """The requests admitted over the last `keep_s` seconds, with their output lengths once known."""
+
+    def __init__(self, keep_s: float) -> None:
+        self.keep_s = keep_s
+        self.arrivals: deque[Arrival] = deque()
+        self.by_id: dict[str, Arrival] = {}
+
+    def admitted(self, request_id: str, mono: float, prompt_tokens: int, max_tokens: int) -> None:
+        arrival = Arrival(request_id, mono, prompt_tokens, max_tokens)
+        self.arrivals.append(arrival)
+        self.by_id[request_id] = arrival
+
+    def finished(self, request_id: str, output_tokens: int) -> None:
+        arrival = self.by_id.pop(request_id, None)
+        if arrival is not None:
+            arrival.output_tokens = output_tokens
+
+    def prune(self, now_mono: float) -> None:
+        while self.arrivals and now_mono - self.arrivals[0].mono > self.keep_s:
+            self.by_id.pop(self.arrivals.popleft().request_id, None)
+
+    def load(self, now_mono: float, window_s: float, subwindow_s: float, quantile: float) -> WindowLoad:
+        """The load of the last `window_s` seconds, by the simulator's rule. A request still running counts
+        the mean output of those that finished (its `max_tokens` while none has)."""
+        self.prune(now_mono)
+        t0 = now_mono - window_s
+        recent = [a for a in self.arrivals if a.mono >= t0]
+        done = [a.output_tokens for a in recent if a.output_tokens is not None]
+        mean_out = sum(done) / len(done) if done else None
+        outputs = [a.output_tokens if a.output_tokens is not None else
+                   (mean_out if mean_out is not None else a.max_tokens) for a in recent]
+        return window_load([a.mono - t0 for a in recent], [a.prompt_tokens for a in recent], outputs, 0.0,
+                           window_s, burst=True, subwindow_s=subwindow_s, quantile=quantile)
+
+
+@dataclass(frozen=True)
+class PlanDecision:
+    plan_id: int
+    plan: Plan
+    load: WindowLoad
+    assignments: dict[str, Assignment]
+    changed: list[str]
+    pool_of: dict[str, str] = field(default_factory=dict)  # worker -> the pool it serves in ("" when parked)
+
+
+def assign(plan: Plan, attention_ids: list[str], ffn_ids: list[str], previous: dict[str, Assignment]
+           ) -> tuple[dict[str, Assignment], dict[str, str]]:
+    """Name the workers of each pool of `plan`: a worker already serving in a pool of the same role is
+    kept there, then the serving ones, then the parked ones, each in id order; the rest park warm."""
+    out: dict[str, Assignment] = {}
+    pool_of: dict[str, str] = {}
+
+    def order(ids: list[str], wanted: Assignment | None) -> list[str]:
+        return sorted(ids, key=lambda w: (previous.get(w) != wanted, previous.get(w, "parked-warm").startswith(
+            "parked"), w))
+
+    free_a, free_f = list(attention_ids), list(ffn_ids)
+    for pool, shape in plan.pools().items():
+        role = POOL_ASSIGNMENT[pool]
+        n_attention = shape.attention if shape.split else shape.gpus
+        for wid in order(free_a, role)[:n_attention]:
+            out[wid], pool_of[wid] = role, pool
+            free_a.remove(wid)
+        for wid in order(free_f, "ffn")[:shape.ffn if shape.split else 0]:
+            out[wid], pool_of[wid] = "ffn", pool
+            free_f.remove(wid)
+    for wid in [*free_a, *free_f]:
+        out[wid], pool_of[wid] = "parked-warm", ""
+    return out, pool_of
+
+
+class Provisioner:
+    """The live global scheduler's state: the load it saw, the assignments it gave, the plans it made."""
+
+    def __init__(self, *, window_s: float, ttft_slo_ms: float, tpot_slo_ms: float, link_bytes_s: float,
+                 headroom: float = 1.3, min_attention: int = 1, min_ffn: int = 1, subwindow_s: float = 30.0,
+                 quantile: float = 0.9, kinds: tuple[str, ...] = LIVE_KINDS) -> None:
+        if window_s <= 0:
+            raise ValueError(f"provision_window_s must be > 0, got {window_s}")
+        if min_attention < 1 or min_ffn < 1:
+            raise ValueError(f"a mesh serves with at least one attention and one FFN worker, got "
+                             f"provision_min_attention={min_attention}, provision_min_ffn={min_ffn}")
+        self.window_s, self.headroom = window_s, headroom
+        self.ttft_slo_s, self.tpot_slo_s, self.link_bytes_s = ttft_slo_ms / 1e3, tpot_slo_ms / 1e3, link_bytes_s
+        self.min_attention, self.min_ffn = min_attention, min_ffn
+        self.subwindow_s = min(subwindow_s, window_s / 2)  # a short (test) window still sees its bursts
+        self.quantile, self.kinds = quantile, kinds
+        self.loads = LoadLog(keep_s=window_s)
+        self.assignments: dict[str, Assignment] = {}
+        self.plan_id = 0
+        self.kind: str | None = None
+        self.latest: PlanDecision | None = None
+
+    def spec(self, args: ModelArgs, profile: GPUProfile, n_attention: int, n_ffn: int) -> ClusterSpec:
+        """The live cluster: its workers as GPUs, each able to serve the half it loaded."""
+        return ClusterSpec.for_model(args, n_attention + n_ffn, ttft_slo_s=self.ttft_slo_s,
+                                     tpot_slo_s=self.tpot_slo_s, link_bytes_s=self.link_bytes_s,
+                                     parked_power_w=profile.warm_parked_power_w, max_attention=n_attention,
+                                     max_ffn=n_ffn)
+
+    def plan(self, now_mono: float, pred: Predictor, rule: ClockRule, attention_ids: list[str],
+             ffn_ids: list[str]) -> PlanDecision:
+        """The plan for the coming window over these (healthy, registered) workers, and who serves where."""
+        if not attention_ids or not ffn_ids:
+            raise ValueError("a plan needs at least one attention and one FFN worker")
+        load = self.loads.load(now_mono, self.window_s, self.subwindow_s, self.quantile)
+        spec = self.spec(pred.args, pred.profile, len(attention_ids), len(ffn_ids))
+        plan = elastic_plan(pred, load, spec, rule, self.headroom, self.kind, kinds=self.kinds)
+        plan = self._at_least(plan, spec)
+        assignments, pool_of = assign(plan, attention_ids, ffn_ids, self.assignments)
+        changed = sorted(w for w, a in assignments.items() if self.assignments.get(w) != a)
+        self.plan_id += 1
+        self.kind, self.assignments = plan.kind, assignments
+        self.latest = PlanDecision(self.plan_id, plan, load, assignments, changed, pool_of)
+        return self.latest
+
+    def _at_least(self, plan: Plan, spec: ClusterSpec) -> Plan:
+        """The operator's floor: a mixed plan grown to `min_attention` and `min_ffn` serving workers where
+        the mesh has them (the grown GPUs are priced as serving idle, not as parked)."""
+        pool = plan.mixed
+        if pool is None or not pool.split:
+            return plan
+        a = min(max(pool.attention, self.min_attention), spec.max_attention or math.inf)
+        f = min(max(pool.ffn, self.min_ffn), spec.max_ffn or math.inf)
+        if (a, f) == (pool.attention, pool.ffn):
+            return plan
+        grown = replace(pool, attention=int(a), ffn=int(f))
+        return replace(plan, mixed=grown, parked=spec.gpus - grown.gpus)
+
+    def forget(self, worker_id: str) -> None:
+        """A worker gone (lost or deregistered): its assignment no longer holds."""
+        self.assignments.pop(worker_id, None)

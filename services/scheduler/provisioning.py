@@ -1,0 +1,119 @@
+"""The global scheduler's loop in the live mesh: every provisioning window, plan, assign, publish.
+
+provisioner.py decides (the simulator's planning call over the live workers); this module feeds it
+what dispatch admitted and finished, applies its answer to the registry, and publishes it: a
+`RoleAssignment` to every worker on `control.role.<wid>`, the plan as `PlanTelemetry` on
+`telemetry.plan`. Dispatch is told which workers changed (`on_change`), so it re-routes the requests
+that had not started on a worker now parked, starts the loops of woken ones, and sends new clocks at
+once: a parked worker idles at its lowest clock once it has drained (warm parking; governor.py).
+A serving worker lost between windows brings the next plan forward, so parked workers wake at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+
+from nats.aio.client import Client
+
+from services.scheduler.governor import Governor
+from services.scheduler.provisioner import PlanDecision, Provisioner
+from services.scheduler.registry import Registry, Worker
+from services.scheduler.state import RequestState
+from shared import subjects
+from shared.messages import PlanTelemetry, RoleAssignment, encode
+from shared.perf import cached_predictor
+from shared.policy import AFLEX_CLOCK_OBJECTIVE, ClockRule
+from shared.settings import SchedulerSettings
+
+log = logging.getLogger("aflex.scheduler")
+
+
+class ProvisioningLoop:
+    def __init__(self, settings: SchedulerSettings, nc: Client, registry: Registry, governor: Governor,
+                 on_change: Callable[[list[Worker]], None]) -> None:
+        s = settings
+        self.settings, self.nc, self.registry, self.governor, self.on_change = s, nc, registry, governor, on_change
+        self.provisioner = Provisioner(window_s=s.provision_window_s, ttft_slo_ms=s.ttft_slo_ms,
+                                       tpot_slo_ms=s.tpot_slo_ms, link_bytes_s=s.freq_link_gbs * 1e9,
+                                       headroom=s.provision_headroom, min_attention=s.provision_min_attention,
+                                       min_ffn=s.provision_min_ffn)
+        self.args = governor.planner.args if governor.planner is not None else None
+        self._warned = False
+        self._replan = asyncio.Event()
+
+    @property
+    def plan_id(self) -> int:
+        return self.provisioner.plan_id
+
+    def admitted(self, state: RequestState) -> None:
+        self.provisioner.loads.admitted(state.request_id, time.monotonic(), len(state.prompt_ids),
+                                        state.sampling.max_tokens)
+
+    def finished(self, state: RequestState) -> None:
+        self.provisioner.loads.finished(state.request_id, len(state.output_ids))
+
+    def lost(self, worker: Worker) -> None:
+        """A worker went silent: it holds no assignment now; if it served, plan again without waiting."""
+        self.provisioner.forget(worker.worker_id)
+        if not worker.parked:
+            self._replan.set()
+        worker.assignment = None
+
+    async def run(self) -> None:
+        while True:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._replan.wait(), self.settings.provision_window_s)
+            self._replan.clear()
+            try:
+                await self.window()
+            except Exception:  # a plan that fails leaves the assignments as they are; the next window tries again
+                log.exception("provisioning: the plan failed; assignments unchanged")
+
+    async def window(self) -> PlanDecision | None:
+        """One provisioning window: the plan over the healthy registered workers, applied and published."""
+        attention, ffn = self.registry.attention_workers(), self.registry.healthy("ffn")
+        if not attention or not ffn:
+            return None
+        profile = self.governor.profile_of(attention[0])
+        if self.args is None or profile is None:
+            if not self._warned:
+                self._warned = True
+                log.warning("provisioning aflex: %s; every worker serves", "the model's shape is unknown"
+                            if self.args is None else f"the GPU profile of {attention[0].worker_id} is unknown")
+            return None
+        planner = self.governor.planner
+        pred = planner.predictor(profile) if planner is not None else cached_predictor(profile, self.args)
+        rule = planner.rule if planner is not None else ClockRule(objective=AFLEX_CLOCK_OBJECTIVE)
+        decision = self.provisioner.plan(time.monotonic(), pred, rule, [w.worker_id for w in attention],
+                                         [w.worker_id for w in ffn])
+        changed = [self.registry.workers[w] for w in decision.changed]
+        for wid, assignment in decision.assignments.items():
+            worker = self.registry.workers[wid]
+            if worker.parked and assignment not in ("parked-warm", "parked-cold"):
+                self.governor.worker_woken(wid)
+            worker.assignment = assignment
+        if changed:
+            log.info("plan %d (%s, %.2f req/s planned): %s", decision.plan_id, decision.plan.kind,
+                     decision.load.rate_rps, ", ".join(f"{w.worker_id} -> {w.assignment}" for w in changed))
+        self.on_change(changed)
+        await self._publish(decision)
+        return decision
+
+    async def _publish(self, d: PlanDecision) -> None:
+        now = time.time()
+        reason = f"{d.plan.kind} plan for {d.load.rate_rps:.2f} req/s x {self.provisioner.headroom:g}"
+        for wid, assignment in d.assignments.items():
+            msg = RoleAssignment(worker_id=wid, assignment=assignment, plan_id=d.plan_id, issued_ts=now,
+                                 reason=reason)
+            await self.nc.publish(subjects.role(wid), encode(msg))
+        pools = {name: ([s.attention, s.ffn, s.attention_tp] if s.split else [s.replicas, s.tp])
+                 for name, s in d.plan.pools().items()}
+        await self.nc.publish(subjects.TELEMETRY_PLAN, encode(PlanTelemetry(
+            scheduler_id=self.settings.scheduler_id, ts=now, plan_id=d.plan_id, kind=d.plan.kind, pools=pools,
+            assignments=d.assignments, changed=d.changed, predicted_power_w=d.plan.predicted_power_w,
+            feasible=d.plan.feasible, load_rps=d.load.rate_rps, mean_prompt=d.load.mean_prompt,
+            mean_output=d.load.mean_output, p90_prompt=d.load.p90_prompt, reason=reason)))

@@ -1,0 +1,191 @@
+"""The global scheduler, live (issue 26): every provisioning window, the simulator's plan over the live workers.
+
+Pure tests of services/scheduler/provisioner.py first: the load is the simulator's rule on the same
+arrivals, the plan is `elastic_plan`'s on the same load and cluster, the workers' assignments are
+stable. Then the scheduler on a real nats-server with fake workers registered as emulated A800s,
+serving a model with the shape of Qwen3-32B (the plans come from the predictors and the load the
+scheduler admitted): quiet, it parks all but one attention and one FFN worker at their lowest clock;
+under a burst it wakes them; new requests never go to a parked worker; every request finishes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import numpy as np
+import pytest
+from nats.aio.msg import Msg
+
+from loadgen.sim.models import get_model
+from services.scheduler.provisioner import LIVE_KINDS, LoadLog, Provisioner, assign
+from shared import subjects
+from shared.gpu.emulated import load_profile
+from shared.messages import PlanTelemetry, RoleAssignment, decode
+from shared.perf import cached_predictor
+from shared.policy import AFLEX_CLOCK_OBJECTIVE, ClockRule, Plan, PoolShape, WindowLoad
+from shared.policy.footprint import elastic_plan
+from shared.policy.window_load import window_load
+from tests.services.scheduler.test_scheduler import wait_for
+from tests.services.scheduler.test_scheduler_policy import A800_CLOCKS, ProfiledAttention, live
+
+QWEN = get_model("qwen3-32b")
+A800 = load_profile("a800")
+RULE = ClockRule(objective=AFLEX_CLOCK_OBJECTIVE)
+
+
+def _provisioner(window_s: float = 60.0) -> Provisioner:
+    return Provisioner(window_s=window_s, ttft_slo_ms=400, tpot_slo_ms=120, link_bytes_s=400e9)
+
+
+def test_the_live_load_is_the_simulators_rule_on_the_same_arrivals() -> None:
+    rng = np.random.default_rng(0)
+    times = np.sort(rng.uniform(0, 60, 80))
+    prompts, outputs = rng.integers(50, 900, 80), rng.integers(5, 300, 80)
+    log = LoadLog(keep_s=60.0)
+    for i, (t, p) in enumerate(zip(times, prompts, strict=True)):
+        log.admitted(f"r{i}", 1000.0 + t, int(p), 512)
+    for i, o in enumerate(outputs):
+        log.finished(f"r{i}", int(o))
+    got = log.load(1060.0, 60.0, 10.0, 0.9)
+    want = window_load(times, prompts, outputs, 0.0, 60.0, burst=True, subwindow_s=10.0, quantile=0.9)
+    assert got == pytest.approx(want)
+    assert got.rate_rps > len(times) / 60  # the bursts, not the mean
+    # one still running counts the mean output of those that finished; none finished: its max_tokens
+    log.admitted("late", 1059.0, 100, 512)
+    assert log.load(1060.0, 60.0, 10.0, 0.9).mean_output == pytest.approx(float(np.mean([*outputs, outputs.mean()])))
+    fresh = LoadLog(keep_s=60.0)
+    fresh.admitted("x", 5.0, 100, 77)
+    assert fresh.load(6.0, 60.0, 10.0, 0.9).mean_output == 77
+    assert fresh.load(100.0, 60.0, 10.0, 0.9).rate_rps == pytest.approx(0.05)  # pruned: the idle rate
+
+
+def test_the_live_plan_is_the_simulators_call_over_the_live_workers() -> None:
+    pv = _provisioner()
+    pred = cached_predictor(A800, QWEN)
+    for i in range(30):  # 0.5 req/s of 200-token prompts: one attention and one FFN worker hold it
+        pv.loads.admitted(f"r{i}", 100.0 + 2 * i, 200, 400)
+    attention, ffn = ["a0", "a1", "a2", "a3"], ["f0", "f1"]
+    decision = pv.plan(160.0, pred, RULE, attention, ffn)
+    spec = pv.spec(QWEN, A800, 4, 2)
+    want = elastic_plan(pred, decision.load, spec, RULE, 1.3, None, kinds=LIVE_KINDS)
+    assert decision.plan == want and decision.plan.kind == "mixed" and decision.plan.gpus == 2
+    assert spec.max_attention == 4 and spec.max_ffn == 2 and spec.parked_power_w == A800.warm_parked_power_w
+    assert decision.assignments == {"a0": "mixed-attention", "a1": "parked-warm", "a2": "parked-warm",
+                                    "a3": "parked-warm", "f0": "ffn", "f1": "parked-warm"}
+    assert decision.changed == sorted(decision.assignments) and decision.plan_id == 1
+    # a burst of long decodes (16 req/s in a 4-second window) needs more attention workers
+    pv.window_s = pv.loads.keep_s = 4.0
+    pv.subwindow_s = 2.0
+    for i in range(32):
+        pv.loads.admitted(f"b{i}", 161.0 + i / 16, 200, 400)
+    busy = pv.plan(163.0, pred, RULE, attention, ffn)
+    assert busy.load.rate_rps == pytest.approx(np.quantile([0.0, 16.0], 0.9))  # two 2-second sub-windows
+    assert busy.plan == elastic_plan(pred, busy.load, spec, RULE, 1.3, "mixed", kinds=LIVE_KINDS)
+    assert busy.plan.mixed is not None and busy.plan.mixed.attention >= 2
+    assert busy.assignments["a0"] == "mixed-attention"  # kept where it was
+    assert set(busy.changed) <= {"a1", "a2", "a3", "f1"} and busy.changed
+
+
+def test_assignments_move_as_few_workers_as_they_can() -> None:
+    shape = PoolShape(split=True, attention=2, ffn=1)
+    plan = Plan(None, None, shape, 3, 100.0, True)
+    previous = {"a0": "parked-warm", "a1": "mixed-attention", "a2": "mixed-attention", "f0": "parked-warm",
+                "f1": "ffn"}
+    got, pool_of = assign(plan, ["a0", "a1", "a2"], ["f0", "f1"], previous)  # type: ignore[arg-type]
+    assert got == {"a1": "mixed-attention", "a2": "mixed-attention", "a0": "parked-warm", "f1": "ffn",
+                   "f0": "parked-warm"}
+    assert pool_of["a1"] == "mixed" and pool_of["a0"] == ""
+
+
+def test_the_operators_floor_holds() -> None:
+    pv = Provisioner(window_s=60.0, ttft_slo_ms=400, tpot_slo_ms=120, link_bytes_s=400e9, min_attention=2,
+                     min_ffn=2)
+    d = pv.plan(0.0, cached_predictor(A800, QWEN), RULE, ["a0", "a1", "a2"], ["f0", "f1"])
+    assert d.plan.mixed is not None and (d.plan.mixed.attention, d.plan.mixed.ffn) == (2, 2)
+    assert sorted(d.assignments.values()).count("parked-warm") == 1
+    with pytest.raises(ValueError, match="at least one attention and one FFN"):
+        Provisioner(window_s=60.0, ttft_slo_ms=400, tpot_slo_ms=120, link_bytes_s=400e9, min_ffn=0)
+    with pytest.raises(ValueError, match="provision_window_s"):
+        Provisioner(window_s=0.0, ttft_slo_ms=400, tpot_slo_ms=120, link_bytes_s=400e9)
+    assert WindowLoad(1.0, 1.0, 1.0).p90_prompt == 0.0
+
+
+def test_the_scheduler_parks_at_low_load_and_wakes_under_a_burst(nats_url: str) -> None:
+    async def main() -> None:
+        a0 = ProfiledAttention(None, "a0", kv_total_blocks=20000)  # type: ignore[arg-type]
+        async with live(nats_url, a0, provision_window_s=1.0, freq_window_s=0.5) as lv:
+            roles: dict[str, list[RoleAssignment]] = {}
+            plans: list[PlanTelemetry] = []
+
+            async def on_role(msg: Msg) -> None:
+                r = decode(RoleAssignment, msg.data)
+                roles.setdefault(r.worker_id, []).append(r)
+
+            async def on_plan(msg: Msg) -> None:
+                plans.append(decode(PlanTelemetry, msg.data))
+
+            await lv.nc.subscribe(subjects.role("*"), cb=on_role)
+            await lv.nc.subscribe(subjects.TELEMETRY_PLAN, cb=on_plan)
+            others = [ProfiledAttention(lv.nc, f"a{i}", kv_total_blocks=20000) for i in (1, 2, 3)]
+            for w in others:
+                await w.start()
+            await lv.ffn("f0")
+            await lv.ffn("f1")
+            reg = lv.sched.registry.workers
+
+            def parked() -> set[str]:
+                return {w for w, x in reg.items() if x.parked}
+
+            # quiet: one attention and one FFN worker serve, the rest park warm at the lowest clock
+            await wait_for(lambda: len(parked()) == 4, 10)
+            serving_a = [w for w, x in reg.items() if x.role == "attention" and not x.parked]
+            await wait_for(lambda: bool(plans))
+            assert len(serving_a) == 1 and plans[-1].kind == "mixed"
+            await wait_for(lambda: all(roles.get(w) and roles[w][-1].assignment == "parked-warm" for w in parked()))
+            lowest = {"prefill": A800_CLOCKS[0], "decode": A800_CLOCKS[0]}
+            await wait_for(lambda: all(lv.commands.get(w) and lv.commands[w][-1].clocks_mhz == lowest
+                                       for w in parked()), 5)
+            # new requests go only to serving workers
+            quiet = [await lv.submit(f"q{i}", 50, 4) for i in range(3)]
+            assert {lv.sched.requests[f"q{i}"].worker_id for i in range(3) if f"q{i}" in lv.sched.requests} <= set(
+                serving_a)
+            await asyncio.wait_for(asyncio.gather(*(d.wait() for d in quiet)), 10)
+            # a burst of long decodes: the next plan wakes parked attention workers, at their clocks again
+            burst = [await lv.submit(f"b{i}", 200, 400) for i in range(40)]
+            try:
+                await wait_for(lambda: sum(x.role == "attention" and not x.parked for x in reg.values()) >= 2, 10)
+            except AssertionError:
+                raise AssertionError([(p.plan_id, p.load_rps, p.mean_output, p.pools) for p in plans]) from None
+            woken = [w for w in ("a1", "a2", "a3") if not reg[w].parked]
+            assert woken
+            await wait_for(lambda: all(roles[w][-1].assignment == "mixed-attention" for w in woken))
+            await wait_for(lambda: all(lv.commands[w][-1].clocks_mhz != lowest for w in woken), 5)
+            await asyncio.wait_for(asyncio.gather(*(d.wait() for d in burst)), 60)
+            # quiet again: parked again, and every change was telemetry
+            start = time.monotonic()
+            await wait_for(lambda: len(parked()) == 4 and time.monotonic() - start > 1.0, 15)
+            assert any(set(p.changed) & set(woken) for p in plans)
+            assert all(p.assignments.keys() == {"a0", "a1", "a2", "a3", "f0", "f1"} for p in plans[-1:])
+            tel = lv.sched.governor.telemetry(0, 0, lv.sched.provisioning.plan_id)  # type: ignore[union-attr]
+            assert tel.plan_id >= 3 and sum(a == "parked-warm" for a in tel.assignments.values()) == 4
+            for w in others:
+                w.stop_heartbeat()
+    asyncio.run(main())
+
+
+def test_provisioning_off_keeps_every_worker_serving(nats_url: str) -> None:
+    async def main() -> None:
+        a0 = ProfiledAttention(None, "a0", kv_total_blocks=20000)  # type: ignore[arg-type]
+        async with live(nats_url, a0, provisioning="off", provision_window_s=0.2) as lv:
+            a1 = ProfiledAttention(lv.nc, "a1", kv_total_blocks=20000)
+            await a1.start()
+            await lv.ffn("f0")
+            await lv.ffn("f1")
+            assert lv.sched.provisioning is None
+            await asyncio.sleep(0)  # nothing to wait for: no loop was started
+            assert all(w.assignment is None and not w.parked for w in lv.sched.registry.workers.values())
+            done = [await lv.submit(f"r{i}", 20, 4) for i in range(6)]
+            await asyncio.wait_for(asyncio.gather(*(d.wait() for d in done)), 10)
+            a1.stop_heartbeat()
+    asyncio.run(main())
