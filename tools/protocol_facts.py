@@ -94,6 +94,15 @@ SUBJECTS: tuple[SubjectDoc, ...] = (
                "[`FrequencyCommand`](#frequencycommand)",
                "The SM clock per phase for worker `<wid>`, valid until `valid_until_ts`; without a newer command "
                "the worker then falls back to its default clock. Only the scheduler may publish here."),
+    SubjectDoc(("role",), subjects.role("<wid>"), "scheduler → worker", "publish", "—",
+               "[`RoleAssignment`](#roleassignment)",
+               "The worker's assignment for the provisioning window (`provisioning: aflex`), sent to every worker "
+               "at every plan. A parked worker takes no new work; what it holds finishes first, then it waits at "
+               "the clock its frequency commands give (warm: the lowest). Only the scheduler may publish here."),
+    SubjectDoc(("TELEMETRY_PLAN",), subjects.TELEMETRY_PLAN, "scheduler → anyone", "publish", "—",
+               "[`PlanTelemetry`](#plantelemetry)",
+               "The global scheduler's plan, every provisioning window: its kind, pools, the load it is for, its "
+               "predicted power (modelled), each worker's assignment and which ones it changed."),
     SubjectDoc(("telemetry", "TELEMETRY_ALL"), subjects.telemetry("<role>", "<wid>"), "worker, scheduler → anyone",
                "publish", "—",
                "[`WorkerTelemetry`](#workertelemetry) (`<role>` = `attention`, `ffn`), "
@@ -181,6 +190,13 @@ EXAMPLES: dict[str, Callable[[], Message]] = {
                                                           valid_until_ts=1767225660.0, issued_ts=1767225600.0,
                                                           reason="decode TPOT slack"),
     "PhaseLatency": lambda: messages.PhaseLatency(mean_ms=4.2, count=120),
+    "RoleAssignment": lambda: messages.RoleAssignment(worker_id="attn-1", assignment="parked-warm", plan_id=12,
+                                                      issued_ts=1767225600.0, reason="mixed plan for 0.42 req/s x 1.3"),
+    "PlanTelemetry": lambda: messages.PlanTelemetry(
+        scheduler_id="scheduler-0", ts=1767225600.0, plan_id=12, kind="mixed", pools={"mixed": [1, 1, 1]},
+        assignments={"attn-0": "mixed-attention", "attn-1": "parked-warm", "ffn-0": "ffn", "ffn-1": "parked-warm"},
+        changed=["attn-1", "ffn-1"], predicted_power_w=212.4, load_rps=0.42, mean_prompt=412.0, mean_output=180.0,
+        p90_prompt=1100.0, reason="mixed plan for 0.42 req/s x 1.3"),
     "WorkerTelemetry": lambda: messages.WorkerTelemetry(
         worker_id="ffn-0", role="ffn", ts=1767225601.1, gpu_backend="emulated", gpu_name="A800-SXM4-80GB",
         clock_mhz=570, target_clock_mhz=570, power_w=143.5, energy_j=51234.5, utilization=0.62,

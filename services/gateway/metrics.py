@@ -33,7 +33,7 @@ from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from shared import subjects
-from shared.messages import ProtocolError, SchedulerTelemetry, WorkerTelemetry, decode
+from shared.messages import PlanTelemetry, ProtocolError, SchedulerTelemetry, WorkerTelemetry, decode
 
 log = logging.getLogger("aflex.gateway")
 
@@ -55,12 +55,16 @@ class TelemetryCollector(Collector):
         self.model_name = model_name
         self.workers: dict[str, tuple[float, WorkerTelemetry]] = {}  # worker id -> (received, latest)
         self.schedulers: dict[str, tuple[float, SchedulerTelemetry]] = {}
+        self.plans: dict[str, tuple[float, PlanTelemetry]] = {}  # the global scheduler's latest, by scheduler
 
     def update(self, subject: str, data: bytes) -> None:
         """Record one telemetry message; an invalid one is logged and dropped."""
         now = time.monotonic()
         try:
-            if subject.startswith(f"{subjects.PREFIX}.telemetry.scheduler."):
+            if subject == subjects.TELEMETRY_PLAN:
+                plan = decode(PlanTelemetry, data)
+                self.plans[plan.scheduler_id] = (now, plan)
+            elif subject.startswith(f"{subjects.PREFIX}.telemetry.scheduler."):
                 sched = decode(SchedulerTelemetry, data)
                 self.schedulers[sched.scheduler_id] = (now, sched)
             else:
@@ -125,6 +129,29 @@ class TelemetryCollector(Collector):
             if latest.slo_attainment is not None:
                 slo.add_metric([], latest.slo_attainment)
         yield from (queue, running, slo, vllm_running, vllm_waiting)
+        yield from self._plan_metrics()
+
+    def _plan_metrics(self) -> Iterator[Metric]:
+        """The global scheduler's latest plan: each worker's assignment, and what the plan is for."""
+        assignment = GaugeMetricFamily("aflex_worker_assignment", "1 for the global scheduler's assignment of "
+                                       "each worker (prefill/decode/mixed-attention, ffn, parked-warm, ...)",
+                                       labels=["worker", "assignment"])
+        plans = GaugeMetricFamily("aflex_plans", "Plans the global scheduler has made (monotonic)")
+        parked = GaugeMetricFamily("aflex_plan_parked_workers", "Workers the latest plan parks")
+        load = GaugeMetricFamily("aflex_plan_load_rps", "Arrival rate the latest plan is made for (before headroom)")
+        power = GaugeMetricFamily("aflex_plan_predicted_power_watts", "The latest plan's predicted power (W, "
+                                  "modelled; absent when no plan meets the SLOs)")
+        fresh: list[PlanTelemetry] = self._fresh(self.plans)
+        if fresh:
+            latest = max(fresh, key=lambda p: p.ts)
+            for worker, a in sorted(latest.assignments.items()):
+                assignment.add_metric([worker, a], 1)
+            plans.add_metric([], latest.plan_id)
+            parked.add_metric([], sum(a.startswith("parked") for a in latest.assignments.values()))
+            load.add_metric([], latest.load_rps)
+            if latest.feasible and latest.predicted_power_w is not None:
+                power.add_metric([], latest.predicted_power_w)
+        yield from (assignment, plans, parked, load, power)
 
 
 class GatewayMetrics:

@@ -33,7 +33,7 @@ from rich.text import Text
 from shared import subjects
 from shared.errors import AFlexError
 from shared.lifecycle import stop_on_signals
-from shared.messages import ProtocolError, SchedulerTelemetry, WorkerTelemetry, decode
+from shared.messages import PlanTelemetry, ProtocolError, SchedulerTelemetry, WorkerTelemetry, decode
 from shared.transport.bus import DEFAULT_NATS_URL
 
 STALE_AFTER_S = 5.0  # a worker silent this long is shown dimmed, marked "stale"
@@ -79,14 +79,19 @@ class TopState:
     def __init__(self) -> None:
         self.workers: dict[str, WorkerView] = {}
         self.schedulers: dict[str, tuple[float, SchedulerTelemetry]] = {}
+        self.plan: PlanTelemetry | None = None  # the global scheduler's latest
         self.messages = 0
         self.invalid = 0
 
     def update(self, subject: str, data: bytes,
-               now: float | None = None) -> WorkerTelemetry | SchedulerTelemetry | None:
+               now: float | None = None) -> WorkerTelemetry | SchedulerTelemetry | PlanTelemetry | None:
         """Record one message; returns it decoded, or None when it is not valid telemetry."""
         now = time.monotonic() if now is None else now
         try:
+            if subject == subjects.TELEMETRY_PLAN:
+                self.messages += 1
+                self.plan = decode(PlanTelemetry, data)
+                return self.plan
             if subject.startswith(SCHEDULER_PREFIX):
                 return self.add_scheduler(decode(SchedulerTelemetry, data), now)
             return self.add_worker(decode(WorkerTelemetry, data), now)
@@ -148,6 +153,22 @@ def latency_text(msg: WorkerTelemetry) -> str:
     return " · ".join(parts) or "-"
 
 
+def role_text(msg: WorkerTelemetry) -> str:
+    """The half it serves, and the global scheduler's assignment where it says more (`attention (parked-warm)`)."""
+    said = msg.assignment
+    return msg.role if said is None or said in ("ffn", "mixed-attention") else f"{msg.role} ({said})"
+
+
+def plan_text(plan: PlanTelemetry) -> str:
+    """One line for the global scheduler's latest plan: its kind, pools, load and what it changed."""
+    pools = ", ".join(f"{name} {'/'.join(map(str, shape))}" for name, shape in plan.pools.items())
+    parked = sum(a.startswith("parked") for a in plan.assignments.values())
+    changed = f"; changed {', '.join(plan.changed)}" if plan.changed else ""
+    power = f", {plan.predicted_power_w:.0f} W predicted" if plan.feasible and plan.predicted_power_w else ""
+    return (f"plan {plan.plan_id} ({plan.kind}): {pools}; {parked} parked; for {plan.load_rps:.2f} req/s"
+            f"{power}{'' if plan.feasible else ' (infeasible: every worker serves)'}{changed}")
+
+
 def render(state: TopState, now: float | None = None, *, source: str = "") -> RenderableType:
     now = time.monotonic() if now is None else now
     workers = Table(title=f"AFlex workers{f'  ({source})' if source else ''}", title_justify="left",
@@ -160,7 +181,7 @@ def render(state: TopState, now: float | None = None, *, source: str = "") -> Re
         w = view.latest
         stale = now - view.seen > STALE_AFTER_S
         workers.add_row(
-            w.role, w.worker_id + (" (stale)" if stale else ""), f"{w.gpu_backend}: {w.gpu_name}" if w.gpu_name
+            role_text(w), w.worker_id + (" (stale)" if stale else ""), f"{w.gpu_backend}: {w.gpu_name}" if w.gpu_name
             else w.gpu_backend, clock_text(w), f"{w.power_w:.1f}", f"{w.energy_j:.1f}",
             _num(view.joules_per_token, ".3f"), latency_text(w), f"{w.utilization:.0%}", str(w.queue_depth),
             f"{w.kv_blocks_used}/{w.kv_blocks_total}" if w.kv_blocks_total else "-",
@@ -181,6 +202,8 @@ def render(state: TopState, now: float | None = None, *, source: str = "") -> Re
                       _num(s.tpot_p90_ms))
     if state.schedulers:
         parts.append(sched)
+    if state.plan is not None:
+        parts.append(Text(plan_text(state.plan)))
     if not state.messages:
         parts.append(Text(f"no telemetry yet on {subjects.TELEMETRY_ALL}", style="yellow"))
     return Group(*parts)

@@ -1,6 +1,7 @@
 """Per-role NATS users: each service may publish and subscribe only where its role needs to.
 
-Only the scheduler may publish frequency commands (`freq.>`): no other client can set a GPU clock.
+Only the scheduler may publish frequency commands (`freq.>`) and role assignments (`control.role.*`): no
+other client can set a GPU clock or park a worker.
 An outside subscriber (a dashboard, `aflex top`, `aflex bench`) gets the read-only `telemetry`
 role. Requests are answered through `allow_responses` (a responder may publish to the reply subject
 of a request it received, and nowhere else in `_INBOX`), so no role may publish into `_INBOX.>`.
@@ -28,8 +29,8 @@ class Permissions:
 P = PREFIX
 ROLES: dict[str, Permissions] = {
     "scheduler": Permissions(
-        publish=(f"{P}.freq.>", f"{P}.attn.*.mb", f"{P}.req.*.out", f"{P}.telemetry.scheduler.>",
-                 f"{P}.sched.heartbeat"),
+        publish=(f"{P}.freq.>", f"{P}.control.role.*", f"{P}.attn.*.mb", f"{P}.req.*.out",
+                 f"{P}.telemetry.scheduler.>", f"{P}.telemetry.plan", f"{P}.sched.heartbeat"),
         subscribe=(f"{P}.control.register", f"{P}.control.heartbeat.*", f"{P}.sched.done", f"{P}.sched.status",
                    f"{P}.req.submit", f"{P}.req.*.cancel", f"{P}.gateway.heartbeat", INBOX),
         responds=True),
@@ -39,10 +40,11 @@ ROLES: dict[str, Permissions] = {
     "attention": Permissions(
         publish=(f"{P}.control.register", f"{P}.control.heartbeat.*", f"{P}.sched.done",
                  f"{P}.telemetry.attention.>", f"{P}.seam.*"),
-        subscribe=(f"{P}.attn.*.mb", f"{P}.freq.*", f"{P}.control.heartbeat.*", f"{P}.seam.*", INBOX)),
+        subscribe=(f"{P}.attn.*.mb", f"{P}.freq.*", f"{P}.control.role.*", f"{P}.control.heartbeat.*", f"{P}.seam.*",
+                   INBOX)),
     "ffn": Permissions(
         publish=(f"{P}.control.register", f"{P}.control.heartbeat.*", f"{P}.telemetry.ffn.>", f"{P}.seam.*"),
-        subscribe=(f"{P}.freq.*", f"{P}.seam.*", INBOX)),
+        subscribe=(f"{P}.freq.*", f"{P}.control.role.*", f"{P}.seam.*", INBOX)),
     "telemetry": Permissions(publish=(), subscribe=(f"{P}.telemetry.>",)),
 }
 SERVICE_ROLES = {"scheduler": "scheduler", "gateway": "gateway", "attention-worker": "attention",

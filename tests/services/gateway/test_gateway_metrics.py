@@ -160,3 +160,24 @@ def test_metrics_needs_no_api_key(h: Harness) -> None:
             assert 'aflex_requests_total{endpoint="/v1/models",status="401"} 1.0' in r.text
 
     asyncio.run(check())
+
+
+def test_the_global_schedulers_plan_is_exported() -> None:
+    from shared.messages import PlanTelemetry
+
+    collector = TelemetryCollector(stale_after_s=60)
+    plan = PlanTelemetry(scheduler_id="scheduler-0", ts=time.time(), plan_id=7, kind="mixed",
+                         pools={"mixed": [2, 1, 1]}, assignments={"attn-0": "mixed-attention", "attn-1":
+                         "mixed-attention", "attn-2": "parked-warm", "ffn-0": "ffn", "ffn-1": "parked-warm"},
+                         predicted_power_w=401.5, load_rps=3.25)
+    collector.update(subjects.TELEMETRY_PLAN, encode(plan))
+    m: Samples = {(s.name, tuple(sorted(s.labels.items()))): s.value for fam in collector.collect()
+                  for s in fam.samples}
+    assert value(m, "aflex_worker_assignment", worker="attn-2", assignment="parked-warm") == 1
+    assert value(m, "aflex_worker_assignment", worker="attn-0", assignment="mixed-attention") == 1
+    assert value(m, "aflex_plans") == 7 and value(m, "aflex_plan_parked_workers") == 2
+    assert value(m, "aflex_plan_load_rps") == 3.25 and value(m, "aflex_plan_predicted_power_watts") == 401.5
+    infeasible = plan.model_copy(update={"plan_id": 8, "feasible": False, "ts": time.time() + 1})
+    collector.update(subjects.TELEMETRY_PLAN, encode(infeasible))
+    names = {s.name for fam in collector.collect() for s in fam.samples}
+    assert "aflex_plan_predicted_power_watts" not in names and "aflex_plans" in names

@@ -163,3 +163,18 @@ def test_bad_url_is_one_line_and_exit_2(capsys: pytest.CaptureFixture[str]) -> N
     lines = captured.err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("aflex top: error: cannot connect to NATS at nats://127.0.0.1:")
     assert captured.out == ""
+
+
+def test_the_global_schedulers_plan_and_assignments_show() -> None:
+    from shared.messages import PlanTelemetry
+
+    state = TopState()
+    feed(state, worker("attn-1", assignment="parked-warm", clock_mhz=210))
+    feed(state, worker("attn-0", assignment="mixed-attention"))
+    plan = PlanTelemetry(scheduler_id="scheduler-0", ts=1.0, plan_id=4, kind="mixed", pools={"mixed": [1, 1, 1]},
+                         assignments={"attn-0": "mixed-attention", "attn-1": "parked-warm", "ffn-0": "ffn"},
+                         changed=["attn-1"], predicted_power_w=312.0, load_rps=0.42)
+    assert state.update(subjects.TELEMETRY_PLAN, encode(plan), 0.0) == plan
+    text = text_of(render(state, 0.0))
+    assert "attention (parked-warm)" in text and "attention (mixed" not in text
+    assert "plan 4 (mixed): mixed 1/1/1; 1 parked; for 0.42 req/s, 312 W predicted; changed attn-1" in text
