@@ -8,7 +8,7 @@ from __future__ import annotations
 import logging
 
 from services.scheduler import forks
-from services.scheduler.registry import Registry
+from services.scheduler.registry import AttentionLane, Registry
 from services.scheduler.state import RequestState, Status
 
 log = logging.getLogger("aflex.scheduler")
@@ -36,6 +36,13 @@ class Placement:
         else:
             lane.waiting.append(state)
         lane.wake.set()
+
+    def reroute_unstarted(self, lane: AttentionLane) -> None:
+        """The lane's worker takes no new work (parked): its queued requests with nothing computed and no
+        prompt KV to share go elsewhere; what holds KV there finishes there."""
+        for state in [s for s in lane.waiting if not (s.first_pass_sent or s.num_computed or s.fork_from)]:
+            lane.detach(state)
+            self.route(state)
 
     def admit(self, state: RequestState, parent: RequestState | None) -> None:
         """A new request: beside `parent` (the choice it may fork) when it shares its prompt, else routed."""

@@ -172,21 +172,11 @@ class Scheduler:
         go elsewhere (what it holds finishes there), woken ones start taking work, and every changed
         worker gets its clocks now rather than at the next frequency window."""
         for worker in changed:
-            lane = worker.attention_lane
-            if worker.parked and lane is not None:
-                for state in [s for s in lane.waiting if not (s.first_pass_sent or s.num_computed or s.fork_from)]:
-                    lane.detach(state)
-                    self.placement.route(state)
+            if worker.parked and worker.attention_lane is not None:
+                self.placement.reroute_unstarted(worker.attention_lane)
         self._on_capacity_change()
         if self.settings.freq_window_s > 0:
-            self._spawn(self._command(changed))
-
-    async def _command(self, workers: list[Worker]) -> None:
-        signals = self.governor.signals(time.monotonic(), self.requests.values())
-        for worker in workers:
-            if worker.healthy and worker.supported_clocks_mhz:
-                cmd = self.governor.command(worker, signals)
-                await self.nc.publish(subjects.freq(worker.worker_id), encode(cmd))
+            self._spawn(self.freq_window(changed))
 
     async def _health_loop(self) -> None:
         timeout = self.settings.heartbeat_timeout_s
@@ -460,8 +450,15 @@ class Scheduler:
             await asyncio.sleep(self.settings.freq_window_s)
             await self.freq_window()
 
-    async def freq_window(self) -> None:
-        """One frequency window: the governor's command for every healthy worker with supported clocks."""
-        for cmd in self.governor.window(time.monotonic(), self.requests.values()):
+    async def freq_window(self, only: list[Worker] | None = None) -> None:
+        """One frequency window: the governor's command for every healthy worker with supported clocks; with
+        `only`, a command for those workers now (their assignment changed), the window's plans unchanged."""
+        now = time.monotonic()
+        if only is None:
+            commands = self.governor.window(now, self.requests.values())
+        else:
+            signals = self.governor.signals(now, self.requests.values())
+            commands = [self.governor.command(w, signals) for w in only if w.healthy and w.supported_clocks_mhz]
+        for cmd in commands:
             await self.nc.publish(subjects.freq(cmd.worker_id), encode(cmd))
 
