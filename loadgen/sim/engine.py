@@ -42,6 +42,7 @@ from shared.policy import (
 from shared.policy.baseline_placement import (
     parking_state,
 )
+from shared.policy.headroom import AdaptiveHeadroom
 from shared.policy.pipeline import iteration_cost
 from shared.policy.prefill_cap import AT_MAX, prefill_cap, queue_ttft_budget
 from shared.policy.provision import GPU_MEMORY_BYTES
@@ -83,6 +84,8 @@ class Simulation:
             args, config.gpus, ttft_slo_s=config.ttft_slo_s, tpot_slo_s=config.tpot_slo_s,
             link_bytes_s=config.link_bytes_s, parked_power_w=planner_parked_w(config.accounting, self.parked_w),
             gpu_memory_bytes=self.mem)
+        # AFlex's global scheduler corrects its headroom by the TTFT it saw (the live scheduler's rule too)
+        self.headroom = AdaptiveHeadroom(config.headroom) if policy.split and policy.scaling else None
         self.planner = SimPlanner(policy, self.spec, predictor, arrivals, config.window_s, config.headroom,
                                   config.burst_subwindow_s, config.burst_quantile, config.colocated_tp)
         self.ledger = EnergyLedger(active_from_s=float(arrivals.time_s[0]) if n else 0.0, record=config.record_power)
@@ -105,6 +108,10 @@ class Simulation:
 
     def _provision(self, now: float, load: WindowLoad, scale_up_only: bool = False) -> None:
         # a tick between windows grows pools: it keeps split P/D pools, and leaves a shared pool only for them
+        if self.headroom is not None:  # AFlex: the P90 TTFT of the window before each plan corrects its headroom
+            sel = (self.first >= now - self.cfg.window_s) & (self.first < now)
+            p90 = float(np.percentile((self.first[sel] - self.arr.time_s[sel]) * 1e3, 90)) if sel.any() else None
+            self.planner.headroom = self.headroom.update(p90, self.cfg.ttft_slo_s * 1e3)
         shapes = self.planner.window(load, same_kind=scale_up_only and "prefill" in self.plan_names)
         growing_into_split = "prefill" in shapes and "prefill" not in self.plan_names
         if scale_up_only and not growing_into_split:
