@@ -4,7 +4,8 @@ Pure (no I/O, no clock of its own): dispatch tells it what it admitted and what 
 for a plan with the workers it has; it answers each worker's assignment. The decisions are
 shared/policy's: the window's load (`window_load`, the simulator's rule: the burst quantile of
 30-second rates), the cluster (`ClusterSpec.for_model`, limited to the halves the workers loaded)
-and the plan (`elastic_plan`, the call the simulator's AFlex planner makes). Only the mapping of a
+and the plan (`elastic_plan`, the call the simulator's AFlex planner makes, at the headroom the
+last window's P90 TTFT corrects: `AdaptiveHeadroom`). Only the mapping of a
 plan's pools onto named workers is this module's: a worker keeps its role where the plan allows, so a
 plan moves as few workers as it can.
 
@@ -19,12 +20,15 @@ import math
 from collections import deque
 from dataclasses import dataclass, field, replace
 
+import numpy as np
+
 from shared.gpu.emulated import GPUProfile
 from shared.kinds import Assignment
 from shared.model.config import ModelArgs
 from shared.perf import Predictor
 from shared.policy import ClockRule, ClusterSpec, Plan, WindowLoad
 from shared.policy.footprint import elastic_plan
+from shared.policy.headroom import AdaptiveHeadroom
 from shared.policy.window_load import window_load
 
 LIVE_KINDS: tuple[str, ...] = ("mixed",)
@@ -124,7 +128,10 @@ class Provisioner:
         if min_attention < 1 or min_ffn < 1:
             raise ValueError(f"a mesh serves with at least one attention and one FFN worker, got "
                              f"provision_min_attention={min_attention}, provision_min_ffn={min_ffn}")
-        self.window_s, self.headroom = window_s, headroom
+        self.window_s = window_s
+        self.headroom = AdaptiveHeadroom(headroom)  # the simulator's AFlex rule: the last window's TTFT corrects it
+        self.ttft_slo_ms = ttft_slo_ms
+        self.ttfts: deque[tuple[float, float]] = deque()  # (monotonic time of a first token, TTFT ms)
         self.ttft_slo_s, self.tpot_slo_s, self.link_bytes_s = ttft_slo_ms / 1e3, tpot_slo_ms / 1e3, link_bytes_s
         self.min_attention, self.min_ffn = min_attention, min_ffn
         self.subwindow_s = min(subwindow_s, window_s / 2)  # a short (test) window still sees its bursts
@@ -134,6 +141,15 @@ class Provisioner:
         self.plan_id = 0
         self.kind: str | None = None
         self.latest: PlanDecision | None = None
+
+    def first_token(self, mono: float, ttft_ms: float) -> None:
+        self.ttfts.append((mono, ttft_ms))
+
+    def p90_ttft_ms(self, now_mono: float) -> float | None:
+        """The P90 TTFT of the first tokens of the last window (None: none)."""
+        while self.ttfts and now_mono - self.ttfts[0][0] > self.window_s:
+            self.ttfts.popleft()
+        return float(np.percentile([ms for _, ms in self.ttfts], 90)) if self.ttfts else None
 
     def spec(self, args: ModelArgs, profile: GPUProfile, n_attention: int, n_ffn: int) -> ClusterSpec:
         """The live cluster: its workers as GPUs, each able to serve the half it loaded."""
@@ -149,7 +165,8 @@ class Provisioner:
             raise ValueError("a plan needs at least one attention and one FFN worker")
         load = self.loads.load(now_mono, self.window_s, self.subwindow_s, self.quantile)
         spec = self.spec(pred.args, pred.profile, len(attention_ids), len(ffn_ids))
-        plan = elastic_plan(pred, load, spec, rule, self.headroom, self.kind, kinds=self.kinds)
+        headroom = self.headroom.update(self.p90_ttft_ms(now_mono), self.ttft_slo_ms)
+        plan = elastic_plan(pred, load, spec, rule, headroom, self.kind, kinds=self.kinds)
         plan = self._at_least(plan, spec)
         assignments, pool_of = assign(plan, attention_ids, ffn_ids, self.assignments)
         changed = sorted(w for w, a in assignments.items() if self.assignments.get(w) != a)

@@ -53,6 +53,9 @@ class ProvisioningLoop:
         self.provisioner.loads.admitted(state.request_id, time.monotonic(), len(state.prompt_ids),
                                         state.sampling.max_tokens)
 
+    def first_token(self, mono: float, ttft_ms: float) -> None:
+        self.provisioner.first_token(mono, ttft_ms)
+
     def finished(self, state: RequestState) -> None:
         self.provisioner.loads.finished(state.request_id, len(state.output_ids))
 
@@ -105,7 +108,7 @@ class ProvisioningLoop:
 
     async def _publish(self, d: PlanDecision) -> None:
         now = time.time()
-        reason = f"{d.plan.kind} plan for {d.load.rate_rps:.2f} req/s x {self.provisioner.headroom:g}"
+        reason = f"{d.plan.kind} plan for {d.load.rate_rps:.2f} req/s x {self.provisioner.headroom.headroom:.2f}"
         for wid, assignment in d.assignments.items():
             msg = RoleAssignment(worker_id=wid, assignment=assignment, plan_id=d.plan_id, issued_ts=now,
                                  reason=reason)

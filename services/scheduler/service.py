@@ -413,6 +413,8 @@ class Scheduler:
             ttft = state.ttft_s
             assert ttft is not None
             self.governor.first_token(time.monotonic(), ttft * 1000.0)
+            if self.provisioning is not None:
+                self.provisioning.first_token(time.monotonic(), ttft * 1000.0)
         if reason is not None:
             await self._finish(state, reason, last_token=True)
             return

@@ -189,3 +189,15 @@ def test_provisioning_off_keeps_every_worker_serving(nats_url: str) -> None:
             await asyncio.wait_for(asyncio.gather(*(d.wait() for d in done)), 10)
             a1.stop_heartbeat()
     asyncio.run(main())
+
+
+def test_the_live_headroom_follows_the_ttft_of_the_last_window() -> None:
+    pv = _provisioner(window_s=10.0)
+    pred = cached_predictor(A800, QWEN)
+    for i in range(10):
+        pv.first_token(100.0 + i, 900.0)  # every first token over the 400 ms SLO
+    pv.plan(110.0, pred, RULE, ["a0"], ["f0"])
+    assert pv.headroom.headroom == pytest.approx(1.3 * 1.15)
+    assert pv.p90_ttft_ms(200.0) is None  # the window passed: nothing to learn from
+    pv.plan(200.0, pred, RULE, ["a0"], ["f0"])
+    assert pv.headroom.headroom == pytest.approx(1.3 * 1.15)
