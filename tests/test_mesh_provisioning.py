@@ -1,8 +1,9 @@
 """The global scheduler on a real mesh (issue 26): `aflex up` with 2 attention and 2 FFN workers and a
 one-second provisioning window. The tiny model's load fits one attention and one FFN worker, so the
-plan parks the others warm (their emulated GPUs at the lowest clock) and every stream is served by the
-two left; when the serving attention worker is SIGKILLed mid-stream, the scheduler plans again at once,
-the parked one wakes, and every stream completes with the text it gets when nothing fails.
+plan parks the others warm (their emulated GPUs at the lowest clock, drawing the simulator's
+warm-parked power) and every stream is served by the two left; when the serving attention worker is
+SIGKILLed mid-stream, the scheduler plans again at once, the parked one wakes, and every stream
+completes with the text it gets when nothing fails.
 """
 
 from __future__ import annotations
@@ -29,14 +30,22 @@ def _wait_log(mesh: Mesh, pattern: str, deadline_s: float = 60.0) -> re.Match[st
 
 
 def test_the_plan_parks_what_the_load_does_not_need_and_a_loss_wakes_it(tiny_chat_checkpoint: Path) -> None:
+    from shared.gpu.emulated import load_profile
+
+    warm_w = load_profile("a800").warm_parked_power_w
     with aflex_up(str(tiny_chat_checkpoint), "--attention-workers", "2", "--ffn-workers", "2",
-                  "--provision-window-s", "1") as mesh:
+                  "--provision-window-s", "1", "--gpu-profile", "a800", open_nats=True) as mesh:
         _wait_log(mesh, r"attn-1: parked-warm")  # the worker heard its assignment
         _wait_log(mesh, r"ffn-1: parked-warm")
+        # warm parking is what the simulator charges: the parked worker's emulated GPU, locked at the lowest
+        # clock, draws the profile's warm-parked power (`fleet.py`'s parked-warm group)
+        readings = asyncio.run(_telemetry_of(mesh, "attn-1", seconds=2.0))
+        parked = [r for r in readings if r["assignment"] == "parked-warm" and r["clock_mhz"] == 210]
+        assert parked, readings[-3:]
+        assert all(abs(float(r["power_w"]) - warm_w) < 1e-6 for r in parked[-3:]), parked[-3:]  # type: ignore[arg-type]
         parked_line = 'aflex_worker_assignment{assignment="parked-warm",worker="attn-1"} 1.0'
         deadline = time.monotonic() + 30
-        while parked_line not in httpx.get(f"{mesh.base_url.removesuffix('/v1')}/metrics").text:
-            text = httpx.get(f"{mesh.base_url.removesuffix('/v1')}/metrics").text
+        while parked_line not in (text := httpx.get(f"{mesh.base_url.removesuffix('/v1')}/metrics").text):
             assert time.monotonic() < deadline, [x for x in text.splitlines() if "plan" in x or "assign" in x]
             time.sleep(0.2)
         baseline = asyncio.run(_run(mesh))
@@ -47,21 +56,6 @@ def test_the_plan_parks_what_the_load_does_not_need_and_a_loss_wakes_it(tiny_cha
         _wait_log(mesh, r"plan \d+ \(mixed, [0-9.]+ req/s planned\): .*attn-1 -> mixed-attention")
     assert [tokens for _, tokens in after_loss] == [tokens for _, tokens in baseline]
     assert after_loss == baseline
-
-
-def test_a_parked_workers_gpu_idles_at_its_lowest_clock(tiny_chat_checkpoint: Path) -> None:
-    """Warm parking is what the simulator charges: the emulated GPU of a parked worker, locked at the lowest
-    clock, draws the profile's warm-parked power (`fleet.py`'s parked-warm group)."""
-    from shared.gpu.emulated import load_profile
-
-    warm_w = load_profile("a800").warm_parked_power_w
-    with aflex_up(str(tiny_chat_checkpoint), "--attention-workers", "2", "--ffn-workers", "1",
-                  "--provision-window-s", "1", "--gpu-profile", "a800", open_nats=True) as mesh:
-        _wait_log(mesh, r"attn-1: parked-warm")
-        readings = asyncio.run(_telemetry_of(mesh, "attn-1", seconds=3.0))
-    parked = [r for r in readings if r["assignment"] == "parked-warm" and r["clock_mhz"] == 210]
-    assert parked, readings[-3:]
-    assert all(abs(float(r["power_w"]) - warm_w) < 1e-6 for r in parked[-3:]), parked[-3:]  # type: ignore[arg-type]
 
 
 async def _telemetry_of(mesh: Mesh, worker_id: str, seconds: float) -> list[dict[str, object]]:

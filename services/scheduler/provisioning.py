@@ -24,6 +24,7 @@ from services.scheduler.provisioner import PlanDecision, Provisioner
 from services.scheduler.registry import Registry, Worker
 from services.scheduler.state import RequestState
 from shared import subjects
+from shared.kinds import PARKED
 from shared.messages import PlanTelemetry, RoleAssignment, encode
 from shared.perf import cached_predictor
 from shared.policy import AFLEX_CLOCK_OBJECTIVE, ClockRule
@@ -96,7 +97,7 @@ class ProvisioningLoop:
         changed = [self.registry.workers[w] for w in decision.changed]
         for wid, assignment in decision.assignments.items():
             worker = self.registry.workers[wid]
-            if worker.parked and assignment not in ("parked-warm", "parked-cold"):
+            if worker.parked and assignment not in PARKED:
                 self.governor.worker_woken(wid)
             worker.assignment = assignment
         if changed:
