@@ -2,11 +2,12 @@
 baseline and ablation, three accountings (cluster, active, and the paper's fixed-pool at the table's
 load), a load sweep; prints Markdown tables and writes JSON.
 
-A policy that parked GPUs is replayed again under `--accounting active` (its planner prices a parked GPU
-at 0 W: the deployment hands it back) and, at the table's load, under `--accounting fixed-pool` (parking
-forced warm); of the ablations that park, only `aflex-pd-only` is (`ACCOUNTING_REPLAYS`; the others show
-"–" there). One that parked none has the same plans and books in all three replays, so its one
-replay gives every column.
+A scaling policy that parked GPUs is replayed again under `--accounting active` (its planner prices a
+parked GPU at 0 W: the deployment hands it back) and, at the table's load, under `--accounting
+fixed-pool` (parking forced warm). The ablations that park are not (`ACCOUNTING_REPLAYS`; they show "–"
+there). A static plan that parks (the oracles) keeps its one replay's active books and has no
+fixed-pool column. A policy that parked none has the same plans and books in all three replays, so
+its one replay gives every column.
 
     python benchmarks/paper_table.py --json out/paper.json --md out/paper.md
     python benchmarks/paper_table.py --runs conv-qwen3 --loads 0.25,0.5,1,2 --no-oracle --plots out/plots
@@ -30,12 +31,12 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from loadgen.sim.cli import add_sim_arguments, run_policies  # noqa: E402
-from loadgen.sim.policies import POLICIES  # noqa: E402
+from loadgen.sim.policies import POLICIES, SPECS  # noqa: E402
 
 FIXED_POOL_LOADS = {1.0}  # the loads whose policies are also replayed under fixed-pool accounting
 # the policies that park GPUs and are replayed under `active` and `fixed-pool` (the ablations that park keep
 # their cluster books only, so the whole table stays inside 15 minutes on 2 cores)
-ACCOUNTING_REPLAYS = ("aflex", "aflex-pd-only", "dynamollm", "biscale")
+ACCOUNTING_REPLAYS = ("aflex", "dynamollm", "biscale")
 RUNS = {"conv-qwen3": ("conv", "qwen3-32b"), "code-qwen3": ("code", "qwen3-32b"),
         "conv-mixtral": ("conv", "mixtral-8x7b"), "code-mixtral": ("code", "mixtral-8x7b")}
 SUMMARY = ("p90_ttft_ms", "p99_ttft_ms", "p90_tpot_ms", "slo_attainment", "slo_met", "mean_clock_mhz", "placement",
@@ -59,10 +60,11 @@ def _one(job: tuple[str, float, str, list[str]]) -> tuple[str, float, str, dict[
     keep["active_slo_met"] = res["slo_met"]
     if "--accounting" in extra:  # asked for one accounting itself: its books are in
         return run, load, policy, keep
-    replays = policy in ACCOUNTING_REPLAYS
-    if res["parked_gpu_s"] > 0 and not replays:  # an ablation that parks: cluster books only (the time budget)
-        keep["accounting"].pop("active")
-        return run, load, policy, keep
+    plans = policy in SPECS and SPECS[policy].scaling  # a planner that prices parked GPUs, every window
+    if res["parked_gpu_s"] > 0 and (not plans or policy not in ACCOUNTING_REPLAYS):
+        if plans:  # an ablation that parks: its cluster books only (the time budget)
+            keep["accounting"].pop("active")
+        return run, load, policy, keep  # a static plan (the oracles): its active books hold; no fixed-pool grid
     if res["parked_gpu_s"] > 0:  # its planner weighed parked GPUs: under `active` they cost it nothing
         active = run_policies(_args(run, load, policy, [*extra, "--accounting", "active"]))["policies"][policy]
         keep["accounting"]["active"] = active["accounting"]["active"]
