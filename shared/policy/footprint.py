@@ -13,11 +13,11 @@ nothing) one TP2 or TP4 replica can be cheaper than any split plan. Every candid
 same predictors and power model, under the same SLO budgets, and the least predicted power wins.
 When the P/D plan overflows the cluster (infeasible) the split is kept: the shared-pool model (prefill
 and decode priced apart, `mixed_power`) has no interference term, so it is not trusted past the
-cluster's capacity. That same model favours oversized mixed A/F pools, which is why AFlex weighs
-`AFLEX_KINDS` (docs/evaluation.md). A change of kind drains pools (requests finish where they are,
-their GPUs then move), so the current kind is kept unless another saves more than `switch_saving` of
-its predicted power.
-The simulator's AFlex planner calls `elastic_plan`; the live scheduler is to call the same.
+cluster's capacity. Mixed A/F pools are left out of `AFLEX_KINDS`: the model sized them too large
+before its idle term was fixed, and they have not been measured since (docs/evaluation.md). A change
+of kind drains pools (requests finish where they are, their GPUs then move), so the current kind is
+kept unless another saves more than `switch_saving` of its predicted power.
+The simulator's AFlex planner calls `elastic_plan`; so does the live scheduler (services/scheduler/provisioner.py).
 """
 
 from __future__ import annotations
