@@ -9,6 +9,7 @@ this module only turns the trace into `WindowLoad`s and a policy's placement int
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from functools import cached_property
 
 import numpy as np
 
@@ -43,10 +44,15 @@ class SimPlanner:
         """The load of [t0, t1): mean rate, or with `burst` the `burst_quantile` of its sub-window rates
         (the global controller provisions for the bursts it saw, not their average)."""
         a = self.arrivals
-        idle_prompt = float(np.mean(a.prompt)) if len(a) else 1.0
-        idle_output = float(np.mean(a.output)) if len(a) else 1.0
+        idle_prompt, idle_output = self._idle_lengths
         return window_load(a.time_s, a.prompt, a.output, t0, t1, burst=burst, subwindow_s=self.burst_subwindow_s,
                            quantile=self.burst_quantile, idle_prompt=idle_prompt, idle_output=idle_output)
+
+    @cached_property
+    def _idle_lengths(self) -> tuple[float, float]:
+        """The prompt and output lengths a window without arrivals is planned with: the trace's means."""
+        a = self.arrivals
+        return (float(np.mean(a.prompt)), float(np.mean(a.output))) if len(a) else (1.0, 1.0)
 
     def peak_load(self) -> WindowLoad:
         """The busiest `window_s` window of the trace (what a static deployment is sized for)."""

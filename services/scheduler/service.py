@@ -138,10 +138,8 @@ class Scheduler:
         await msg.respond(self._register_reply(True))
         self._on_capacity_change()
         self.governor.worker_restarted(worker.worker_id)
-        if worker.supported_clocks_mhz and self.settings.freq_window_s > 0:
-            now = time.monotonic()
-            cmd = self.governor.command(worker, self.governor.signals(now, self.requests.values()))
-            await self.nc.publish(subjects.freq(worker.worker_id), encode(cmd))
+        if self.settings.freq_window_s > 0:
+            await self.freq_window([worker])
 
     async def _on_heartbeat(self, msg: Msg) -> None:
         hb = decode(Heartbeat, msg.data)
