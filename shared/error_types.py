@@ -56,3 +56,6 @@ FFN_UNREACHABLE = "ffn_unreachable"
 SEQUENCE_BUSY = "sequence_busy"
 # The choice a fork was to share the prompt with is gone (it prefills the prompt itself).
 FORK_PARENT_MISSING = "fork_parent_missing"
+# The KV a P/D handoff sent for the sequence is not on the worker its next pass went to (it never
+# arrived, or expired): the sequence is recomputed from its tokens.
+KV_HANDOFF_MISSING = "kv_handoff_missing"

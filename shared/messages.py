@@ -158,6 +158,9 @@ class SeqWork(Message):
     # on the first pass: the sequence whose KV holds this one's first `start_pos` tokens (shared, copied
     # on write); None: the first pass starts at 0
     fork_of: str | None = None
+    # on the first pass: the KV handoff (`KVHandoff.handoff_id`) whose KV, arrived on this worker's KV
+    # seam, holds this sequence's first `start_pos` tokens; None: none
+    kv_from: str | None = None
 
 
 class MicrobatchDescriptor(Message):
@@ -169,6 +172,28 @@ class MicrobatchDescriptor(Message):
     ffn_worker: str
     seqs: list[SeqWork]
     release: list[str] = Field(default_factory=list)  # sequences whose KV blocks to free first
+
+
+class KVHandoff(Message):
+    """`aflex.v1.attn.<wid>.kv` (request/reply, scheduler -> the prefill attention worker): send the KV of
+    sequence `seq_id`'s first `num_tokens` tokens to attention worker `to_worker`'s KV seam. The KV goes
+    over torch.distributed, never through NATS; the reply says when it has arrived."""
+
+    handoff_id: str
+    seq_id: str
+    num_tokens: int
+    to_worker: str
+    to_address: str
+
+
+class KVHandoffReply(Message):
+    """The prefill worker's answer: the KV arrived (`ok`), its size and how long the move took, or why not."""
+
+    handoff_id: str
+    ok: bool
+    nbytes: int = 0
+    seconds: float = 0.0
+    error: ErrorBody | None = None
 
 
 class SeqResult(Message):
@@ -221,6 +246,9 @@ class Register(Message):
     # where this worker's seam takes frames: "gloo://host:port[?gpu=<uuid>]" (torch seam: a TCPStore to
     # rendezvous at) or a NATS subject (nats seam); "" for a worker that is never sent to first
     seam_address: str = ""
+    # an attention worker's KV seam (torch seam only): where another attention worker sends it a
+    # sequence's KV in a P/D handoff; "" when it takes none (the `nats` seam transport)
+    kv_address: str = ""
 
 
 class RegisterReply(Message):
@@ -356,3 +384,9 @@ class SchedulerTelemetry(Message):
     clocks_mhz: dict[str, dict[str, int]] = Field(default_factory=dict)  # commanded, by worker and phase
     assignments: dict[str, Assignment] = Field(default_factory=dict)  # the global scheduler's, by worker
     plan_id: int = 0  # plans made so far (0: none; provisioning off)
+    # P/D handoffs since the scheduler started (monotonic): made, failed (the sequence decoded where it
+    # was), the KV bytes moved and the seconds the moves took (request to the decode worker's acknowledgement)
+    kv_handoffs: int = 0
+    kv_handoff_failures: int = 0
+    kv_handoff_bytes: int = 0
+    kv_handoff_s: float = 0.0

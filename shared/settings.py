@@ -85,6 +85,13 @@ class SchedulerSettings(ServiceSettings):
     provision_headroom: float = Field(default=1.3, ge=1.0, description="plans hold this multiple of the load seen")
     provision_min_attention: int = Field(default=1, ge=1, description="attention workers that never park")
     provision_min_ffn: int = Field(default=1, ge=1, description="FFN workers that never park")
+    provision_kinds: Literal["auto", "mixed", "pd"] = Field(
+        default="auto", description="the pools a plan may use: auto (the cheaper of one mixed A/F pool and P/D "
+                                    "pools with KV handoffs, P/D where the mesh holds them: 4+ workers, every "
+                                    "attention worker on the torch seam), mixed, or pd (P/D wherever it fits)")
+    kv_handoff_timeout_s: float = Field(
+        default=30.0, gt=0, description="longest wait for a P/D KV handoff; past it the sequence decodes where "
+                                        "it was prefilled")
     heartbeat_timeout_s: float = Field(default=5.0, description="a worker silent this long is unhealthy")
     microbatch_timeout_s: float = Field(default=120.0, description="longest wait for a MicrobatchDone")
     microbatch_lost_after_s: float = Field(

@@ -6,6 +6,7 @@ a protocol change and goes with a version bump and docs/protocol.md.
 Layout, so that NATS per-user permissions can be written by prefix:
     aflex.v1.req.*            gateway <-> scheduler (requests, outputs, cancellation)
     aflex.v1.attn.<wid>.mb    scheduler -> attention worker (microbatch descriptors)
+    aflex.v1.attn.<wid>.kv    scheduler -> attention worker (KV handoffs, request/reply)
     aflex.v1.seam.<wid>       seam frames between workers, on the `nats` seam transport only
     aflex.v1.sched.*          workers -> scheduler
     aflex.v1.freq.<wid>       scheduler -> worker (only the scheduler may publish)
@@ -42,6 +43,11 @@ REQ_CANCEL_ALL = f"{PREFIX}.req.*.cancel"
 
 def attn_mb(worker_id: str) -> str:
     return f"{PREFIX}.attn.{worker_id}.mb"
+
+
+def attn_kv(worker_id: str) -> str:
+    """Where the scheduler asks a prefill attention worker to hand a sequence's KV to a decode one."""
+    return f"{PREFIX}.attn.{worker_id}.kv"
 
 
 def seam(worker_id: str) -> str:

@@ -60,6 +60,11 @@ SUBJECTS: tuple[SubjectDoc, ...] = (
     SubjectDoc(("attn_mb",), subjects.attn_mb("<wid>"), "scheduler → attention worker", "publish", "—",
                "[`MicrobatchDescriptor`](#microbatchdescriptor)",
                "A descriptor with no `seqs` only releases KV blocks. Seam tensors never travel here."),
+    SubjectDoc(("attn_kv",), subjects.attn_kv("<wid>"), "scheduler → attention worker", "request/reply", "—",
+               "[`KVHandoff`](#kvhandoff) → [`KVHandoffReply`](#kvhandoffreply)",
+               "P/D pools: the prefill worker sends the sequence's KV to the decode worker's KV seam "
+               "(`Register.kv_address`) over torch.distributed and answers once the decode worker acknowledged "
+               "it. The KV never travels here; the sequence's next pass names it (`SeqWork.kv_from`)."),
     SubjectDoc(("seam",), subjects.seam("<wid>"), "attention worker ↔ FFN worker (`nats` seam only)", "publish",
                "—", "[seam frame](#seam-frames)",
                "Only with `seam_transport: nats`: each worker takes frames on its own subject, and a frame's reply "
@@ -167,6 +172,10 @@ EXAMPLES: dict[str, Callable[[], Message]] = {
     "MicrobatchDescriptor": lambda: messages.MicrobatchDescriptor(mb_id="9c1d04aa-attn-0-17-0", iteration=17,
                                                                   phase="prefill", ffn_worker="ffn-0",
                                                                   seqs=[_seq_work()], release=["req-1b07"]),
+    "KVHandoff": lambda: messages.KVHandoff(handoff_id="9c1d04aa-kv17", seq_id="req-3f2a", num_tokens=412,
+                                            to_worker="attn-1", to_address="gloo://10.0.0.7:41873"),
+    "KVHandoffReply": lambda: messages.KVHandoffReply(handoff_id="9c1d04aa-kv17", ok=True, nbytes=3375104,
+                                                      seconds=0.0042),
     "SeqResult": lambda: messages.SeqResult(seq_id="req-3f2a", token_id=28),
     "MicrobatchDone": lambda: messages.MicrobatchDone(mb_id="9c1d04aa-attn-0-17-0", worker_id="attn-0",
                                                       results=[messages.SeqResult(seq_id="req-3f2a", token_id=28)],
@@ -270,6 +279,14 @@ ERROR_CODES: tuple[tuple[str, str, str, str], ...] = (
     ("fork_parent_missing", ErrorType.SERVER_ERROR, "attention worker → `MicrobatchDone`",
      "a fork's first pass (`fork_of`) names a sequence this worker no longer holds that far; the scheduler "
      "sends it again from 0"),
+    ("kv_handoff_missing", ErrorType.SERVER_ERROR, "attention worker → `MicrobatchDone`",
+     "a handed-off sequence's first pass (`kv_from`) names KV that is not on this worker (never arrived, expired, "
+     "or does not fit); the scheduler sends it again from 0"),
+    ("kv_handoff_conflict", ErrorType.SERVER_ERROR, "attention worker → `MicrobatchDone`",
+     "a handed-off sequence's first pass names a sequence this worker already holds"),
+    ("kv_handoff_failed", ErrorType.SERVER_ERROR, "attention worker → `KVHandoffReply`",
+     "the prefill worker could not send the KV (the sequence is unknown or busy there, or the decode worker's "
+     "KV seam failed); the sequence decodes where it is"),
     ("kv_cache_exhausted", ErrorType.OVERLOADED, "attention worker → `MicrobatchDone`",
      "no KV blocks left for the sequence; the scheduler re-routes it"),
     ("microbatch_failed", ErrorType.SERVER_ERROR, "attention worker → `MicrobatchDone`",

@@ -108,18 +108,7 @@ class SequenceTable:
                 raise SequenceRefused("start_pos_mismatch", f"sequence {work.seq_id}: start_pos is "
                                       f"{work.start_pos} but this worker holds no KV for it (resend it from "
                                       "start_pos 0 with its sampling and generated_ids)", ErrorType.SERVER_ERROR)
-            if work.sampling is None:
-                raise SequenceRefused("missing_sampling", f"sequence {work.seq_id}: its first pass on this "
-                                      "worker must carry `sampling`", ErrorType.INVALID_REQUEST)
-            params = work.sampling
-            try:
-                params.validate()
-            except AFlexError as exc:
-                raise SequenceRefused("invalid_sampling", f"sequence {work.seq_id}: {exc}",
-                                      ErrorType.INVALID_REQUEST) from None
-            state = SequenceState(SequenceSampler(params, self.eos_token_ids, self._constraint(work)))
-            for token_id in work.generated_ids:  # penalties and min_tokens see what came before
-                state.sampler.record(token_id)
+            state = self._new_state(work)
             state.num_computed = work.start_pos  # a fork's shared prefix (else 0)
         elif work.start_pos != state.num_computed:
             raise SequenceRefused("start_pos_mismatch", f"sequence {work.seq_id}: start_pos is {work.start_pos} "
@@ -143,6 +132,43 @@ class SequenceTable:
         seq_pass = SequencePass(work.start_pos, n_new, self.block_tables.slots(work.seq_id, 0, end),
                                 wants_logits=work.sample)
         return Admitted(work, state, seq_pass, is_new, copies)
+
+    def _new_state(self, work: SeqWork) -> SequenceState:
+        """A sequence's first pass here: its sampler, from `sampling` and the tokens generated before."""
+        if work.sampling is None:
+            raise SequenceRefused("missing_sampling", f"sequence {work.seq_id}: its first pass on this "
+                                  "worker must carry `sampling`", ErrorType.INVALID_REQUEST)
+        try:
+            work.sampling.validate()
+        except AFlexError as exc:
+            raise SequenceRefused("invalid_sampling", f"sequence {work.seq_id}: {exc}",
+                                  ErrorType.INVALID_REQUEST) from None
+        state = SequenceState(SequenceSampler(work.sampling, self.eos_token_ids, self._constraint(work)))
+        for token_id in work.generated_ids:  # penalties and min_tokens see what came before
+            state.sampler.record(token_id)
+        return state
+
+    def adopt(self, work: SeqWork) -> list[int]:
+        """A sequence whose first `start_pos` tokens' KV another worker computed (a P/D handoff): its state and
+        blocks, before `admit` takes the pass; returns the slots that KV goes into. Raises `SequenceRefused`
+        (atomic: nothing is kept)."""
+        if work.seq_id in self._states or self.block_tables.has_sequence(work.seq_id):
+            raise SequenceRefused("kv_handoff_conflict", f"sequence {work.seq_id}: this worker already holds it, "
+                                  "so the KV handed to it cannot be taken", ErrorType.SERVER_ERROR)
+        if not 0 < work.start_pos <= self.max_seq_len:
+            raise SequenceRefused("start_pos_mismatch", f"sequence {work.seq_id}: a handed-off KV of {work.start_pos} "
+                                  "tokens", ErrorType.SERVER_ERROR)
+        state = self._new_state(work)
+        self.block_tables.add_sequence(work.seq_id)
+        try:
+            self.block_tables.reserve(work.seq_id, work.start_pos)
+        except KVCacheExhaustedError as exc:
+            self.block_tables.free_sequence(work.seq_id)
+            raise SequenceRefused("kv_cache_exhausted", f"sequence {work.seq_id}: {exc}",
+                                  ErrorType.OVERLOADED) from None
+        state.num_computed = work.start_pos
+        self._states[work.seq_id] = state
+        return self.block_tables.slots(work.seq_id, 0, work.start_pos)
 
     def _constraint(self, work: SeqWork) -> Constraint | None:
         grammar = work.sampling.grammar if work.sampling is not None else None

@@ -15,23 +15,35 @@ import logging
 import time
 from contextlib import AsyncExitStack
 
+import torch
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 
 from services.attention_worker.done_report import Failures, MicrobatchTiming, microbatch_done, undecodable
 from services.attention_worker.ffn_hops import FFNHops, FFNReplyError
 from services.attention_worker.forward import commit, forward
+from services.attention_worker.kv_handoff import KVHandoffError, KVHandoffs, unpack
 from services.attention_worker.microbatch_book import MicrobatchBook, MicrobatchEntry
 from services.attention_worker.sequences import Admitted, SequenceRefused, SequenceTable
 from services.worker_base.gpu import WorkerGPU
 from services.worker_base.loading import eos_token_ids, load_half
 from services.worker_base.presence import Presence, registration
 from shared import subjects
-from shared.error_types import ErrorType
+from shared.error_types import KV_HANDOFF_MISSING, ErrorType
 from shared.errors import AFlexError
 from shared.gpu.base import GPU
 from shared.lifecycle import stop_on_signals
-from shared.messages import Heartbeat, MicrobatchDescriptor, MicrobatchDone, ProtocolError, SeqResult, decode, encode
+from shared.messages import (
+    Heartbeat,
+    KVHandoff,
+    MicrobatchDescriptor,
+    MicrobatchDone,
+    ProtocolError,
+    SeqResult,
+    SeqWork,
+    decode,
+    encode,
+)
 from shared.model.attention import AttentionHalf, PagedKVStore
 from shared.model.kv_cache import BlockAllocator, BlockTables
 from shared.settings import AttentionWorkerSettings
@@ -61,6 +73,7 @@ class AttentionWorker:
         self._tasks: set[asyncio.Task[None]] = set()
         self.book = MicrobatchBook(self.worker_id, self._free_sequence)
         self.hops = FFNHops(self.worker_id, self.ffn_reply_timeout_s, settings.ffn_silence_s)
+        self.handoffs = KVHandoffs(self.worker_id, self.ffn_reply_timeout_s)
         self._gpu_arg = gpu  # None: the backend the settings select, built when the worker starts
         self.gpu: WorkerGPU | None = None
 
@@ -101,17 +114,25 @@ class AttentionWorker:
                 stack.push_async_callback(seam.close)
                 await seam.start()
                 self.seam = self.hops.seam = seam
+                if s.seam_transport == "torch":  # P/D handoffs: KV between attention workers, never through NATS
+                    kv_seam = make_seam("torch", self.worker_id, nc, self.handoffs.on_frame, self.handoffs.peer_lost,
+                                        listen=True, nats_url=s.nats_url, device=s.device, host=s.seam_host)
+                    stack.push_async_callback(kv_seam.close)
+                    await kv_seam.start()
+                    self.handoffs.seam = kv_seam
                 stack.push_async_callback(self.hops.watch.stop)
                 await self.hops.watch.start(nc)
                 presence = Presence(
                     nc, registration(self.worker_id, "attention", self.model_id, args.n_layers,
                                      kv_total_blocks=self.sequences.total_blocks, block_size=s.block_size,
-                                     max_seq_len=args.max_seq_len, gpu=gpu.gpu, seam_address=seam.address),
+                                     max_seq_len=args.max_seq_len, gpu=gpu.gpu, seam_address=seam.address,
+                                     kv_address=self.handoffs.seam.address if self.handoffs.seam else ""),
                     self._heartbeat, period_s=s.heartbeat_period_s, register_timeout_s=s.register_timeout_s,
                     on_new_scheduler=self._forget_sequences)
                 stack.push_async_callback(presence.stop)
                 stack.push_async_callback(self._finish_in_flight)
                 await nc.subscribe(self.subject, cb=self._on_descriptor_msg)
+                await nc.subscribe(subjects.attn_kv(self.worker_id), cb=self._on_handoff_msg)
                 await nc.flush()
                 self._accepting = True
                 if await presence.start(stop):
@@ -149,6 +170,25 @@ class AttentionWorker:
             self._on_descriptor(msg.data)
         except Exception:  # a bad message must never take the subscription down
             log.exception("dropped a malformed message on %s", self.subject)
+
+    async def _on_handoff_msg(self, msg: Msg) -> None:
+        """A KV handoff to make: its own task (the subscription takes the next at once), one reply."""
+        try:
+            req = decode(KVHandoff, msg.data)
+        except ProtocolError as exc:
+            log.warning("dropped a malformed KV handoff: %s", exc)
+            return
+        task = asyncio.create_task(self._handoff(req, msg), name=f"handoff-{req.handoff_id}")
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _handoff(self, req: KVHandoff, msg: Msg) -> None:
+        assert self.sequences is not None and self.kv is not None
+        reply = await self.handoffs.send(req, self.sequences, self.kv, self.book.is_busy)
+        try:
+            await msg.respond(encode(reply))
+        except Exception as exc:
+            log.error("could not answer KV handoff %s: %s", req.handoff_id, exc)
 
     def _stray_frame(self, frame: Frame) -> None:
         log.warning("dropped a seam frame nobody asked for (from %s, microbatch %s layer %d)", frame.peer.worker_id,
@@ -234,6 +274,8 @@ class AttentionWorker:
                              f"sequence {work.seq_id} is already in an in-flight microbatch")
                 continue
             try:
+                if work.kv_from is not None and work.seq_id not in self.sequences:
+                    self._adopt(work)
                 admitted.append(self.sequences.admit(work))
             except SequenceRefused as exc:
                 failures.add(work.seq_id, exc.error_type, exc.code, str(exc))
@@ -241,6 +283,22 @@ class AttentionWorker:
             if admitted[-1].copies and self.kv is not None:  # a shared block, before this pass writes it
                 self.kv.copy_blocks(admitted[-1].copies, self.sequences.block_tables.block_size)
             entry.claim(work.seq_id)
+
+    def _adopt(self, work: SeqWork) -> None:
+        """A handed-off sequence's first pass here: its KV, arrived on the KV seam, into fresh blocks."""
+        assert self.sequences is not None and self.kv is not None and work.kv_from is not None
+        arrived = self.handoffs.take(work.kv_from)
+        if arrived is None:
+            raise SequenceRefused(KV_HANDOFF_MISSING, f"sequence {work.seq_id}: the KV of handoff {work.kv_from} is "
+                                  f"not on {self.worker_id} (resend it from start_pos 0)", ErrorType.SERVER_ERROR)
+        slots = self.sequences.adopt(work)
+        try:
+            with torch.inference_mode():
+                unpack(self.kv, slots, arrived)
+        except KVHandoffError as exc:
+            self.sequences.free(work.seq_id)
+            raise SequenceRefused(KV_HANDOFF_MISSING, f"sequence {work.seq_id}: {exc}",
+                                  ErrorType.SERVER_ERROR) from None
 
     def _meter_after(self, admitted: list[Admitted], results: list[SeqResult]) -> None:
         """The meter once a microbatch has left: queue depth, KV in use, and its tokens when it produced any."""

@@ -27,7 +27,7 @@ from fastapi import FastAPI
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -130,6 +130,25 @@ class TelemetryCollector(Collector):
                 slo.add_metric([], latest.slo_attainment)
         yield from (queue, running, slo, vllm_running, vllm_waiting)
         yield from self._plan_metrics()
+        yield from self._handoff_metrics(schedulers)
+
+    def _handoff_metrics(self, schedulers: list[SchedulerTelemetry]) -> Iterator[Metric]:
+        """P/D KV handoffs (monotonic, the latest scheduler's): made, failed, bytes and seconds."""
+        made = CounterMetricFamily("aflex_kv_handoffs", "Sequences moved from a prefill to a decode attention "
+                                   "worker with their KV")
+        failed = CounterMetricFamily("aflex_kv_handoff_failures", "KV handoffs that failed (the sequence "
+                                     "decoded where it was prefilled)")
+        nbytes = CounterMetricFamily("aflex_kv_handoff_bytes", "KV bytes moved between attention workers "
+                                     "(torch.distributed)")
+        seconds = CounterMetricFamily("aflex_kv_handoff_seconds", "Time the KV handoffs took, request to "
+                                      "the decode worker's acknowledgement (s)")
+        if schedulers:
+            latest = max(schedulers, key=lambda s: s.ts)
+            made.add_metric([], latest.kv_handoffs)
+            failed.add_metric([], latest.kv_handoff_failures)
+            nbytes.add_metric([], latest.kv_handoff_bytes)
+            seconds.add_metric([], latest.kv_handoff_s)
+        yield from (made, failed, nbytes, seconds)
 
     def _plan_metrics(self) -> Iterator[Metric]:
         """The global scheduler's latest plan: each worker's assignment, and what the plan is for."""

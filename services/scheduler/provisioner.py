@@ -10,8 +10,10 @@ plan's pools onto named workers is this module's: a worker keeps its role where 
 plan moves as few workers as it can.
 
 Kinds live: a mesh whose workers each load one half serves "mixed" pools (every attention worker runs
-prefill and decode beside the FFN workers). "pd" pools need the KV handoff between attention workers,
-"colocated" a worker that loads both halves; until those land the live planner does not weigh them.
+prefill and decode beside the FFN workers) and "pd" pools (prefill and decode attention workers, each
+pool with FFN workers of its own, sequences moving between them by KV handoff: handoff.py); which of
+them a window may use is the caller's (`provision_kinds`). "colocated" needs a worker that loads both
+halves; until that lands the live planner does not weigh it.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from shared.policy.footprint import elastic_plan
 from shared.policy.headroom import AdaptiveHeadroom
 from shared.policy.window_load import window_load
 
-LIVE_KINDS: tuple[str, ...] = ("mixed",)
+LIVE_KINDS: tuple[str, ...] = ("mixed", "pd")
 POOL_ASSIGNMENT: dict[str, Assignment] = {"prefill": "prefill-attention", "decode": "decode-attention",
                                           "mixed": "mixed-attention", "colocated": "colocated"}
 
@@ -159,14 +161,15 @@ class Provisioner:
                                      max_ffn=n_ffn)
 
     def plan(self, now_mono: float, pred: Predictor, rule: ClockRule, attention_ids: list[str],
-             ffn_ids: list[str]) -> PlanDecision:
-        """The plan for the coming window over these (healthy, registered) workers, and who serves where."""
+             ffn_ids: list[str], kinds: tuple[str, ...] | None = None) -> PlanDecision:
+        """The plan for the coming window over these (healthy, registered) workers, and who serves where;
+        `kinds`: the pool kinds it may use (None: the provisioner's)."""
         if not attention_ids or not ffn_ids:
             raise ValueError("a plan needs at least one attention and one FFN worker")
         load = self.loads.load(now_mono, self.window_s, self.subwindow_s, self.quantile)
         spec = self.spec(pred.args, pred.profile, len(attention_ids), len(ffn_ids))
         headroom = self.headroom.update(self.p90_ttft_ms(now_mono), self.ttft_slo_ms)
-        plan = elastic_plan(pred, load, spec, rule, headroom, self.kind, kinds=self.kinds)
+        plan = elastic_plan(pred, load, spec, rule, headroom, self.kind, kinds=kinds or self.kinds)
         plan = self._at_least(plan, spec)
         assignments, pool_of = assign(plan, attention_ids, ffn_ids, self.assignments)
         changed = sorted(w for w, a in assignments.items() if self.assignments.get(w) != a)

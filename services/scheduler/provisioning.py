@@ -93,19 +93,28 @@ class ProvisioningLoop:
         pred = planner.predictor(profile) if planner is not None else cached_predictor(profile, self.args)
         rule = planner.rule if planner is not None else ClockRule(objective=AFLEX_CLOCK_OBJECTIVE)
         decision = self.provisioner.plan(time.monotonic(), pred, rule, [w.worker_id for w in attention],
-                                         [w.worker_id for w in ffn])
+                                         [w.worker_id for w in ffn], kinds=self.kinds(attention, ffn))
         changed = [self.registry.workers[w] for w in decision.changed]
         for wid, assignment in decision.assignments.items():
             worker = self.registry.workers[wid]
             if worker.parked and assignment not in PARKED:
                 self.governor.worker_woken(wid)
-            worker.assignment = assignment
+            worker.assignment, worker.pool = assignment, decision.pool_of.get(wid, "")
         if changed:
             log.info("plan %d (%s, %.2f req/s planned): %s", decision.plan_id, decision.plan.kind,
                      decision.load.rate_rps, ", ".join(f"{w.worker_id} -> {w.assignment}" for w in changed))
         self.on_change(changed)
         await self._publish(decision)
         return decision
+
+    def kinds(self, attention: list[Worker], ffn: list[Worker]) -> tuple[str, ...]:
+        """The pool kinds this window's plan may use (`provision_kinds`): P/D pools only where the mesh holds
+        two of each role and every attention worker has a KV seam to take handed-off sequences."""
+        pd_fits = len(attention) >= 2 and len(ffn) >= 2 and all(w.kv_address for w in attention)
+        wanted = self.settings.provision_kinds
+        if not pd_fits or wanted == "mixed":
+            return ("mixed",)
+        return ("pd",) if wanted == "pd" else ("mixed", "pd")
 
     async def _publish(self, d: PlanDecision) -> None:
         now = time.time()

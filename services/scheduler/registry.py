@@ -79,6 +79,8 @@ class Worker:
     supported_clocks_mhz: list[int] = field(default_factory=list)  # empty: no frequency commands
     attention_lane: AttentionLane | None = None
     assignment: Assignment | None = None  # the global scheduler's (None: no plan yet, or provisioning off)
+    pool: str = ""  # the plan's pool it serves in ("prefill", "decode", "mixed"; "": none, or no plan)
+    kv_address: str = ""  # an attention worker's KV seam (P/D handoffs); "": it takes none
 
     @property
     def parked(self) -> bool:
@@ -146,6 +148,7 @@ class Registry:
         worker.max_seq_len = msg.max_seq_len
         worker.gpu_backend, worker.gpu_name, worker.gpu_profile = msg.gpu_backend, msg.gpu_name, msg.gpu_profile
         worker.supported_clocks_mhz = sorted({c for c in msg.supported_clocks_mhz if c > 0})
+        worker.kv_address = msg.kv_address
         worker.last_seen = now
         worker.healthy = True
         return worker, restarted
@@ -207,15 +210,18 @@ class Registry:
         return max((w.capacity_tokens for w in self.usable_attention()), default=0)
 
     def best_attention(self, tokens: int) -> Worker | None:
-        """The usable attention worker able to hold `tokens` with the most free KV blocks (estimated)."""
+        """The usable attention worker able to hold `tokens` with the most free KV blocks (estimated); a
+        decode worker of a P/D plan only when no other can (it then prefills too)."""
         fits = [w for w in self.usable_attention() if w.capacity_tokens >= tokens]
+        fits = [w for w in fits if w.assignment != "decode-attention"] or fits
         return max(fits, key=lambda w: (w.lane.est_free_blocks, -len(w.lane.running) - len(w.lane.waiting)),
                    default=None)
 
-    def next_ffn(self) -> Worker | None:
-        """Round-robin over the serving FFN workers (every healthy one if all are parked), one turn per
-        microbatch."""
-        ffn = self.serving("ffn") or self.healthy("ffn")
+    def next_ffn(self, pool: str = "") -> Worker | None:
+        """Round-robin over the serving FFN workers of `pool` (of any pool when it has none; every healthy one
+        if all are parked), one turn per microbatch."""
+        serving = self.serving("ffn")
+        ffn = [w for w in serving if pool and w.pool == pool] or serving or self.healthy("ffn")
         if not ffn:
             return None
         worker = ffn[self._ffn_turn % len(ffn)]

@@ -26,6 +26,7 @@ from services.scheduler import beacon, forks, recovery
 from services.scheduler.admission import RETRY_AFTER_S, Mesh, overdue, rejection
 from services.scheduler.gateways import GatewayWatch
 from services.scheduler.governor import Governor
+from services.scheduler.handoff import Handoffs
 from services.scheduler.model_info import ModelInfo
 from services.scheduler.outputs import OutputStream, token_delta
 from services.scheduler.passes import Pass, PassPlan, plan_passes, release_only, share_energy
@@ -75,6 +76,7 @@ class Scheduler:
         self.outputs = OutputStream(nc)
         self.provisioning = ProvisioningLoop(settings, nc, self.registry, self.governor, self._on_plan_change) \
             if settings.provisioning == "aflex" else None
+        self.handoffs = Handoffs(nc, self.registry, self._run_token, settings.kv_handoff_timeout_s, self._spawn)
 
     # -- lifecycle ------------------------------------------------------------------------------
 
@@ -97,7 +99,8 @@ class Scheduler:
         self._spawn(beacon.heartbeat_loop(nc, s.scheduler_id, self._run_token, s.heartbeat_s))
         if s.telemetry_hz > 0:
             self._spawn(beacon.telemetry_loop(nc, s.scheduler_id, s.telemetry_hz, lambda: self.governor.telemetry(
-                self.queue_depth, self.running_count, self.provisioning.plan_id if self.provisioning else 0)))
+                self.queue_depth, self.running_count, self.provisioning.plan_id if self.provisioning else 0
+            ).model_copy(update=self.handoffs.figures())))
 
     async def stop(self) -> None:
         for task in list(self._tasks):
@@ -169,8 +172,8 @@ class Scheduler:
         """The global scheduler moved `changed`: a parked attention worker's requests that have not started
         go elsewhere (what it holds finishes there), woken ones start taking work, and every changed
         worker gets its clocks now rather than at the next frequency window."""
-        for worker in changed:
-            if worker.parked and worker.attention_lane is not None:
+        for worker in changed:  # a decode worker of a P/D plan takes no new requests either
+            if (worker.parked or worker.assignment == "decode-attention") and worker.attention_lane is not None:
                 self.placement.reroute_unstarted(worker.attention_lane)
         self._on_capacity_change()
         if self.settings.freq_window_s > 0:
@@ -310,7 +313,7 @@ class Scheduler:
         sent: list[tuple[str, list[Pass], asyncio.Future[MicrobatchDone]]] = []
         ffn_of: dict[str, str] = {}
         for k, group in enumerate(plan.groups):
-            ffn = self.registry.next_ffn()
+            ffn = self.registry.next_ffn(worker.pool)
             assert ffn is not None  # checked by the caller, nothing awaited since
             mb_id = f"{self._run_token}-{worker.worker_id}-{lane.iteration}-{k}"
             release, lane.pending_release = forks.split_releases(
@@ -378,6 +381,8 @@ class Scheduler:
             if p.samples:
                 assert result is not None and result.token_id is not None  # judged so
                 await self._append(state, result.token_id, result.logprob)
+                if self.handoffs.wanted(worker, state):  # a P/D plan's prefill worker: on to a decode worker
+                    self.handoffs.start(worker, state)
 
     async def _requeue(self, worker: Worker, state: RequestState, *, failure: bool, reason: str) -> None:
         """Take `state` off `worker` and route it again for recomputation (or fail it for good)."""

@@ -50,6 +50,7 @@ class RequestState(TokenHistory):
     logprobs: list[TokenLogprob | None] = field(default_factory=list)  # per token generated here (past base_tokens)
     prompt_logprobs: list[TokenLogprob | None] | None = None  # per prompt token, as the prefill passes report them
     fork_from: str | None = None  # its first pass shares this request's prompt KV (forks.py)
+    kv_from: str | None = None  # its first pass on `worker_id` takes the KV of this P/D handoff (handoff.py)
     forks: list[RequestState] = field(default_factory=list)  # choices waiting to share its prompt KV
     held_by: RequestState | None = None  # the request whose `forks` this one waits in
     choice_of: str = ""  # one of n choices: choice 0's request id ("": choice 0, or a lone request)
@@ -84,6 +85,7 @@ class RequestState(TokenHistory):
         self.worker_id = None
         self.num_computed = 0
         self.fork_from = None
+        self.kv_from = None
         self.first_pass_sent = False
         self.status = Status.WAITING
         self.in_flight = False

@@ -29,7 +29,8 @@ class Permissions:
 P = PREFIX
 ROLES: dict[str, Permissions] = {
     "scheduler": Permissions(
-        publish=(f"{P}.freq.>", f"{P}.control.role.*", f"{P}.attn.*.mb", f"{P}.req.*.out",
+        publish=(f"{P}.freq.>", f"{P}.control.role.*", f"{P}.attn.*.mb", f"{P}.attn.*.kv",
+                 f"{P}.req.*.out",
                  f"{P}.telemetry.scheduler.>", f"{P}.telemetry.plan", f"{P}.sched.heartbeat"),
         subscribe=(f"{P}.control.register", f"{P}.control.heartbeat.*", f"{P}.sched.done", f"{P}.sched.status",
                    f"{P}.req.submit", f"{P}.req.*.cancel", f"{P}.gateway.heartbeat", INBOX),
@@ -40,8 +41,9 @@ ROLES: dict[str, Permissions] = {
     "attention": Permissions(
         publish=(f"{P}.control.register", f"{P}.control.heartbeat.*", f"{P}.sched.done",
                  f"{P}.telemetry.attention.>", f"{P}.seam.*"),
-        subscribe=(f"{P}.attn.*.mb", f"{P}.freq.*", f"{P}.control.role.*", f"{P}.control.heartbeat.*", f"{P}.seam.*",
-                   INBOX)),
+        subscribe=(f"{P}.attn.*.mb", f"{P}.attn.*.kv", f"{P}.freq.*", f"{P}.control.role.*",
+                   f"{P}.control.heartbeat.*", f"{P}.seam.*", INBOX),
+        responds=True),
     "ffn": Permissions(
         publish=(f"{P}.control.register", f"{P}.control.heartbeat.*", f"{P}.telemetry.ffn.>", f"{P}.seam.*"),
         subscribe=(f"{P}.freq.*", f"{P}.control.role.*", f"{P}.seam.*", INBOX)),

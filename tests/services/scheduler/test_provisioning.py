@@ -79,12 +79,46 @@ def test_the_live_plan_is_the_simulators_call_over_the_live_workers() -> None:
     pv.subwindow_s = 2.0
     for i in range(32):
         pv.loads.admitted(f"b{i}", 161.0 + i / 16, 200, 400)
-    busy = pv.plan(163.0, pred, RULE, attention, ffn)
+    busy = pv.plan(163.0, pred, RULE, attention, ffn, kinds=("mixed",))  # (with P/D too it overflows: P/D)
     assert busy.load.rate_rps == pytest.approx(np.quantile([0.0, 16.0], 0.9))  # two 2-second sub-windows
-    assert busy.plan == elastic_plan(pred, busy.load, spec, RULE, 1.3, "mixed", kinds=LIVE_KINDS)
+    assert busy.plan == elastic_plan(pred, busy.load, spec, RULE, 1.3, "mixed", kinds=("mixed",))
     assert busy.plan.mixed is not None and busy.plan.mixed.attention >= 2
     assert busy.assignments["a0"] == "mixed-attention"  # kept where it was
     assert set(busy.changed) <= {"a1", "a2", "a3", "f1"} and busy.changed
+
+
+def test_a_pd_plan_names_prefill_and_decode_workers_each_pool_with_its_ffn() -> None:
+    pv = _provisioner()
+    pred = cached_predictor(A800, QWEN)
+    for i in range(30):
+        pv.loads.admitted(f"r{i}", 100.0 + 2 * i, 200, 400)
+    d = pv.plan(160.0, pred, RULE, ["a0", "a1", "a2", "a3"], ["f0", "f1"], kinds=("pd",))
+    assert d.plan.kind == "pd" and d.plan.prefill is not None and d.plan.decode is not None
+    assert d.plan == elastic_plan(pred, d.load, pv.spec(QWEN, A800, 4, 2), RULE, 1.3, None, kinds=("pd",))
+    roles = sorted(d.assignments.values())
+    assert roles.count("prefill-attention") == d.plan.prefill.attention
+    assert roles.count("decode-attention") == d.plan.decode.attention
+    assert {d.pool_of[w] for w, a in d.assignments.items() if a == "ffn"} == {"prefill", "decode"}
+    assert all(d.pool_of[w] == ("prefill" if a == "prefill-attention" else "decode")
+               for w, a in d.assignments.items() if a.endswith("-attention"))
+
+
+def test_pd_pools_are_weighed_only_where_the_mesh_holds_them() -> None:
+    from services.scheduler.provisioning import ProvisioningLoop
+    from services.scheduler.registry import Worker
+    from shared.settings import SchedulerSettings
+
+    def kinds(setting: str, n_attention: int, n_ffn: int, kv_address: str = "gloo://h:1") -> tuple[str, ...]:
+        loop = ProvisioningLoop.__new__(ProvisioningLoop)
+        loop.settings = SchedulerSettings(provision_kinds=setting)  # type: ignore[arg-type]
+        attention = [Worker(f"a{i}", "attention", kv_address=kv_address) for i in range(n_attention)]
+        return loop.kinds(attention, [Worker(f"f{i}", "ffn") for i in range(n_ffn)])
+
+    assert kinds("auto", 2, 2) == ("mixed", "pd")
+    assert kinds("pd", 2, 2) == ("pd",)
+    assert kinds("mixed", 4, 2) == ("mixed",)
+    assert kinds("pd", 2, 1) == ("mixed",)  # a P/D plan needs an FFN worker per pool
+    assert kinds("auto", 2, 2, kv_address="") == ("mixed",)  # the nats seam: no KV seam to hand off to
 
 
 def test_assignments_move_as_few_workers_as_they_can() -> None:

@@ -1,0 +1,128 @@
+"""P/D handoff, the attention worker's side: a sequence's KV moves to another attention worker over torch.distributed.
+
+The scheduler asks the prefill worker (`attn.<wid>.kv`, a `KVHandoff`) once a sequence's prompt is in.
+The prefill worker gathers every layer's K and V of the sequence's first `num_tokens` slots into one
+tensor and sends it as one seam frame to the decode worker's KV seam: a `TorchSeam` of its own that
+listens beside the FFN seam, so KV travels gloo (NCCL between two GPUs) and never through the
+nats-server. The decode worker keeps the arrived tensor by handoff id and acknowledges on the seam;
+the prefill worker then answers the scheduler, which sends the sequence's next pass to the decode
+worker with `SeqWork.kv_from`: its admission writes the KV into fresh blocks (`SequenceTable.adopt`).
+A tensor no pass claims within `ARRIVED_TTL_S` (the scheduler died, or moved the sequence elsewhere)
+is dropped. In full: docs/architecture.md, "P/D pools and the KV handoff".
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+
+from services.attention_worker.sequences import SequenceTable
+from shared.error_types import ErrorType
+from shared.errors import AFlexError
+from shared.messages import ErrorBody, KVHandoff, KVHandoffReply
+from shared.model.attention import PagedKVStore
+from shared.transport.header import SeamHeader
+from shared.transport.seam import Frame, Peer, Seam
+
+log = logging.getLogger("aflex.attention_worker")
+
+ARRIVED_TTL_S = 60.0  # an arrived KV no pass claimed for this long is dropped
+EMPTY = torch.empty(0)  # the acknowledgement's payload
+
+
+class KVHandoffError(AFlexError):
+    """A handoff cannot be made: the sequence is unknown, busy or shorter than asked, or the peer is gone."""
+
+
+def pack(kv: PagedKVStore, slots: list[int]) -> Tensor:
+    """Every layer's K, then every layer's V, at `slots`: -> [2 * n_layers, len(slots), Hkv, hd]."""
+    index = torch.tensor(slots, device=kv.k[0].device)
+    return torch.stack([cache.index_select(0, index) for cache in (*kv.k, *kv.v)])
+
+
+def unpack(kv: PagedKVStore, slots: list[int], tensor: Tensor) -> None:
+    """Write `pack`'s tensor [2 * n_layers, len(slots), Hkv, hd] into `slots` of every layer's K and V."""
+    caches = (*kv.k, *kv.v)
+    if tensor.shape[0] != len(caches) or tensor.shape[1] != len(slots) or tensor.shape[2:] != caches[0].shape[1:]:
+        raise KVHandoffError(f"an arrived KV of shape {tuple(tensor.shape)} does not fit {len(slots)} slots of "
+                             f"{len(caches)} caches of rows {tuple(caches[0].shape[1:])}")
+    index = torch.tensor(slots, device=caches[0].device)
+    tensor = tensor.to(device=caches[0].device, dtype=caches[0].dtype)
+    for i, cache in enumerate(caches):
+        cache.index_copy_(0, index, tensor[i])
+
+
+class KVHandoffs:
+    """Both ends of the handoff on one worker: `send` (the prefill side) and the arrived KV (the decode side)."""
+
+    def __init__(self, worker_id: str, timeout_s: float) -> None:
+        self.worker_id, self.timeout_s = worker_id, timeout_s
+        self.seam: Seam | None = None  # set once started; None: this worker takes and sends no handoffs
+        self._arrived: dict[str, tuple[Tensor, float]] = {}
+        self._lock = threading.Lock()  # the seam's receiver thread adds, the event loop takes
+        self.sent = self.sent_bytes = self.received = 0
+
+    # -- the decode side ----------------------------------------------------------------------------
+
+    def on_frame(self, frame: Frame) -> None:
+        """A sequence's KV arrived (on the seam's receiver thread): keep it, acknowledge it."""
+        now = time.monotonic()
+        with self._lock:
+            for key in [k for k, (_, t) in self._arrived.items() if now - t > ARRIVED_TTL_S]:
+                log.info("%s: the KV of handoff %s was never claimed; dropped", self.worker_id, key)
+                del self._arrived[key]
+            self._arrived[frame.header.mb_id] = (frame.tensor, now)
+            self.received += 1
+        seam = self.seam
+        if seam is not None:
+            h = frame.header
+            seam.reply(frame, SeamHeader(kind="to_attention", mb_id=h.mb_id, layer=0, phase=h.phase,
+                                         dtype=EMPTY.dtype, shape=(0,)), EMPTY)
+
+    def take(self, handoff_id: str) -> Tensor | None:
+        with self._lock:
+            arrived = self._arrived.pop(handoff_id, None)
+        return None if arrived is None else arrived[0]
+
+    def peer_lost(self, peer: Peer, reason: str) -> None:
+        log.info("%s: KV seam to %s lost: %s", self.worker_id, peer.worker_id, reason)
+
+    # -- the prefill side ---------------------------------------------------------------------------
+
+    async def send(self, req: KVHandoff, sequences: SequenceTable, kv: PagedKVStore,
+                   busy: Callable[[str], bool]) -> KVHandoffReply:
+        """Move the KV of `req.seq_id`'s first `req.num_tokens` tokens to `req.to_worker`; the reply says how."""
+        started = time.perf_counter()
+        try:
+            if self.seam is None:
+                raise KVHandoffError(f"attention worker {self.worker_id} has no KV seam (seam_transport nats)")
+            if req.seq_id not in sequences or busy(req.seq_id):
+                raise KVHandoffError(f"sequence {req.seq_id} is {'busy' if busy(req.seq_id) else 'unknown'} on "
+                                     f"{self.worker_id}")
+            held = sequences.num_computed(req.seq_id)
+            if not 0 < req.num_tokens <= held:
+                raise KVHandoffError(f"sequence {req.seq_id}: {req.num_tokens} tokens asked, {held} in the cache")
+            with torch.inference_mode():
+                tensor = pack(kv, sequences.block_tables.slots(req.seq_id, 0, req.num_tokens))  # [2L, n, Hkv, hd]
+            peer = Peer(req.to_worker, req.to_address)
+            await self.seam.connect(peer)
+            header = SeamHeader(kind="to_attention", mb_id=req.handoff_id, layer=0, phase="prefill",
+                                dtype=tensor.dtype, shape=tuple(tensor.shape))
+            reply = await self.seam.request(peer, header, tensor, timeout_s=self.timeout_s)
+            if reply.header.kind == "error":
+                raise KVHandoffError(f"{req.to_worker} refused the KV: {bytes(reply.tensor.numpy()).decode()}")
+        except Exception as exc:  # a seam error, a refusal, a sequence not there: the scheduler keeps it here
+            log.warning("%s: KV handoff %s of %s to %s failed: %s", self.worker_id, req.handoff_id, req.seq_id,
+                        req.to_worker, exc)
+            return KVHandoffReply(handoff_id=req.handoff_id, ok=False, seconds=time.perf_counter() - started,
+                                  error=ErrorBody(type=ErrorType.SERVER_ERROR, message=str(exc),
+                                                  code="kv_handoff_failed"))
+        nbytes = tensor.numel() * tensor.element_size()
+        self.sent += 1
+        self.sent_bytes += nbytes
+        return KVHandoffReply(handoff_id=req.handoff_id, ok=True, nbytes=nbytes, seconds=time.perf_counter() - started)
