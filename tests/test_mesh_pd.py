@@ -7,17 +7,25 @@ are the in-process engine's, greedy and seeded, and /metrics counts the handoffs
 
 from __future__ import annotations
 
+import asyncio
+import os
 import re
+import signal
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
 import openai
+from nats.aio.msg import Msg
 
+from shared import subjects
+from shared.messages import KVHandoff, PlanTelemetry, decode
+from shared.transport import bus
 from tests.test_mesh_e2e import QUESTION, generate
+from tests.test_mesh_faults import _child_pid, _run
 from tests.test_mesh_provisioning import _wait_log
-from tools.launch import aflex_up
+from tools.launch import Mesh, aflex_up
 
 
 def _metric(text: str, name: str) -> float:
@@ -54,3 +62,62 @@ def test_pd_pools_hand_each_sequence_to_the_decode_worker_with_the_engines_token
         assert _metric(text, "aflex_kv_handoff_failures_total") == 0
         assert _metric(text, "aflex_kv_handoff_bytes_total") > 0
         assert "KV handoff" not in mesh.output()  # no failure was logged
+
+
+def test_a_kill_mid_handoff_loses_nothing(tiny_chat_checkpoint: Path) -> None:
+    """On a P/D mesh, 8 streams (half seeded and sampled) run three times, each time with a SIGKILL the
+    moment the first `KVHandoff` is on the bus, while the 8 sequences' KV moves: of the prefill worker
+    (its sequences are recomputed on the other, which the next plan makes a mixed pool), of the decode
+    worker (the moves to it fail or its sequences are recomputed), and of the scheduler (mid-change: a new
+    run takes the requests over as continuations). Every stream completes with the no-fault text."""
+    with aflex_up(str(tiny_chat_checkpoint), "--attention-workers", "2", "--ffn-workers", "2",
+                  "--provision-window-s", "1", "--provision-kinds", "pd", "--gpu-profile", "a800",
+                  open_nats=True) as mesh:
+        asyncio.run(_until_pd(mesh))
+        baseline = asyncio.run(_run(mesh, sampled=True))
+        for victim in ("prefill", "decode", "scheduler"):
+            asyncio.run(_until_pd(mesh))
+            after_fault = asyncio.run(_killed_mid_handoff(mesh, victim))
+            assert after_fault == baseline, victim
+        log = mesh.output()
+    for process in ("attn-0", "attn-1", "scheduler"):
+        assert f"{process} exited with status -9" in log
+
+
+async def _until_pd(mesh: Mesh, deadline_s: float = 90.0) -> None:
+    """Until a P/D plan serves: a prefill and a decode attention worker, both healthy and registered."""
+    nc = await bus.connect(f"nats://127.0.0.1:{mesh.nats_port}", "test-plans")
+    ready = asyncio.Event()
+
+    async def on_plan(msg: Msg) -> None:
+        roles = set(decode(PlanTelemetry, msg.data).assignments.values())
+        if {"prefill-attention", "decode-attention"} <= roles:
+            ready.set()
+
+    await nc.subscribe(subjects.TELEMETRY_PLAN, cb=on_plan)
+    try:
+        await asyncio.wait_for(ready.wait(), deadline_s)
+    finally:
+        await nc.close()
+
+
+async def _killed_mid_handoff(mesh: Mesh, victim: str) -> list[tuple[str, int]]:
+    """`_run`'s 8 streams, with `victim` ("prefill", "decode" or "scheduler") SIGKILLed at the first handoff."""
+    nc = await bus.connect(f"nats://127.0.0.1:{mesh.nats_port}", "test-kill")
+    killed: list[str] = []
+
+    async def on_handoff(msg: Msg) -> None:
+        if killed:
+            return
+        req = decode(KVHandoff, msg.data)
+        process = {"prefill": msg.subject.split(".")[3], "decode": req.to_worker, "scheduler": "scheduler"}[victim]
+        os.kill(_child_pid(mesh, process), signal.SIGKILL)
+        killed.append(process)
+
+    await nc.subscribe(subjects.attn_kv("*"), cb=on_handoff)
+    try:
+        results = await _run(mesh, sampled=True)
+    finally:
+        await nc.close()
+    assert killed, f"no handoff was seen, so no {victim} was killed"
+    return results

@@ -4,7 +4,8 @@ One asyncio task per attention worker runs iterations: plan (`shared.policy.plan
 passes.py, with the governor's iteration policy), publish the microbatch descriptors, wait for every
 `MicrobatchDone`, apply the sampled tokens, stream `OutputDelta`s. Everything runs on one event loop,
 so request state needs no locks; NATS callbacks only mutate state and set events, the loops do the
-waiting. Dispatch owns the per-request state; recovery.py decides what a failure costs (recompute,
+waiting. Dispatch owns the per-request state; membership.py keeps the workers (registration, heartbeats,
+losses, capacity and plan changes) in step with it; recovery.py decides what a failure costs (recompute,
 or an error after MAX_FAILURES), governor.py the batching and clock policies, the frequency commands
 and the telemetry figures. A microbatch's energy is shared among its sequences by the tokens each fed.
 """
@@ -23,10 +24,11 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 
 from services.scheduler import beacon, forks, recovery
-from services.scheduler.admission import RETRY_AFTER_S, Mesh, overdue, rejection
+from services.scheduler.admission import Mesh, rejection
 from services.scheduler.gateways import GatewayWatch
 from services.scheduler.governor import Governor
 from services.scheduler.handoff import Handoffs
+from services.scheduler.membership import Membership
 from services.scheduler.model_info import ModelInfo
 from services.scheduler.outputs import OutputStream, token_delta
 from services.scheduler.passes import Pass, PassPlan, plan_passes, release_only, share_energy
@@ -41,14 +43,10 @@ from shared.messages import (
     CancelRequest,
     ErrorBody,
     FinishReason,
-    Heartbeat,
     MicrobatchDescriptor,
     MicrobatchDone,
     OutputDelta,
     ProtocolError,
-    Register,
-    RegisterReply,
-    SchedulerStatus,
     SubmitReply,
     SubmitRequest,
     TokenLogprob,
@@ -69,34 +67,35 @@ class Scheduler:
         self.requests: dict[str, RequestState] = {}
         self.placement = Placement(self.registry)
         self.in_flight = InFlight()
-        self._run_token = uuid.uuid4().hex[:8]  # this run: mb ids unique across restarts, the heartbeat's instance
+        self.run_token = uuid.uuid4().hex[:8]  # this run: mb ids unique across restarts, the heartbeat's instance
         self._tasks: set[asyncio.Task[None]] = set()
         self.governor = Governor(settings, model, self.registry)
         self.gateways = GatewayWatch(settings.gateway_silence_s)
         self.outputs = OutputStream(nc)
-        self.provisioning = ProvisioningLoop(settings, nc, self.registry, self.governor, self._on_plan_change) \
+        self.membership = Membership(self)
+        self.provisioning = ProvisioningLoop(settings, nc, self.registry, self.governor, self.membership.plan_changed) \
             if settings.provisioning == "aflex" else None
-        self.handoffs = Handoffs(nc, self.registry, self._run_token, settings.kv_handoff_timeout_s, self._spawn)
+        self.handoffs = Handoffs(nc, self.registry, self.run_token, settings.kv_handoff_timeout_s, self._spawn)
 
     # -- lifecycle ------------------------------------------------------------------------------
 
     async def start(self) -> None:
         nc = self.nc
-        await nc.subscribe(subjects.CONTROL_REGISTER, cb=bus.guarded(self._on_register, log))
-        await nc.subscribe(subjects.CONTROL_HEARTBEAT_ALL, cb=bus.guarded(self._on_heartbeat, log))
+        await nc.subscribe(subjects.CONTROL_REGISTER, cb=bus.guarded(self.membership.on_register, log))
+        await nc.subscribe(subjects.CONTROL_HEARTBEAT_ALL, cb=bus.guarded(self.membership.on_heartbeat, log))
         await nc.subscribe(subjects.SCHED_DONE, cb=bus.guarded(self._on_done, log))
-        await nc.subscribe(subjects.SCHED_STATUS, cb=bus.guarded(self._on_status, log))
+        await nc.subscribe(subjects.SCHED_STATUS, cb=bus.guarded(self.membership.on_status, log))
         await nc.subscribe(subjects.REQ_SUBMIT, queue=subjects.SCHEDULER_QUEUE, cb=bus.guarded(self._on_submit, log))
         await nc.subscribe(subjects.REQ_CANCEL_ALL, cb=bus.guarded(self._on_cancel, log))
         await nc.subscribe(subjects.GATEWAY_HEARTBEAT, cb=bus.guarded(self.gateways.on_heartbeat, log))
         await nc.flush()
-        self._spawn(self._health_loop())
+        self._spawn(self.membership.health_loop())
         if self.settings.freq_window_s > 0:
             self._spawn(self._freq_loop())
         if self.provisioning is not None:
             self._spawn(self.provisioning.run())
         s = self.settings
-        self._spawn(beacon.heartbeat_loop(nc, s.scheduler_id, self._run_token, s.heartbeat_s))
+        self._spawn(beacon.heartbeat_loop(nc, s.scheduler_id, self.run_token, s.heartbeat_s))
         if s.telemetry_hz > 0:
             self._spawn(beacon.telemetry_loop(nc, s.scheduler_id, s.telemetry_hz, lambda: self.governor.telemetry(
                 self.queue_depth, self.running_count, self.provisioning.plan_id if self.provisioning else 0
@@ -120,107 +119,6 @@ class Scheduler:
         if not task.cancelled() and task.exception() is not None:
             log.error("scheduler task %s died", task.get_name(), exc_info=task.exception())
 
-    # -- control --------------------------------------------------------------------------------
-
-    def _register_reply(self, ok: bool, error: str | None = None) -> bytes:
-        body = None if error is None else ErrorBody(type=ErrorType.INVALID_REQUEST, message=error)
-        return encode(RegisterReply(ok=ok, scheduler_id=self.settings.scheduler_id, error=body,
-                                    scheduler_instance=self._run_token))
-
-    async def _on_register(self, msg: Msg) -> None:
-        try:
-            reg = decode(Register, msg.data)
-            subjects.check_token(reg.worker_id)
-        except (ProtocolError, ValueError) as exc:
-            await msg.respond(self._register_reply(False, str(exc)))
-            return
-        worker, restarted = self.registry.register(reg, time.monotonic())
-        log.info("worker %s (%s) registered%s", reg.worker_id, reg.role, " again: restarted" if restarted else "")
-        if worker.role == "attention" and restarted:
-            recovery.lose(worker, self.in_flight, restarted=True)  # its KV is empty now: recompute what it held
-        await msg.respond(self._register_reply(True))
-        self._on_capacity_change()
-        self.governor.worker_restarted(worker.worker_id)
-        if self.settings.freq_window_s > 0:
-            await self.freq_window([worker])
-
-    async def _on_heartbeat(self, msg: Msg) -> None:
-        hb = decode(Heartbeat, msg.data)
-        now = time.monotonic()
-        worker, revived = self.registry.heartbeat(hb, now)
-        if not worker.registered and msg.reply:  # e.g. this scheduler is new: ask it to register again
-            await msg.respond(self._register_reply(False))
-        if revived:
-            log.info("worker %s is healthy again", worker.worker_id)
-            self._on_capacity_change()
-        if hb.active_mb_ids is not None:
-            self.in_flight.check_heartbeat(hb.worker_id, set(hb.active_mb_ids), now,
-                                           self.settings.microbatch_lost_after_s, hb.newest_mb_id)
-
-    def _on_capacity_change(self) -> None:
-        """A worker joined or came back: place unplaced requests, start loops, wake every loop."""
-        for worker in self.registry.usable_attention():
-            if worker.lane.task is None or worker.lane.task.done():
-                worker.lane.task = self._spawn(self._worker_loop(worker))
-        unplaced, self.placement.unplaced = self.placement.unplaced, []
-        for state in unplaced:
-            self.placement.route(state)
-        for worker in self.registry.healthy("attention"):
-            worker.lane.wake.set()
-
-    def _on_plan_change(self, changed: list[Worker]) -> None:
-        """The global scheduler moved `changed`: a parked attention worker's requests that have not started
-        go elsewhere (what it holds finishes there), woken ones start taking work, and every changed
-        worker gets its clocks now rather than at the next frequency window."""
-        for worker in changed:  # a decode worker of a P/D plan takes no new requests either
-            if (worker.parked or worker.assignment == "decode-attention") and worker.attention_lane is not None:
-                self.placement.reroute_unstarted(worker.attention_lane)
-        self._on_capacity_change()
-        if self.settings.freq_window_s > 0:
-            self._spawn(self.freq_window(changed))
-
-    async def _health_loop(self) -> None:
-        timeout = self.settings.heartbeat_timeout_s
-        while True:
-            await asyncio.sleep(min(0.5, timeout / 4))
-            for worker in self.registry.expire(time.monotonic(), timeout):
-                log.warning("worker %s (%s) missed heartbeats for %.1f s: unhealthy", worker.worker_id,
-                            worker.role, timeout)
-                if worker.role == "attention":
-                    recovery.lose(worker, self.in_flight, restarted=False)
-                if self.provisioning is not None:
-                    self.provisioning.lost(worker)
-            for state in self.gateways.orphans(time.monotonic(), list(self.requests.values())):
-                if not state.finished:  # (finished meanwhile, while a delta was published)
-                    await self._finish(state, "abort")
-            await self._shed_overdue(time.monotonic())
-
-    async def _shed_overdue(self, now: float) -> None:
-        """Refuse the requests that waited `queue_deadline_s` without starting, so the served keep their TTFT:
-        429 (503 while no workers are ready)."""
-        for state in [s for s in self.requests.values() if s.status is Status.WAITING]:
-            error = None if state.finished else overdue(state, now, self.settings.queue_deadline_s,
-                                                        ready=self.registry.ready)
-            if error is None:
-                continue
-            log.info("request %s shed: %s", state.request_id, error.message)
-            try:
-                await self._finish(state, "error", error, retry_after_s=RETRY_AFTER_S)
-            except Exception as exc:  # a publish into a closed connection: the health loop must go on
-                log.warning("request %s: its refusal could not be sent: %s", state.request_id, exc)
-
-    def on_bus_lost(self) -> None:
-        """The NATS connection dropped: every in-flight microbatch is a suspect the next heartbeat settles."""
-        self.in_flight.bus_lost()
-
-    async def _on_status(self, msg: Msg) -> None:
-        now = time.monotonic()
-        status = SchedulerStatus(ready=self.registry.ready, scheduler_id=self.settings.scheduler_id,
-                                 model_id=self.model.model_id,
-                                 workers=[w.info(now) for w in self.registry.workers.values()],
-                                 queue_depth=self.queue_depth, running=self.running_count)
-        await msg.respond(encode(status))
-
     @property
     def queue_depth(self) -> int:
         return len(self.placement.unplaced) + sum(len(lane.waiting) for lane in self.registry.lanes())
@@ -243,7 +141,7 @@ class Scheduler:
             sent = await self.outputs.resend(known, req.first_index)
             log.info("request %s: sent %d deltas again from index %d", req.request_id, sent, req.first_index)
             self.gateways.heard(req.gateway_id, time.monotonic())
-            reply = SubmitReply(request_id=req.request_id, accepted=True, scheduler_instance=self._run_token)
+            reply = SubmitReply(request_id=req.request_id, accepted=True, scheduler_instance=self.run_token)
         else:
             reply = self._admit(req)
         await msg.respond(encode(reply))
@@ -264,7 +162,7 @@ class Scheduler:
         self.placement.admit(state, self.requests.get(req.fork_of) if req.fork_of else None)
         if self.provisioning is not None:
             self.provisioning.admitted(state)
-        return SubmitReply(request_id=req.request_id, accepted=True, scheduler_instance=self._run_token)
+        return SubmitReply(request_id=req.request_id, accepted=True, scheduler_instance=self.run_token)
 
     # -- cancellation ---------------------------------------------------------------------------
 
@@ -315,7 +213,7 @@ class Scheduler:
         for k, group in enumerate(plan.groups):
             ffn = self.registry.next_ffn(worker.pool)
             assert ffn is not None  # checked by the caller, nothing awaited since
-            mb_id = f"{self._run_token}-{worker.worker_id}-{lane.iteration}-{k}"
+            mb_id = f"{self.run_token}-{worker.worker_id}-{lane.iteration}-{k}"
             release, lane.pending_release = forks.split_releases(
                 lane.pending_release, ([p.state for p in g] for g in plan.groups[k + 1:]))
             desc = MicrobatchDescriptor(mb_id=mb_id, iteration=lane.iteration, phase=plan.phases[k],
@@ -399,7 +297,7 @@ class Scheduler:
 
         No `MicrobatchDone` is awaited for it; if the worker sends one, it only updates KV counts.
         """
-        desc = release_only(worker, self.registry.healthy("ffn")[0].worker_id, self._run_token)
+        desc = release_only(worker, self.registry.healthy("ffn")[0].worker_id, self.run_token)
         self.in_flight.note_sent(desc.mb_id, worker.worker_id)
         await self.nc.publish(subjects.attn_mb(worker.worker_id), encode(desc))
 
