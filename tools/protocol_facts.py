@@ -284,6 +284,9 @@ ERROR_CODES: tuple[tuple[str, str, str, str], ...] = (
      "or does not fit); the scheduler sends it again from 0"),
     ("kv_handoff_conflict", ErrorType.SERVER_ERROR, "attention worker → `MicrobatchDone`",
      "a handed-off sequence's first pass names a sequence this worker already holds"),
+    ("kv_handoff_unreachable", ErrorType.SERVER_ERROR, "attention worker → `KVHandoffReply`",
+     "the prefill worker could not reach the decode worker's KV seam; the sequence decodes where it is, and the "
+     "scheduler sends that worker no moves for a few seconds (it is probably gone: its heartbeats will say)"),
     ("kv_handoff_failed", ErrorType.SERVER_ERROR, "attention worker → `KVHandoffReply`",
      "the prefill worker could not send the KV (the sequence is unknown or busy there, or the decode worker's "
      "KV seam failed); the sequence decodes where it is"),
