@@ -89,6 +89,10 @@ class SchedulerSettings(ServiceSettings):
         default="auto", description="the pools a plan may use: auto (the cheaper of one mixed A/F pool and P/D "
                                     "pools with KV handoffs, P/D where the mesh holds them: 4+ workers, every "
                                     "attention worker on the torch seam), mixed, or pd (P/D wherever it fits)")
+    provision_parking: Literal["auto", "warm", "cold"] = Field(
+        default="auto", description="where a worker out of the plan waits: warm (model kept, lowest clock), cold "
+                                    "(weights released, loaded again to serve), or auto (the simulator's rule: cold "
+                                    "when the power saved over a provisioning window pays for the reload)")
     kv_handoff_timeout_s: float = Field(
         default=30.0, gt=0, description="longest wait for a P/D KV handoff; past it the sequence decodes where "
                                         "it was prefilled")

@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import httpx2 as httpx
+import pytest
 
 from tests.test_mesh_faults import _child_pid, _run
 from tools.launch import Mesh, aflex_up
@@ -29,21 +30,30 @@ def _wait_log(mesh: Mesh, pattern: str, deadline_s: float = 60.0) -> re.Match[st
         time.sleep(0.2)
 
 
-def test_the_plan_parks_what_the_load_does_not_need_and_a_loss_wakes_it(tiny_chat_checkpoint: Path) -> None:
+@pytest.mark.parametrize("parking", ["warm", "cold"])
+def test_the_plan_parks_what_the_load_does_not_need_and_a_loss_wakes_it(tiny_chat_checkpoint: Path,
+                                                                        parking: str) -> None:
+    """Warm: the parked workers keep their weights, their GPUs locked at the lowest clock. Cold: they
+    release their weights once drained, their GPUs at bare idle, and load them again when woken."""
     from shared.gpu.emulated import load_profile
 
-    warm_w = load_profile("a800").warm_parked_power_w
+    profile = load_profile("a800")
+    parked_w = profile.warm_parked_power_w if parking == "warm" else profile.idle_power_w
     with aflex_up(str(tiny_chat_checkpoint), "--attention-workers", "2", "--ffn-workers", "2",
-                  "--provision-window-s", "1", "--gpu-profile", "a800", open_nats=True) as mesh:
-        _wait_log(mesh, r"attn-1: parked-warm")  # the worker heard its assignment
-        _wait_log(mesh, r"ffn-1: parked-warm")
-        # warm parking is what the simulator charges: the parked worker's emulated GPU, locked at the lowest
-        # clock, draws the profile's warm-parked power (`fleet.py`'s parked-warm group)
+                  "--provision-window-s", "1", "--provision-parking", parking, "--gpu-profile", "a800",
+                  open_nats=True) as mesh:
+        _wait_log(mesh, rf"attn-1: parked-{parking}")  # the worker heard its assignment
+        _wait_log(mesh, rf"ffn-1: parked-{parking}")
+        if parking == "cold":
+            _wait_log(mesh, r"attn-1: parked cold: weights released")
+            _wait_log(mesh, r"ffn-1: parked cold: weights released")
+        # the parked states are what the simulator charges (`fleet.py`'s parked groups): warm, the emulated
+        # GPU locked at the lowest clock draws the profile's warm-parked power; cold, its bare idle power
         readings = asyncio.run(_telemetry_of(mesh, "attn-1", seconds=2.0))
-        parked = [r for r in readings if r["assignment"] == "parked-warm" and r["clock_mhz"] == 210]
+        parked = [r for r in readings if r["assignment"] == f"parked-{parking}" and r["clock_mhz"] == 210]
         assert parked, readings[-3:]
-        assert all(abs(float(r["power_w"]) - warm_w) < 1e-6 for r in parked[-3:]), parked[-3:]  # type: ignore[arg-type]
-        parked_line = 'aflex_worker_assignment{assignment="parked-warm",worker="attn-1"} 1.0'
+        assert all(abs(float(r["power_w"]) - parked_w) < 1e-6 for r in parked[-3:]), parked[-3:]  # type: ignore[arg-type]
+        parked_line = f'aflex_worker_assignment{{assignment="parked-{parking}",worker="attn-1"}} 1.0'
         deadline = time.monotonic() + 30
         while parked_line not in (text := httpx.get(f"{mesh.base_url.removesuffix('/v1')}/metrics").text):
             assert time.monotonic() < deadline, [x for x in text.splitlines() if "plan" in x or "assign" in x]
@@ -54,6 +64,8 @@ def test_the_plan_parks_what_the_load_does_not_need_and_a_loss_wakes_it(tiny_cha
         after_loss = asyncio.run(_run(mesh, kill="attn-0"))
         _wait_log(mesh, r"attn-0 exited with status -9")
         _wait_log(mesh, r"plan \d+ \(mixed, [0-9.]+ req/s planned\): .*attn-1 -> mixed-attention")
+        if parking == "cold":  # it served the recomputed sequences with its weights loaded again
+            _wait_log(mesh, r"attn-1: weights loaded again in [0-9.]+ s")
     assert [tokens for _, tokens in after_loss] == [tokens for _, tokens in baseline]
     assert after_loss == baseline
 

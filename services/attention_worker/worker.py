@@ -27,6 +27,7 @@ from services.attention_worker.microbatch_book import MicrobatchBook, Microbatch
 from services.attention_worker.sequences import Admitted, SequenceRefused, SequenceTable
 from services.worker_base.gpu import WorkerGPU
 from services.worker_base.loading import eos_token_ids, load_half
+from services.worker_base.parking import ColdParking
 from services.worker_base.presence import Presence, registration
 from shared import subjects
 from shared.error_types import KV_HANDOFF_MISSING, ErrorType
@@ -76,6 +77,8 @@ class AttentionWorker:
         self.handoffs = KVHandoffs(self.worker_id, self.ffn_reply_timeout_s)
         self._gpu_arg = gpu  # None: the backend the settings select, built when the worker starts
         self.gpu: WorkerGPU | None = None
+        self.parking: ColdParking | None = None
+        self.weight_bytes = 0
 
     # -- lifecycle ------------------------------------------------------------------------------
 
@@ -83,6 +86,7 @@ class AttentionWorker:
         """Load the attention half and allocate the KV cache (blocking)."""
         checkpoint, module = load_half(self.settings, AttentionHalf)
         self.model, self.model_id = module, checkpoint.model_id
+        self.weight_bytes = sum(p.numel() * p.element_size() for p in module.parameters())
         n_blocks, block_size = self.settings.num_kv_blocks, self.settings.block_size
         weight = module.embed_tokens.weight
         self.kv = PagedKVStore(module.args, n_blocks * block_size, weight.dtype, weight.device)
@@ -108,6 +112,10 @@ class AttentionWorker:
                 self.gpu = gpu = WorkerGPU(s, self.worker_id, "attention", self._gpu_arg)
                 stack.push_async_callback(gpu.stop)  # resets the clock
                 gpu.meter.kv(0, self.sequences.total_blocks)
+                self.parking = ColdParking(self.worker_id, gpu.gpu, release=self._release_weights, load=self.load,
+                                           idle=self._holds_nothing, weight_bytes=lambda: self.weight_bytes)
+                gpu.on_assignment = self.parking.assigned
+                stack.push_async_callback(self.parking.stop)
                 await gpu.start(nc)
                 seam = make_seam(s.seam_transport, self.worker_id, nc, self._stray_frame, self.hops.peer_lost,
                                  listen=False, nats_url=s.nats_url, device=s.device, host=s.seam_host)
@@ -150,6 +158,13 @@ class AttentionWorker:
         if pending:
             await asyncio.wait(pending)
 
+    def _release_weights(self) -> None:
+        """Parked cold and holding nothing: the model and the KV cache go (the empty block tables stay)."""
+        self.model = self.kv = None
+
+    def _holds_nothing(self) -> bool:
+        return not self._tasks and self.sequences is not None and len(self.sequences) == 0
+
     def _connection_dropped(self) -> None:
         """Descriptors sent meanwhile may be lost: heartbeats claim none taken until the next one comes."""
         self.book.connection_dropped()
@@ -183,6 +198,8 @@ class AttentionWorker:
         task.add_done_callback(self._tasks.discard)
 
     async def _handoff(self, req: KVHandoff, msg: Msg) -> None:
+        if self.parking is not None:
+            await self.parking.ensure_loaded_async()
         assert self.sequences is not None and self.kv is not None
         reply = await self.handoffs.send(req, self.sequences, self.kv, self.book.is_busy)
         try:
@@ -241,6 +258,8 @@ class AttentionWorker:
                     raise AFlexError(f"attention worker {self.worker_id} is shutting down")
                 if desc.seqs:
                     subjects.check_token(desc.ffn_worker)
+                if self.parking is not None:  # parked cold (weights released) and sent work anyway: load first
+                    await self.parking.ensure_loaded_async()
                 entry.start()
                 if self.gpu is not None:
                     self.gpu.meter.queue_depth = self.book.queue_depth

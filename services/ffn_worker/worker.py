@@ -21,6 +21,7 @@ from torch import Tensor
 from services.ffn_worker.serving import ServingQueue, Work
 from services.worker_base.gpu import WorkerGPU
 from services.worker_base.loading import load_half
+from services.worker_base.parking import ColdParking
 from services.worker_base.presence import Presence, registration
 from shared import subjects
 from shared.errors import AFlexError
@@ -28,6 +29,7 @@ from shared.gpu.base import GPU
 from shared.gpu.workload import ffn_work
 from shared.lifecycle import stop_on_signals
 from shared.messages import Heartbeat
+from shared.model.config import ModelArgs
 from shared.model.ffn import FFNHalf
 from shared.settings import FFNWorkerSettings
 from shared.transport import bus
@@ -57,12 +59,16 @@ class FFNWorker:
         self.frames_served = 0  # frames answered with a result (> forwards when merging)
         self._gpu_arg = gpu  # None: the backend the settings select, built when the worker starts
         self.gpu: WorkerGPU | None = None
+        self.parking: ColdParking | None = None
+        self.args: ModelArgs | None = None  # the model's shape, kept while its weights are released
+        self.weight_bytes = 0
 
     # -- lifecycle ------------------------------------------------------------------------------
 
     def load(self) -> None:
         checkpoint, self.model = load_half(self.settings, FFNHalf)
-        self.model_id = checkpoint.model_id
+        self.model_id, self.args = checkpoint.model_id, self.model.args
+        self.weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
 
     async def run(self, stop: asyncio.Event | None = None) -> None:
         """Serve until `stop` is set (or SIGTERM/SIGINT); then unsubscribe, serve what is queued, drain."""
@@ -83,6 +89,10 @@ class FFNWorker:
                 self.gpu = gpu = WorkerGPU(s, self.worker_id, "ffn", self._gpu_arg)
                 stack.push_async_callback(gpu.stop)  # resets the clock
                 stack.callback(self.queue.stop)
+                self.parking = ColdParking(self.worker_id, gpu.gpu, release=self._release_weights, load=self.load,
+                                           idle=self.queue.idle.is_set, weight_bytes=lambda: self.weight_bytes)
+                gpu.on_assignment = self.parking.assigned
+                stack.push_async_callback(self.parking.stop)
                 await gpu.start(nc)
                 self.seam = seam = make_seam(s.seam_transport, self.worker_id, nc, self._on_frame, self._peer_lost,
                                              listen=True, nats_url=s.nats_url, device=s.device, host=s.seam_host)
@@ -125,15 +135,15 @@ class FFNWorker:
         log.info("ffn worker %s: seam from %s closed (%s)", self.worker_id, peer.worker_id, reason)
 
     def _check(self, frame: Frame) -> Work:
-        assert self.model is not None
+        args = self.args
+        assert args is not None
         header, tensor = frame.header, frame.tensor
         if header.kind != "to_ffn":
             raise FFNFrameError(f"frame kind is {header.kind!r}, expected 'to_ffn'")
-        n_layers = self.model.args.n_layers
-        if not 0 <= header.layer < n_layers:
-            raise FFNFrameError(f"layer {header.layer} is not in [0, {n_layers})")
-        if tensor.dim() != 2 or tensor.shape[1] != self.model.args.dim:
-            raise FFNFrameError(f"ffn_in must be [tokens, {self.model.args.dim}], got {list(tensor.shape)}")
+        if not 0 <= header.layer < args.n_layers:
+            raise FFNFrameError(f"layer {header.layer} is not in [0, {args.n_layers})")
+        if tensor.dim() != 2 or tensor.shape[1] != args.dim:
+            raise FFNFrameError(f"ffn_in must be [tokens, {args.dim}], got {list(tensor.shape)}")
         return Work(frame)
 
     # -- serving --------------------------------------------------------------------------------
@@ -168,8 +178,14 @@ class FFNWorker:
             return [out], shares, measured_s
         return [part.to(dtype) for part in out.split(rows)], shares, measured_s
 
+    def _release_weights(self) -> None:
+        """Parked cold with nothing queued: the weights go (the model's shape stays, to check frames)."""
+        self.model = None
+
     def _serve(self, batch: list[Work]) -> None:
         try:
+            if self.parking is not None:  # parked cold (weights released) and sent frames anyway: load first
+                self.parking.ensure_loaded()
             outputs, energies, compute_s = self._forward(batch)
         except Exception as exc:
             log.exception("ffn worker %s: layer %d forward failed", self.worker_id, batch[0].layer)

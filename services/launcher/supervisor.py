@@ -63,7 +63,8 @@ CommandBuilder = Callable[[argparse.Namespace], list[ChildSpec]]
 
 # what `aflex up` takes itself and hands down
 SCHEDULER_KNOBS = ("microbatch_depth", "batching", "freq_policy", "queue_deadline_s", "provisioning",
-                   "provision_window_s", "provision_min_attention", "provision_min_ffn", "provision_kinds")
+                   "provision_window_s", "provision_min_attention", "provision_min_ffn", "provision_kinds",
+                   "provision_parking")
 GATEWAY_KNOBS = ("api_key",)
 WORKER_KNOBS = ("device", "dtype", "quantize", "torch_threads", "seam_transport", "gpu_backend", "gpu_profile",
                 "gpu_pace")  # (the flags of both are generated from these settings fields)

@@ -27,8 +27,10 @@ import numpy as np
 from shared.gpu.emulated import GPUProfile
 from shared.kinds import Assignment
 from shared.model.config import ModelArgs
+from shared.model.sizes import attention_weight_bytes, ffn_weight_bytes
 from shared.perf import Predictor
 from shared.policy import ClockRule, ClusterSpec, Plan, WindowLoad
+from shared.policy.baseline_placement import parking_state
 from shared.policy.footprint import elastic_plan
 from shared.policy.headroom import AdaptiveHeadroom
 from shared.policy.window_load import window_load
@@ -93,16 +95,17 @@ class PlanDecision:
     pool_of: dict[str, str] = field(default_factory=dict)  # worker -> the pool it serves in ("" when parked)
 
 
-def assign(plan: Plan, attention_ids: list[str], ffn_ids: list[str], previous: dict[str, Assignment]
-           ) -> tuple[dict[str, Assignment], dict[str, str]]:
+def assign(plan: Plan, attention_ids: list[str], ffn_ids: list[str], previous: dict[str, Assignment],
+           parked: Assignment = "parked-warm") -> tuple[dict[str, Assignment], dict[str, str]]:
     """Name the workers of each pool of `plan`: a worker already serving in a pool of the same role is
-    kept there, then the serving ones, then the parked ones, each in id order; the rest park warm."""
+    kept there, then the serving ones, then the parked ones (warm before cold), each in id order; the rest
+    park (`parked`)."""
     out: dict[str, Assignment] = {}
     pool_of: dict[str, str] = {}
 
     def order(ids: list[str], wanted: Assignment | None) -> list[str]:
         return sorted(ids, key=lambda w: (previous.get(w) != wanted, previous.get(w, "parked-warm").startswith(
-            "parked"), w))
+            "parked"), previous.get(w) == "parked-cold", w))
 
     free_a, free_f = list(attention_ids), list(ffn_ids)
     for pool, shape in plan.pools().items():
@@ -115,7 +118,7 @@ def assign(plan: Plan, attention_ids: list[str], ffn_ids: list[str], previous: d
             out[wid], pool_of[wid] = "ffn", pool
             free_f.remove(wid)
     for wid in [*free_a, *free_f]:
-        out[wid], pool_of[wid] = "parked-warm", ""
+        out[wid], pool_of[wid] = parked, ""
     return out, pool_of
 
 
@@ -124,7 +127,7 @@ class Provisioner:
 
     def __init__(self, *, window_s: float, ttft_slo_ms: float, tpot_slo_ms: float, link_bytes_s: float,
                  headroom: float = 1.3, min_attention: int = 1, min_ffn: int = 1, subwindow_s: float = 30.0,
-                 quantile: float = 0.9, kinds: tuple[str, ...] = LIVE_KINDS) -> None:
+                 quantile: float = 0.9, kinds: tuple[str, ...] = LIVE_KINDS, parking: str = "auto") -> None:
         if window_s <= 0:
             raise ValueError(f"provision_window_s must be > 0, got {window_s}")
         if min_attention < 1 or min_ffn < 1:
@@ -138,6 +141,8 @@ class Provisioner:
         self.min_attention, self.min_ffn = min_attention, min_ffn
         self.subwindow_s = min(subwindow_s, window_s / 2)  # a short (test) window still sees its bursts
         self.quantile, self.kinds = quantile, kinds
+        parking_state(parking, 0.0, 0.0, 0.0, 0.0)  # an unknown state is refused now, not at the first plan
+        self.parking = parking
         self.loads = LoadLog(keep_s=window_s)
         self.assignments: dict[str, Assignment] = {}
         self.plan_id = 0
@@ -153,12 +158,23 @@ class Provisioner:
             self.ttfts.popleft()
         return float(np.percentile([ms for _, ms in self.ttfts], 90)) if self.ttfts else None
 
+    def parked_state(self, args: ModelArgs, profile: GPUProfile) -> Assignment:
+        """Where a worker out of the plan waits, by the simulator's rule (`parking_state`): cold when the power
+        it saves over the window it is expected out pays for the model load (context-idle power over
+        `cold_rejoin_s` of one role's weights) that brings it back."""
+        cold_j = profile.context_idle_power_w * profile.cold_rejoin_s(
+            (attention_weight_bytes(args) + ffn_weight_bytes(args)) / 2)
+        state = parking_state(self.parking, self.window_s, profile.warm_parked_power_w, profile.idle_power_w, cold_j)
+        return "parked-cold" if state == "cold" else "parked-warm"
+
     def spec(self, args: ModelArgs, profile: GPUProfile, n_attention: int, n_ffn: int) -> ClusterSpec:
-        """The live cluster: its workers as GPUs, each able to serve the half it loaded."""
+        """The live cluster: its workers as GPUs, each able to serve the half it loaded, a parked one priced at
+        its parking state's power."""
+        parked_w = profile.idle_power_w if self.parked_state(args, profile) == "parked-cold" \
+            else profile.warm_parked_power_w
         return ClusterSpec.for_model(args, n_attention + n_ffn, ttft_slo_s=self.ttft_slo_s,
                                      tpot_slo_s=self.tpot_slo_s, link_bytes_s=self.link_bytes_s,
-                                     parked_power_w=profile.warm_parked_power_w, max_attention=n_attention,
-                                     max_ffn=n_ffn)
+                                     parked_power_w=parked_w, max_attention=n_attention, max_ffn=n_ffn)
 
     def plan(self, now_mono: float, pred: Predictor, rule: ClockRule, attention_ids: list[str],
              ffn_ids: list[str], kinds: tuple[str, ...] | None = None) -> PlanDecision:
@@ -171,7 +187,8 @@ class Provisioner:
         headroom = self.headroom.update(self.p90_ttft_ms(now_mono), self.ttft_slo_ms)
         plan = elastic_plan(pred, load, spec, rule, headroom, self.kind, kinds=kinds or self.kinds)
         plan = self._at_least(plan, spec)
-        assignments, pool_of = assign(plan, attention_ids, ffn_ids, self.assignments)
+        assignments, pool_of = assign(plan, attention_ids, ffn_ids, self.assignments,
+                                      self.parked_state(pred.args, pred.profile))
         changed = sorted(w for w, a in assignments.items() if self.assignments.get(w) != a)
         self.plan_id += 1
         self.kind, self.assignments = plan.kind, assignments

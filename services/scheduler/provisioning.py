@@ -41,7 +41,7 @@ class ProvisioningLoop:
         self.provisioner = Provisioner(window_s=s.provision_window_s, ttft_slo_ms=s.ttft_slo_ms,
                                        tpot_slo_ms=s.tpot_slo_ms, link_bytes_s=s.freq_link_gbs * 1e9,
                                        headroom=s.provision_headroom, min_attention=s.provision_min_attention,
-                                       min_ffn=s.provision_min_ffn)
+                                       min_ffn=s.provision_min_ffn, parking=s.provision_parking)
         self.args = governor.planner.args if governor.planner is not None else None
         self._warned = False
         self._replan = asyncio.Event()

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -21,7 +22,7 @@ from nats.aio.msg import Msg
 from shared import subjects
 from shared.gpu.controller import DVFSController
 from shared.gpu.telemetry import WorkerMeter, publish_loop
-from shared.kinds import Role
+from shared.kinds import Assignment, Role
 from shared.messages import FrequencyCommand, ProtocolError, RoleAssignment, decode
 
 if TYPE_CHECKING:
@@ -53,6 +54,7 @@ class WorkerGPU:
                                          hysteresis_mhz=settings.hysteresis_mhz, min_hold_s=settings.min_hold_s)
         self.meter = WorkerMeter(worker_id, role)
         self.commands_ignored = 0
+        self.on_assignment: Callable[[Assignment | None], None] | None = None  # the worker's (cold parking)
         self._sub: Subscription | None = None
         self._role_sub: Subscription | None = None
         self._task: asyncio.Task[None] | None = None
@@ -103,6 +105,8 @@ class WorkerGPU:
         if role.assignment != self.meter.assignment:
             log.info("%s: %s (plan %d: %s)", self.worker_id, role.assignment, role.plan_id, role.reason)
         self.meter.assignment = role.assignment
+        if self.on_assignment is not None:
+            self.on_assignment(role.assignment)
 
     async def stop(self) -> None:
         """Stop telemetry and commands, reset the clock, close the GPU if this worker opened it."""

@@ -93,5 +93,14 @@ class GPU(ABC):
         duration in seconds. Real GPUs measure themselves: the measured time is the time."""
         return measured_s
 
+    def release_context(self) -> None:  # noqa: B027 - optional hook
+        """The worker released its weights and context (parked cold). A real GPU's power says so itself; the
+        emulated one draws bare idle from now on."""
+
+    def create_context(self, weight_bytes: float) -> float:
+        """The worker loads its weights again (a cold-parked GPU rejoins); returns the modelled seconds of the
+        rejoin (a real GPU: 0, the load's wall time is the time)."""
+        return 0.0
+
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release the backend (NVML shutdown)."""

@@ -325,6 +325,29 @@ class EmulatedGPU(GPU):
             self._sleep(cost.time_s - measured_s)
         return cost.time_s
 
+    def release_context(self) -> None:
+        """Parked cold: the idle up to now at the context's power, bare idle (`profile.idle_power_w`) after."""
+        self._account_idle(self._clock())
+        self.context_resident = False
+
+    def create_context(self, weight_bytes: float) -> float:
+        """A cold-parked GPU rejoins: a new context and `weight_bytes` over the host link
+        (`profile.cold_rejoin_s`), drawing context-idle power meanwhile, as the simulator's fleet charges a
+        rejoining GPU. Returns the modelled seconds (slept with `pace` where the host was quicker)."""
+        if self.context_resident:
+            return 0.0
+        now = self._clock()
+        start = max(now, self._accounted_until)
+        self._account_idle(start)
+        self.context_resident = True
+        rejoin_s = self.profile.cold_rejoin_s(weight_bytes)
+        self._energy_j += rejoin_s * self.profile.context_idle_power_w
+        self._accounted_until = self._busy_until = start + rejoin_s
+        self._busy_power_w = self.profile.context_idle_power_w
+        if self.pace:
+            self._sleep(rejoin_s)
+        return rejoin_s
+
     def power_w(self) -> float:
         now = self._clock()
         return self._busy_power_w if now < self._busy_until else self.idle_power_w

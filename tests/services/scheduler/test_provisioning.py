@@ -34,8 +34,8 @@ A800 = load_profile("a800")
 RULE = ClockRule(objective=AFLEX_CLOCK_OBJECTIVE)
 
 
-def _provisioner(window_s: float = 60.0) -> Provisioner:
-    return Provisioner(window_s=window_s, ttft_slo_ms=400, tpot_slo_ms=120, link_bytes_s=400e9)
+def _provisioner(window_s: float = 60.0, parking: str = "warm") -> Provisioner:
+    return Provisioner(window_s=window_s, ttft_slo_ms=400, tpot_slo_ms=120, link_bytes_s=400e9, parking=parking)
 
 
 def test_the_live_load_is_the_simulators_rule_on_the_same_arrivals() -> None:
@@ -121,6 +121,31 @@ def test_pd_pools_are_weighed_only_where_the_mesh_holds_them() -> None:
     assert kinds("auto", 2, 2, kv_address="") == ("mixed",)  # the nats seam: no KV seam to hand off to
 
 
+def test_workers_out_of_the_plan_park_cold_where_the_window_pays_for_the_reload() -> None:
+    """The simulator's rule (`parking_state`): cold when the window's saving (warm-parked less bare idle
+    power) pays for the model load that brings it back (context-idle power over `cold_rejoin_s`)."""
+    from shared.model.sizes import attention_weight_bytes, ffn_weight_bytes
+    from shared.policy.baseline_placement import parking_state
+
+    cold_j = A800.context_idle_power_w * A800.cold_rejoin_s((attention_weight_bytes(QWEN) + ffn_weight_bytes(QWEN)) / 2)
+    break_even_s = cold_j / (A800.warm_parked_power_w - A800.idle_power_w)
+    for window_s in (break_even_s / 2, break_even_s * 2, 300.0):
+        pv = _provisioner(window_s, parking="auto")
+        want = parking_state("auto", window_s, A800.warm_parked_power_w, A800.idle_power_w, cold_j)
+        assert pv.parked_state(QWEN, A800) == f"parked-{want}"
+        assert pv.spec(QWEN, A800, 4, 2).parked_power_w == (A800.idle_power_w if want == "cold"
+                                                               else A800.warm_parked_power_w)
+    assert _provisioner(300.0, parking="auto").parked_state(QWEN, A800) == "parked-cold"
+    assert _provisioner(1.0, parking="auto").parked_state(QWEN, A800) == "parked-warm"
+    pv = _provisioner(300.0, parking="cold")
+    for i in range(30):
+        pv.loads.admitted(f"r{i}", 100.0 + 2 * i, 200, 400)
+    d = pv.plan(160.0, cached_predictor(A800, QWEN), RULE, ["a0", "a1"], ["f0", "f1"], kinds=("mixed",))
+    assert sorted(d.assignments.values()) == ["ffn", "mixed-attention", "parked-cold", "parked-cold"]
+    with pytest.raises(ValueError, match="parking state"):
+        _provisioner(parking="tepid")
+
+
 def test_assignments_move_as_few_workers_as_they_can() -> None:
     shape = PoolShape(split=True, attention=2, ffn=1)
     plan = Plan(None, None, shape, 3, 100.0, True)
@@ -137,7 +162,7 @@ def test_the_operators_floor_holds() -> None:
                      min_ffn=2)
     d = pv.plan(0.0, cached_predictor(A800, QWEN), RULE, ["a0", "a1", "a2"], ["f0", "f1"])
     assert d.plan.mixed is not None and (d.plan.mixed.attention, d.plan.mixed.ffn) == (2, 2)
-    assert sorted(d.assignments.values()).count("parked-warm") == 1
+    assert sum(a.startswith("parked") for a in d.assignments.values()) == 1
     with pytest.raises(ValueError, match="at least one attention and one FFN"):
         Provisioner(window_s=60.0, ttft_slo_ms=400, tpot_slo_ms=120, link_bytes_s=400e9, min_ffn=0)
     with pytest.raises(ValueError, match="provision_window_s"):

@@ -165,6 +165,29 @@ def test_idle_power_with_and_without_context() -> None:
     assert loaded.total_energy_j() == pytest.approx(10 * p.context_idle_power_at(1410))
 
 
+def test_cold_parking_draws_bare_idle_and_a_rejoin_costs_what_the_simulator_charges() -> None:
+    """`release_context`: bare idle from then on; `create_context`: `cold_rejoin_s` of the weights at
+    context-idle power (the simulator's fleet charges a rejoining GPU so), then context idle again."""
+    clock = FakeClock()
+    gpu = EmulatedGPU("a800", clock=clock)
+    p = gpu.profile
+    clock.now += 10
+    gpu.release_context()
+    clock.now += 20
+    assert gpu.total_energy_j() == pytest.approx(10 * p.context_idle_power_at(1410) + 20 * p.idle_power_w)
+    assert gpu.power_w() == p.idle_power_w
+    weights = 8e9
+    rejoin_s = gpu.create_context(weights)
+    assert rejoin_s == pytest.approx(p.cold_rejoin_s(weights)) and gpu.create_context(weights) == 0.0  # once
+    clock.now += rejoin_s + 5
+    assert gpu.total_energy_j() == pytest.approx(10 * p.context_idle_power_at(1410) + 20 * p.idle_power_w
+                                                 + rejoin_s * p.context_idle_power_w
+                                                 + 5 * p.context_idle_power_at(1410))
+    paced = EmulatedGPU("a800", clock=clock, pace=True, sleep=clock.sleep)
+    paced.release_context()
+    assert paced.create_context(weights) == pytest.approx(clock.slept[-1])  # the host waits the modelled load
+
+
 @pytest.mark.parametrize("key", PROFILES)
 def test_context_idle_follows_the_clock(key: str) -> None:
     """Idle with a context falls with the locked clock (floor + leakage·V + clock tree·f·V²), stays above
