@@ -96,27 +96,37 @@ class PlanDecision:
 
 
 def assign(plan: Plan, attention_ids: list[str], ffn_ids: list[str], previous: dict[str, Assignment],
-           parked: Assignment = "parked-warm") -> tuple[dict[str, Assignment], dict[str, str]]:
-    """Name the workers of each pool of `plan`: a worker already serving in a pool of the same role is
-    kept there, then the serving ones, then the parked ones (warm before cold), each in id order; the rest
-    park (`parked`)."""
+           parked: Assignment = "parked-warm", previous_pool: dict[str, str] | None = None
+           ) -> tuple[dict[str, Assignment], dict[str, str]]:
+    """Name the workers of each pool of `plan`, moving as few as it can: first every worker keeps its place
+    where the plan still has one (its role, and an FFN worker its pool); then the places left take the
+    serving workers that lost theirs, then parked ones (warm before cold), each in id order; the rest park
+    (`parked`). So a pool that grows wakes a parked worker rather than taking one from another pool, whose
+    sequences would have to move."""
+    before = previous_pool or {}
+    places: list[tuple[str, Assignment, int, list[str]]] = []  # (pool, role, workers it takes, candidates)
+    free_a, free_f = sorted(attention_ids), sorted(ffn_ids)
+    for pool, shape in plan.pools().items():
+        places.append((pool, POOL_ASSIGNMENT[pool], shape.attention if shape.split else shape.gpus, free_a))
+        places.append((pool, "ffn", shape.ffn if shape.split else 0, free_f))
     out: dict[str, Assignment] = {}
     pool_of: dict[str, str] = {}
-
-    def order(ids: list[str], wanted: Assignment | None) -> list[str]:
-        return sorted(ids, key=lambda w: (previous.get(w) != wanted, previous.get(w, "parked-warm").startswith(
-            "parked"), previous.get(w) == "parked-cold", w))
-
-    free_a, free_f = list(attention_ids), list(ffn_ids)
-    for pool, shape in plan.pools().items():
-        role = POOL_ASSIGNMENT[pool]
-        n_attention = shape.attention if shape.split else shape.gpus
-        for wid in order(free_a, role)[:n_attention]:
+    left: list[int] = []
+    for pool, role, count, free in places:
+        stay = [w for w in free if previous.get(w) == role and before.get(w, pool) == pool][:count]
+        for wid in stay:
             out[wid], pool_of[wid] = role, pool
-            free_a.remove(wid)
-        for wid in order(free_f, "ffn")[:shape.ffn if shape.split else 0]:
-            out[wid], pool_of[wid] = "ffn", pool
-            free_f.remove(wid)
+            free.remove(wid)
+        left.append(count - len(stay))
+
+    def rank(wid: str) -> tuple[bool, bool, str]:
+        was = previous.get(wid, "parked-warm")
+        return was.startswith("parked"), was == "parked-cold", wid
+
+    for (pool, role, _, free), count in zip(places, left, strict=True):
+        for wid in sorted(free, key=rank)[:count]:
+            out[wid], pool_of[wid] = role, pool
+            free.remove(wid)
     for wid in [*free_a, *free_f]:
         out[wid], pool_of[wid] = parked, ""
     return out, pool_of
@@ -188,7 +198,8 @@ class Provisioner:
         plan = elastic_plan(pred, load, spec, rule, headroom, self.kind, kinds=kinds or self.kinds)
         plan = self._at_least(plan, spec)
         assignments, pool_of = assign(plan, attention_ids, ffn_ids, self.assignments,
-                                      self.parked_state(pred.args, pred.profile))
+                                      self.parked_state(pred.args, pred.profile),
+                                      self.latest.pool_of if self.latest is not None else None)
         changed = sorted(w for w, a in assignments.items() if self.assignments.get(w) != a)
         self.plan_id += 1
         self.kind, self.assignments = plan.kind, assignments

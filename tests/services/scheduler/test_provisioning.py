@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from dataclasses import dataclass, field
 
 import numpy as np
 import pytest
@@ -21,12 +22,22 @@ from loadgen.sim.models import get_model
 from services.scheduler.provisioner import LIVE_KINDS, LoadLog, Provisioner, assign
 from shared import subjects
 from shared.gpu.emulated import load_profile
-from shared.messages import PlanTelemetry, RoleAssignment, decode
+from shared.messages import (
+    KVHandoff,
+    KVHandoffReply,
+    PlanTelemetry,
+    Register,
+    RegisterReply,
+    RoleAssignment,
+    SeqWork,
+    decode,
+    encode,
+)
 from shared.perf import cached_predictor
 from shared.policy import AFLEX_CLOCK_OBJECTIVE, ClockRule, Plan, PoolShape, WindowLoad
 from shared.policy.footprint import elastic_plan
 from shared.policy.window_load import window_load
-from tests.services.scheduler.test_scheduler import wait_for
+from tests.services.scheduler.test_scheduler import heartbeat, wait_for
 from tests.services.scheduler.test_scheduler_policy import A800_CLOCKS, ProfiledAttention, live
 
 QWEN = get_model("qwen3-32b")
@@ -146,6 +157,18 @@ def test_workers_out_of_the_plan_park_cold_where_the_window_pays_for_the_reload(
         _provisioner(parking="tepid")
 
 
+def test_a_growing_pool_wakes_a_parked_worker_rather_than_take_one_from_another_pool() -> None:
+    before = {"a0": "prefill-attention", "a1": "decode-attention", "a2": "parked-cold", "a3": "parked-warm",
+              "f0": "ffn", "f1": "ffn"}
+    pools = {"a0": "prefill", "a1": "decode", "f0": "prefill", "f1": "decode"}
+    grown = Plan(PoolShape(split=True, attention=2, ffn=1), PoolShape(split=True, attention=1, ffn=1), None, 1,
+                 100.0, True)
+    got, pool_of = assign(grown, ["a0", "a1", "a2", "a3"], ["f0", "f1"], before, previous_pool=pools)  # type: ignore[arg-type]
+    assert got == {"a0": "prefill-attention", "a3": "prefill-attention", "a1": "decode-attention",
+                   "a2": "parked-warm", "f0": "ffn", "f1": "ffn"}  # the warm one woke, the decode worker stayed
+    assert pool_of["f1"] == "decode" and pool_of["a3"] == "prefill"
+
+
 def test_assignments_move_as_few_workers_as_they_can() -> None:
     shape = PoolShape(split=True, attention=2, ffn=1)
     plan = Plan(None, None, shape, 3, 100.0, True)
@@ -260,3 +283,84 @@ def test_the_live_headroom_follows_the_ttft_of_the_last_window() -> None:
     assert pv.p90_ttft_ms(200.0) is None  # the window passed: nothing to learn from
     pv.plan(200.0, pred, RULE, ["a0"], ["f0"])
     assert pv.headroom.headroom == pytest.approx(1.3 * 1.15)
+
+
+@dataclass
+class HandingAttention(ProfiledAttention):
+    """A fake A800 attention worker with a KV seam: it answers every `KVHandoff` (as a prefill worker whose
+    move arrived) and counts the first passes that name an arrived KV (as a decode worker)."""
+
+    handoffs: list[KVHandoff] = field(default_factory=list)
+
+    async def start(self) -> None:
+        await self.nc.subscribe(subjects.attn_mb(self.worker_id), cb=self._on_mb)
+        await self.nc.subscribe(subjects.attn_kv(self.worker_id), cb=self._on_kv)
+        reg = Register(worker_id=self.worker_id, role="attention", model_id="test-model", n_layers=2,
+                       kv_total_blocks=self.kv_total_blocks, block_size=self.block_size, max_seq_len=4096,
+                       gpu_backend="emulated", gpu_name=self.gpu_name, gpu_profile=self.gpu_profile,
+                       supported_clocks_mhz=self.clocks, kv_address=f"gloo://fake:{len(self.worker_id)}")
+        assert decode(RegisterReply, (await self.nc.request(subjects.CONTROL_REGISTER, encode(reg), 5)).data).ok
+        self._hb = asyncio.create_task(heartbeat(self.nc, self.worker_id, "attention", self.kv_total_blocks))
+
+    async def _on_kv(self, msg: Msg) -> None:
+        req = decode(KVHandoff, msg.data)
+        self.handoffs.append(req)
+        await msg.respond(encode(KVHandoffReply(handoff_id=req.handoff_id, ok=True, nbytes=1000 * req.num_tokens,
+                                                seconds=0.001)))
+
+    def adopted(self) -> list[SeqWork]:
+        return [s for d in self.descriptors for s in d.seqs if s.kv_from is not None]
+
+
+def test_pd_pools_park_at_low_load_wake_under_a_burst_and_hand_every_sequence_over(nats_url: str) -> None:
+    """4 attention-capable and 2 FFN workers (fake A800s, the Qwen3-32B shape: the plans are the
+    predictors'), `provision_kinds` pd, a load that rises and falls: quiet, the smallest P/D plan serves
+    (a prefill and a decode attention worker, an FFN worker each) and the other two park; a burst wakes
+    parked attention workers into the pools; quiet again, they park again. Every request is prefilled on
+    a prefill worker, moved with a `KVHandoff` and decoded on a decode worker whose first pass names the
+    arrived KV, and finishes; each change is `PlanTelemetry`. (The tokens of a real handoff are the
+    engine's: tests/test_mesh_pd.py.)"""
+    async def main() -> None:
+        a0 = HandingAttention(None, "a0", kv_total_blocks=20000)  # type: ignore[arg-type]
+        async with live(nats_url, a0, provision_window_s=1.0, freq_window_s=0.5, provision_kinds="pd") as lv:
+            plans: list[PlanTelemetry] = []
+
+            async def on_plan(msg: Msg) -> None:
+                plans.append(decode(PlanTelemetry, msg.data))
+
+            await lv.nc.subscribe(subjects.TELEMETRY_PLAN, cb=on_plan)
+            others = [HandingAttention(lv.nc, f"a{i}", kv_total_blocks=20000) for i in (1, 2, 3)]
+            for w in others:
+                await w.start()
+            workers = [a0, *others]
+            await lv.ffn("f0")
+            await lv.ffn("f1")
+            reg = lv.sched.registry.workers
+
+            def serving(role: str) -> list[str]:
+                return sorted(w for w, x in reg.items() if x.assignment == role)
+
+            await wait_for(lambda: bool(plans) and plans[-1].kind == "pd" and len(serving("parked-warm")) == 2, 10)
+            assert len(serving("prefill-attention")) == 1 and len(serving("decode-attention")) == 1
+            assert {reg[w].pool for w in serving("ffn")} == {"prefill", "decode"}
+            quiet = [await lv.submit(f"q{i}", 50, 6) for i in range(3)]
+            await asyncio.wait_for(asyncio.gather(*(d.wait() for d in quiet)), 20)
+            burst = [await lv.submit(f"b{i}", 200, 400) for i in range(40)]
+            try:
+                await wait_for(lambda: len(serving("parked-warm")) < 2, 10)
+            except AssertionError:
+                raise AssertionError([(p.plan_id, p.load_rps, p.pools) for p in plans]) from None
+            await asyncio.wait_for(asyncio.gather(*(d.wait() for d in burst)), 90)
+            start = time.monotonic()
+            await wait_for(lambda: len(serving("parked-warm")) == 2 and time.monotonic() - start > 1.0, 15)
+            moved = {req.seq_id for w in workers for req in w.handoffs}
+            adopted = {s.seq_id for w in workers for s in w.adopted()}
+            asked = {f"q{i}" for i in range(3)} | {f"b{i}" for i in range(40)}
+            assert moved == asked and adopted == asked  # every one prefilled on one worker, decoded on another
+            # (a sequence moves again only when its decode worker became a prefill worker, which `assign` avoids)
+            assert lv.sched.handoffs.moved == len(asked) and lv.sched.handoffs.failed == 0
+            assert all(s.start_pos in (50, 200) and s.sampling is not None for w in workers for s in w.adopted())
+            assert any(p.changed for p in plans[1:]) and {p.kind for p in plans} == {"pd"}
+            for w in others:
+                w.stop_heartbeat()
+    asyncio.run(main())
