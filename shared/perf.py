@@ -14,7 +14,8 @@ Energy is fitted the same way, so power is energy / time. Predictions come back 
 the fitted clock table, which is what the clock policy scans.
 
 Online: `observe(...)` takes a measured time (and optionally energy) of one call and moves an EWMA
-correction ratio per (operator, phase); every prediction is multiplied by it.
+correction ratio per (operator, phase); every prediction is multiplied by it. Until an energy is
+measured, the energy follows the time's ratio (the operator's power stays the model's).
 
 `shard` divides an operator's work over GPUs (tensor parallelism: every GPU does 1/shard of the
 flops and bytes); each shard value is fitted once and cached.
@@ -220,7 +221,10 @@ class Predictor:
         bi = _bucket_of(n)
         x = np.array((1.0, n, ctx / 1e3, pairs / 1e6) if op == "attention" else (1.0, n))  # as _features
         t = np.maximum(fit.time[:, bi, :] @ x, 1e-7) * self.correction.get((op, phase), 1.0)
-        e = np.maximum(fit.energy[:, bi, :] @ x, 1e-9) * self.energy_correction.get((op, phase), 1.0)
+        # no measured energy yet: an operator that runs k times longer than modelled draws the model's power
+        # k times as long (a time correction alone would price a slow GPU's power as if it fell)
+        key = (op, phase)
+        e = np.maximum(fit.energy[:, bi, :] @ x, 1e-9) * self.energy_correction.get(key, self.correction.get(key, 1.0))
         return t, e
 
     def predict_at(self, op: str, phase: str, n: float, ctx: float, pairs: float, clock: float,

@@ -49,3 +49,16 @@ def test_observe_moves_the_ewma_correction() -> None:
     for _ in range(30):
         p.observe("ffn", "decode", 32, 0, 0, 1410, measured_s=1.5 * t)
     assert p.predict_at("ffn", "decode", 32, 0, 0, 1410) == pytest.approx(1.5 * t, rel=0.02)
+
+
+def test_a_time_correction_keeps_the_operators_power_until_an_energy_is_measured() -> None:
+    """A slow GPU's operator runs k times longer at the model's power: its energy is k times the model's
+    (priced by time alone, a slower GPU would look as if it drew less power, and a plan of more GPUs cheaper)."""
+    p = Predictor.for_profile(load_profile("a800"), get_model("llama-3-8b"), clock_step_mhz=150, samples=80)
+    t0, e0 = p.predict("attention", "decode", 16, 4096, 0)
+    p.correction[("attention", "decode")] = 4.0
+    t4, e4 = p.predict("attention", "decode", 16, 4096, 0)
+    assert t4 == pytest.approx(4 * t0) and e4 == pytest.approx(4 * e0)  # the same power at every clock
+    p.observe("attention", "decode", 16, 4096, 0, 1410, measured_s=4 * float(t0[-1]), measured_j=2 * float(e0[-1]))
+    _, measured = p.predict("attention", "decode", 16, 4096, 0)
+    assert float(measured[-1]) < 4 * float(e0[-1])  # a measured energy takes over
