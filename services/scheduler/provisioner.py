@@ -144,7 +144,7 @@ class Provisioner:
             raise ValueError(f"a mesh serves with at least one attention and one FFN worker, got "
                              f"provision_min_attention={min_attention}, provision_min_ffn={min_ffn}")
         self.window_s = window_s
-        self.headroom = AdaptiveHeadroom(headroom)  # the simulator's AFlex rule: the last window's TTFT corrects it
+        self.headroom_rule = AdaptiveHeadroom(headroom)  # the simulator's AFlex rule, fed each window's TTFT
         self.ttft_slo_ms = ttft_slo_ms
         self.ttfts: deque[tuple[float, float]] = deque()  # (monotonic time of a first token, TTFT ms)
         self.ttft_slo_s, self.tpot_slo_s, self.link_bytes_s = ttft_slo_ms / 1e3, tpot_slo_ms / 1e3, link_bytes_s
@@ -194,7 +194,7 @@ class Provisioner:
             raise ValueError("a plan needs at least one attention and one FFN worker")
         load = self.loads.load(now_mono, self.window_s, self.subwindow_s, self.quantile)
         spec = self.spec(pred.args, pred.profile, len(attention_ids), len(ffn_ids))
-        headroom = self.headroom.update(self.p90_ttft_ms(now_mono), self.ttft_slo_ms)
+        headroom = self.headroom_rule.update(self.p90_ttft_ms(now_mono), self.ttft_slo_ms)
         plan = elastic_plan(pred, load, spec, rule, headroom, self.kind, kinds=kinds or self.kinds)
         plan = self._at_least(plan, spec)
         assignments, pool_of = assign(plan, attention_ids, ffn_ids, self.assignments,

@@ -118,7 +118,7 @@ class ProvisioningLoop:
 
     async def _publish(self, d: PlanDecision) -> None:
         now = time.time()
-        reason = f"{d.plan.kind} plan for {d.load.rate_rps:.2f} req/s x {self.provisioner.headroom.headroom:.2f}"
+        reason = f"{d.plan.kind} plan for {d.load.rate_rps:.2f} req/s x {self.provisioner.headroom_rule.headroom:.2f}"
         for wid, assignment in d.assignments.items():
             msg = RoleAssignment(worker_id=wid, assignment=assignment, plan_id=d.plan_id, issued_ts=now,
                                  reason=reason)

@@ -279,10 +279,10 @@ def test_the_live_headroom_follows_the_ttft_of_the_last_window() -> None:
     for i in range(10):
         pv.first_token(100.0 + i, 900.0)  # every first token over the 400 ms SLO
     pv.plan(110.0, pred, RULE, ["a0"], ["f0"])
-    assert pv.headroom.headroom == pytest.approx(1.3 * 1.15)
+    assert pv.headroom_rule.headroom == pytest.approx(1.3 * 1.15)
     assert pv.p90_ttft_ms(200.0) is None  # the window passed: nothing to learn from
     pv.plan(200.0, pred, RULE, ["a0"], ["f0"])
-    assert pv.headroom.headroom == pytest.approx(1.3 * 1.15)
+    assert pv.headroom_rule.headroom == pytest.approx(1.3 * 1.15)
 
 
 @dataclass
