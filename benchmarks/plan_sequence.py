@@ -61,7 +61,8 @@ def main() -> None:
     policy = args.policy or next(iter(sim_all))
     sim = sim_all[policy]
     live = live_plans(args.live, args.live_start, args.live_end)
-    simulated = sim_plans(sim)
+    # the plans the replay lived to see: the sim's last one, made as its clock reaches the end, has no live twin
+    simulated = [p for p in sim_plans(sim) if p["t_s"] < args.live_end - args.live_start - args.window_s / 2]
     rows = []
     for k in range(max(len(live), len(simulated))):
         lp = live[k] if k < len(live) else None
