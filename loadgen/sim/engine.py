@@ -42,10 +42,12 @@ from shared.policy import (
 from shared.policy.baseline_placement import (
     parking_state,
 )
+from shared.policy.footprint import plan_power_w
 from shared.policy.headroom import AdaptiveHeadroom
 from shared.policy.pipeline import iteration_cost
+from shared.policy.power_correction import PowerCorrection
 from shared.policy.prefill_cap import AT_MAX, prefill_cap, queue_ttft_budget
-from shared.policy.provision import GPU_MEMORY_BYTES
+from shared.policy.provision import GPU_MEMORY_BYTES, Plan
 
 OPERATOR_KEYS = ("prefill-attention", "prefill-ffn", "decode-attention", "decode-ffn")
 MIXED_MODES = ("mixed", "colocated")  # pools that serve prefill and decode
@@ -93,6 +95,10 @@ class Simulation:
         self.pools, self.rejoins = self.fleet.pools, self.fleet.rejoins
         self.planned_rate = 0.0
         self.plan_names: tuple[str, ...] = ()  # the pools of the latest plan
+        # AFlex ranks its plan kinds by predicted power corrected by what each kind's plans were charged
+        self.correction = PowerCorrection(config.window_s) if policy.scaling and len(policy.kinds) > 1 else None
+        self.planner.correction = self.correction
+        self._stretch: tuple[float, str, Plan | None, float] = (0.0, "", None, 0.0)  # since, kind, plan, J
 
     # -- provisioning -------------------------------------------------------------------------
     def _apply_plan(self, now: float, shapes: dict[str, PoolShape]) -> None:
@@ -102,15 +108,48 @@ class Simulation:
             for name, shape in shapes.items():
                 self.pools[name].rule = self.planner.window_rule(name, shape)
         kind = "pd" if "prefill" in shapes else next(iter(shapes))
+        if self.correction is not None:  # a plan merged with the pools in force is not the one priced
+            plan = self.planner.last_plan
+            known = plan is not None and plan.pools() == shapes
+            self._stretch = (now, kind, plan if known else None, self._books_j(now))
         self.plans.append((now, {"kind": kind} | {
             k: [v.attention, v.ffn, v.attention_tp] if v.split else [v.replicas, v.tp] for k, v in shapes.items()}
             | {"parked": self.cfg.gpus - sum(sh.gpus for sh in shapes.values())}))
 
+    def _books_j(self, now: float) -> float:
+        """The energy charged up to `now` in the accounting the planner prices (idle stretches and groups closed)."""
+        for pool in self.pools.values():
+            if pool.pending is None:
+                self.fleet.close_idle(pool, now)
+        self.ledger.close(now)
+        return self.ledger.active_j if self.cfg.accounting == "active" else self.ledger.cluster_j
+
+    def _observe_power(self, now: float) -> None:
+        """Fold what the plan in force drew since it began (or since the last look), against what the pool
+        models price it at for the load that came meanwhile, into its kind's factor."""
+        assert self.correction is not None
+        since, kind, plan, j0 = self._stretch
+        j = self._books_j(now)
+        start = max(since, self.ledger.active_from_s) if self.cfg.accounting == "active" else since
+        if plan is None or now <= start:
+            return
+        predicted_w = plan_power_w(self.pred, plan, self.planner.load(start, now), self.spec, self.pol.clock)
+        p90 = self._p90_ttft_ms(start, now)
+        met = p90 is None or p90 <= self.cfg.ttft_slo_s * 1e3
+        if predicted_w is None or self.correction.observe(kind, predicted_w, j - j0, now - start, met):
+            self._stretch = (now, kind, plan, j)  # an overload's stretch is left out
+
+    def _p90_ttft_ms(self, t0: float, t1: float) -> float | None:
+        """The P90 TTFT of the requests whose first token came in [t0, t1) (None: none did)."""
+        sel = (self.first >= t0) & (self.first < t1)
+        return float(np.percentile((self.first[sel] - self.arr.time_s[sel]) * 1e3, 90)) if sel.any() else None
+
     def _provision(self, now: float, load: WindowLoad, scale_up_only: bool = False) -> None:
         # a tick between windows grows pools: it keeps split P/D pools, and leaves a shared pool only for them
+        if self.correction is not None:
+            self._observe_power(now)
         if self.headroom is not None:  # AFlex: the P90 TTFT of the window before each plan corrects its headroom
-            sel = (self.first >= now - self.cfg.window_s) & (self.first < now)
-            p90 = float(np.percentile((self.first[sel] - self.arr.time_s[sel]) * 1e3, 90)) if sel.any() else None
+            p90 = self._p90_ttft_ms(now - self.cfg.window_s, now)
             self.planner.headroom = self.headroom.update(p90, self.cfg.ttft_slo_s * 1e3)
         shapes = self.planner.window(load, same_kind=scale_up_only and "prefill" in self.plan_names)
         growing_into_split = "prefill" in shapes and "prefill" not in self.plan_names

@@ -19,6 +19,7 @@ from shared.perf import Predictor
 from shared.policy import ClockRule, ClusterSpec, PoolShape, WindowLoad, provision
 from shared.policy.baseline_placement import colocated_tp, distserve_placement, provision_colocated, provision_pd
 from shared.policy.footprint import elastic_plan
+from shared.policy.power_correction import PowerCorrection
 from shared.policy.provision import Plan, decode_point, prefill_point
 from shared.policy.window_load import window_load
 
@@ -39,6 +40,8 @@ class SimPlanner:
     placement_note: str = ""  # how a static placement was chosen (reported)
     last_load: WindowLoad | None = None  # the load the latest plan was made for
     kind: str | None = None  # the latest plan's kind ("pd", "mixed", "colocated"; `Plan.kind`)
+    last_plan: Plan | None = None  # the latest plan a scaling policy's search returned (its predicted power)
+    correction: PowerCorrection | None = None  # AFlex: each kind's power corrected by what its plans drew
 
     def load(self, t0: float, t1: float, burst: bool = False) -> WindowLoad:
         """The load of [t0, t1): mean rate, or with `burst` the `burst_quantile` of its sub-window rates
@@ -106,14 +109,15 @@ class SimPlanner:
             return self._shapes(provision_pd(self.pred, load, self.spec, pol.clock, self.headroom))
         if pol.kinds != ("pd",):
             kinds = (self.kind,) if same_kind and self.kind in pol.kinds else pol.kinds
+            factor = self.correction.factors(kinds) if self.correction is not None else None
             return self._shapes(elastic_plan(self.pred, load, self.spec, pol.clock, self.headroom, self.kind,
-                                             kinds=kinds))
+                                             kinds=kinds, power_factor=factor))
         return self._shapes(provision(self.pred, load, self.spec, pol.clock, headroom=self.headroom))
 
     def _shapes(self, plan: Plan) -> Shapes:
         self.kind = plan.kind
+        self.last_plan = plan
         return plan.pools()
-
 
     def window_rule(self, mode: str, shape: PoolShape) -> ClockRule:
         """The global scheduler alone: the pool's clocks fixed for the window at the operating points its

@@ -103,5 +103,8 @@ def sim_results(sim: FinishedRun) -> dict[str, Any]:
         "rejoins": [{"t_s": t, "gpus": k, "from": kind, "delay_s": d} for t, k, kind, d in sim.rejoins],
         "placement": sim.planner.placement_note,
         "plans": [{"t_s": t, **p} for t, p in sim.plans],
+        # AFlex: each plan kind's predicted power × this = what its plans drew (at the end of the run)
+        "power_factor": (sim.planner.correction.factors(sim.planner.policy.kinds)
+                         if sim.planner.correction is not None else None),
         "final_margin": {"ttft": sim.margin_ttft.margin, "tpot": sim.margin_tpot.margin},
     }

@@ -16,16 +16,30 @@ and decode priced apart, `mixed_power`) has no interference term, so it is not t
 cluster's capacity. Mixed A/F pools are left out of `AFLEX_KINDS`: the model sized them too large
 before its idle term was fixed, and they have not been measured since (docs/evaluation.md). A change
 of kind drains pools (requests finish where they are, their GPUs then move), so the current kind is
-kept unless another saves more than `switch_saving` of its predicted power.
+kept unless another saves more than `switch_saving` of its predicted power. `power_factor` scales each
+kind's predicted power in that ranking: the correction from observed energy (`power_correction.py`).
 The simulator's AFlex planner calls `elastic_plan`; so does the live scheduler (services/scheduler/provisioner.py).
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from dataclasses import replace
+
 from shared.perf import Predictor
 from shared.policy.baseline_placement import instance_tps, provision_colocated
 from shared.policy.operating_point import ClockRule
-from shared.policy.provision import ClusterSpec, Plan, WindowLoad, provision, provision_mixed
+from shared.policy.provision import (
+    INFEASIBLE,
+    ClusterSpec,
+    Plan,
+    WindowLoad,
+    decode_power,
+    mixed_power,
+    prefill_power,
+    provision,
+    provision_mixed,
+)
 
 KINDS = ("pd", "mixed", "colocated")
 AFLEX_KINDS = ("pd", "colocated")  # what AFlex weighs by default (why not "mixed": docs/evaluation.md)
@@ -51,17 +65,36 @@ def smallest_pd_gpus(spec: ClusterSpec) -> int:
 
 def elastic_plan(pred: Predictor, load: WindowLoad, spec: ClusterSpec, rule: ClockRule, headroom: float = 1.3,
                  current_kind: str | None = None, switch_saving: float = 0.05,
-                 kinds: tuple[str, ...] = KINDS) -> Plan:
+                 kinds: tuple[str, ...] = KINDS, power_factor: Mapping[str, float] | None = None) -> Plan:
     """The plan with the least predicted power among `candidate_plans` (feasible ones first); the current
-    kind's plan is kept unless the best saves more than `switch_saving` of its power."""
+    kind's plan is kept unless the best saves more than `switch_saving` of its power. Each kind's power is
+    ranked times `power_factor[kind]` (1.0 if absent); the plan returned keeps the model's prediction."""
     plans = candidate_plans(pred, load, spec, rule, headroom, kinds)
     if not plans:
         raise ValueError(f"{spec.gpus} GPUs hold no plan of kinds {', '.join(kinds)}")
     pd = plans.get("pd")
     if pd is not None and not pd.feasible:
         return pd  # the load overflows the cluster: the split holds the most
-    best = min(plans.values(), key=lambda p: (not p.feasible, p.predicted_power_w))
+    factor = power_factor or {}
+
+    def power_w(p: Plan) -> float:
+        return p.predicted_power_w * factor.get(p.kind, 1.0)
+
+    best = min(plans.values(), key=lambda p: (not p.feasible, power_w(p)))
     held = plans.get(current_kind) if current_kind is not None else None
-    if held is not None and held.feasible and held.predicted_power_w * (1.0 - switch_saving) <= best.predicted_power_w:
+    if held is not None and held.feasible and power_w(held) * (1.0 - switch_saving) <= power_w(best):
         return held
     return best
+
+
+def plan_power_w(pred: Predictor, plan: Plan, load: WindowLoad, spec: ClusterSpec, rule: ClockRule) -> float | None:
+    """What the pool models predict `plan`'s GPUs draw at `load` as it is (no headroom), parked ones included, as
+    the plan search prices them; None if the plan cannot hold that load (the model has no figure for it)."""
+    rule = rule if rule.objective == "total" else replace(rule, objective="total")
+    if plan.mixed is not None:
+        pools = mixed_power(pred, plan.mixed, load, spec, rule)
+    elif plan.prefill is not None and plan.decode is not None:
+        pools = prefill_power(pred, plan.prefill, load, spec, rule) + decode_power(pred, plan.decode, load, spec, rule)
+    else:
+        return None
+    return pools + plan.parked * spec.parked_power_w if pools < INFEASIBLE else None
