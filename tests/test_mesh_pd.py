@@ -24,8 +24,9 @@ from shared.messages import KVHandoff, PlanTelemetry, decode
 from shared.transport import bus
 from tests.test_mesh_e2e import QUESTION, generate
 from tests.test_mesh_faults import _child_pid, _run
-from tests.test_mesh_provisioning import _wait_log
 from tools.launch import Mesh, aflex_up
+
+STREAMS = 4  # per fault: their KV moves while the kill lands
 
 
 def _metric(text: str, name: str) -> float:
@@ -34,14 +35,21 @@ def _metric(text: str, name: str) -> float:
     return float(found.group(1))
 
 
-def test_pd_pools_hand_each_sequence_to_the_decode_worker_with_the_engines_tokens(tiny_chat_checkpoint: Path
-                                                                                  ) -> None:
+def test_pd_pools_give_the_engines_tokens_and_a_kill_mid_handoff_loses_nothing(tiny_chat_checkpoint: Path) -> None:
+    """Exactness: 8 concurrent requests, greedy and seeded, each prefilled on the prefill worker and
+    decoded on the decode worker after its KV moved, give `aflex generate`'s text; /metrics counts the
+    handoffs and their bytes. Faults: 4 streams (half seeded and sampled) run three times more, each time
+    with a SIGKILL the moment the first `KVHandoff` is on the bus, while the sequences' KV moves: of the
+    prefill worker (its sequences are recomputed on the other, which the next plan makes a mixed pool), of
+    the decode worker (the moves to it fail, or its sequences are recomputed), and of the scheduler
+    (mid-change: a new run takes the requests over as continuations). Every stream completes with the
+    no-fault text."""
     greedy = generate(tiny_chat_checkpoint, max_tokens=10, temperature=0.0, seed=None)
     seeded = generate(tiny_chat_checkpoint, max_tokens=10, temperature=0.8, seed=7)
     with aflex_up(str(tiny_chat_checkpoint), "--attention-workers", "2", "--ffn-workers", "2",
-                  "--provision-window-s", "1", "--provision-kinds", "pd", "--gpu-profile", "a800") as mesh:
-        _wait_log(mesh, r"attn-\d: prefill-attention")
-        _wait_log(mesh, r"attn-\d: decode-attention")
+                  "--provision-window-s", "1", "--provision-kinds", "pd", "--gpu-profile", "a800",
+                  open_nats=True) as mesh:
+        asyncio.run(_until_pd(mesh))
         client = openai.OpenAI(base_url=mesh.base_url, api_key="unused", max_retries=0, timeout=120)
         model = client.models.list().data[0].id
 
@@ -63,18 +71,7 @@ def test_pd_pools_hand_each_sequence_to_the_decode_worker_with_the_engines_token
         assert _metric(text, "aflex_kv_handoff_bytes_total") > 0
         assert "KV handoff" not in mesh.output()  # no failure was logged
 
-
-def test_a_kill_mid_handoff_loses_nothing(tiny_chat_checkpoint: Path) -> None:
-    """On a P/D mesh, 8 streams (half seeded and sampled) run three times, each time with a SIGKILL the
-    moment the first `KVHandoff` is on the bus, while the 8 sequences' KV moves: of the prefill worker
-    (its sequences are recomputed on the other, which the next plan makes a mixed pool), of the decode
-    worker (the moves to it fail or its sequences are recomputed), and of the scheduler (mid-change: a new
-    run takes the requests over as continuations). Every stream completes with the no-fault text."""
-    with aflex_up(str(tiny_chat_checkpoint), "--attention-workers", "2", "--ffn-workers", "2",
-                  "--provision-window-s", "1", "--provision-kinds", "pd", "--gpu-profile", "a800",
-                  open_nats=True) as mesh:
-        asyncio.run(_until_pd(mesh))
-        baseline = asyncio.run(_run(mesh, sampled=True))
+        baseline = asyncio.run(_run(mesh, sampled=True, count=STREAMS))
         for victim in ("prefill", "decode", "scheduler"):
             asyncio.run(_until_pd(mesh))
             after_fault = asyncio.run(_killed_mid_handoff(mesh, victim))
@@ -102,7 +99,7 @@ async def _until_pd(mesh: Mesh, deadline_s: float = 90.0) -> None:
 
 
 async def _killed_mid_handoff(mesh: Mesh, victim: str) -> list[tuple[str, int]]:
-    """`_run`'s 8 streams, with `victim` ("prefill", "decode" or "scheduler") SIGKILLed at the first handoff."""
+    """`_run`'s streams, with `victim` ("prefill", "decode" or "scheduler") SIGKILLed at the first handoff."""
     nc = await bus.connect(f"nats://127.0.0.1:{mesh.nats_port}", "test-kill")
     killed: list[str] = []
 
@@ -116,7 +113,7 @@ async def _killed_mid_handoff(mesh: Mesh, victim: str) -> list[tuple[str, int]]:
 
     await nc.subscribe(subjects.attn_kv("*"), cb=on_handoff)
     try:
-        results = await _run(mesh, sampled=True)
+        results = await _run(mesh, sampled=True, count=STREAMS)
     finally:
         await nc.close()
     assert killed, f"no handoff was seen, so no {victim} was killed"

@@ -18,7 +18,7 @@ from loadgen.sim.policies import PolicySpec
 from shared.perf import Predictor
 from shared.policy import ClockRule, ClusterSpec, PoolShape, WindowLoad, provision
 from shared.policy.baseline_placement import colocated_tp, distserve_placement, provision_colocated, provision_pd
-from shared.policy.footprint import elastic_plan
+from shared.policy.footprint import elastic_plan, smallest_pd_gpus
 from shared.policy.power_correction import PowerCorrection
 from shared.policy.provision import Plan, decode_point, prefill_point
 from shared.policy.window_load import window_load
@@ -112,7 +112,8 @@ class SimPlanner:
             factor = self.correction.factors(kinds) if self.correction is not None else None
             return self._shapes(elastic_plan(self.pred, load, self.spec, pol.clock, self.headroom, self.kind,
                                              kinds=kinds, power_factor=factor))
-        return self._shapes(provision(self.pred, load, self.spec, pol.clock, headroom=self.headroom))
+        return self._shapes(provision(self.pred, load, self.spec, pol.clock, headroom=self.headroom,
+                                      min_pd_gpus=smallest_pd_gpus(self.spec)))  # P/D from 4 GPUs, as live
 
     def _shapes(self, plan: Plan) -> Shapes:
         self.kind = plan.kind

@@ -186,15 +186,21 @@ class Provisioner:
                                      tpot_slo_s=self.tpot_slo_s, link_bytes_s=self.link_bytes_s,
                                      parked_power_w=parked_w, max_attention=n_attention, max_ffn=n_ffn)
 
+    def observe(self, now_mono: float) -> tuple[WindowLoad, float | None]:
+        """The last window's load and P90 TTFT: read where dispatch adds to them (the event loop), so that
+        `plan` may run elsewhere (a thread: its first call builds the predictors' tables, seconds)."""
+        return self.loads.load(now_mono, self.window_s, self.subwindow_s, self.quantile), self.p90_ttft_ms(now_mono)
+
     def plan(self, now_mono: float, pred: Predictor, rule: ClockRule, attention_ids: list[str],
-             ffn_ids: list[str], kinds: tuple[str, ...] | None = None) -> PlanDecision:
+             ffn_ids: list[str], kinds: tuple[str, ...] | None = None,
+             observed: tuple[WindowLoad, float | None] | None = None) -> PlanDecision:
         """The plan for the coming window over these (healthy, registered) workers, and who serves where;
-        `kinds`: the pool kinds it may use (None: the provisioner's)."""
+        `kinds`: the pool kinds it may use (None: the provisioner's); `observed`: `observe`'s (None: read now)."""
         if not attention_ids or not ffn_ids:
             raise ValueError("a plan needs at least one attention and one FFN worker")
-        load = self.loads.load(now_mono, self.window_s, self.subwindow_s, self.quantile)
+        load, p90_ttft_ms = observed if observed is not None else self.observe(now_mono)
         spec = self.spec(pred.args, pred.profile, len(attention_ids), len(ffn_ids))
-        headroom = self.headroom_rule.update(self.p90_ttft_ms(now_mono), self.ttft_slo_ms)
+        headroom = self.headroom_rule.update(p90_ttft_ms, self.ttft_slo_ms)
         plan = elastic_plan(pred, load, spec, rule, headroom, self.kind, kinds=kinds or self.kinds)
         plan = self._at_least(plan, spec)
         assignments, pool_of = assign(plan, attention_ids, ffn_ids, self.assignments,

@@ -92,8 +92,11 @@ class ProvisioningLoop:
         planner = self.governor.planner
         pred = planner.predictor(profile) if planner is not None else cached_predictor(profile, self.args)
         rule = planner.rule if planner is not None else ClockRule(objective=AFLEX_CLOCK_OBJECTIVE)
-        decision = self.provisioner.plan(time.monotonic(), pred, rule, [w.worker_id for w in attention],
-                                         [w.worker_id for w in ffn], kinds=self.kinds(attention, ffn))
+        now = time.monotonic()
+        # the planning call in a thread: the dispatch loop goes on meanwhile (the first builds the predictors)
+        decision = await asyncio.to_thread(self.provisioner.plan, now, pred, rule, [w.worker_id for w in attention],
+                                           [w.worker_id for w in ffn], self.kinds(attention, ffn),
+                                           self.provisioner.observe(now))
         changed = [self.registry.workers[w] for w in decision.changed]
         for wid, assignment in decision.assignments.items():
             worker = self.registry.workers[wid]

@@ -13,8 +13,11 @@ nothing) one TP2 or TP4 replica can be cheaper than any split plan. Every candid
 same predictors and power model, under the same SLO budgets, and the least predicted power wins.
 When the P/D plan overflows the cluster (infeasible) the split is kept: the shared-pool model (prefill
 and decode priced apart, `mixed_power`) has no interference term, so it is not trusted past the
-cluster's capacity. Mixed A/F pools are left out of `AFLEX_KINDS`: the model sized them too large
-before its idle term was fixed, and they have not been measured since (docs/evaluation.md). A change
+cluster's capacity. Not so on a cluster whose workers each hold one half (the live mesh's role limits,
+`ClusterSpec.max_attention` / `max_ffn`): there P/D can overflow its FFN workers alone, one per pool,
+while one mixed pool shares them and holds the load, so a feasible plan of another kind is taken.
+Mixed A/F pools are left out of `AFLEX_KINDS`: the model sized them too large before its idle term
+was fixed, and they have not been measured since (docs/evaluation.md). A change
 of kind drains pools (requests finish where they are, their GPUs then move), so the current kind is
 kept unless another saves more than `switch_saving` of its predicted power. `power_factor` scales each
 kind's predicted power in that ranking: the correction from observed energy (`power_correction.py`).
@@ -73,7 +76,8 @@ def elastic_plan(pred: Predictor, load: WindowLoad, spec: ClusterSpec, rule: Clo
     if not plans:
         raise ValueError(f"{spec.gpus} GPUs hold no plan of kinds {', '.join(kinds)}")
     pd = plans.get("pd")
-    if pd is not None and not pd.feasible:
+    role_bound = spec.max_attention is not None or spec.max_ffn is not None
+    if pd is not None and not pd.feasible and not (role_bound and any(p.feasible for p in plans.values())):
         return pd  # the load overflows the cluster: the split holds the most
     factor = power_factor or {}
 

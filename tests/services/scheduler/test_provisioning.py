@@ -114,6 +114,21 @@ def test_a_pd_plan_names_prefill_and_decode_workers_each_pool_with_its_ffn() -> 
                for w, a in d.assignments.items() if a.endswith("-attention"))
 
 
+def test_a_pd_plan_that_overflows_its_ffn_workers_gives_way_to_a_mixed_pool_that_holds_the_load() -> None:
+    """Each worker holds one half: P/D needs an FFN worker per pool, and with 2 FFN workers a burst overflows
+    the decode pool's, where one mixed pool of 2 + 2 shares them and holds it. (The simulator's cluster,
+    with no role limits, keeps an overflowing split: `elastic_plan`.)"""
+    pv = _provisioner(window_s=1.0)
+    pred = cached_predictor(A800, QWEN)
+    for i in range(10):
+        pv.loads.admitted(f"b{i}", 100.0 + i / 80, 200, 400)
+    pd_only = pv.plan(100.6, pred, RULE, ["a0", "a1", "a2", "a3"], ["f0", "f1"], kinds=("pd",))
+    assert pd_only.plan.kind == "pd" and not pd_only.plan.feasible
+    either = pv.plan(100.6, pred, RULE, ["a0", "a1", "a2", "a3"], ["f0", "f1"], kinds=("mixed", "pd"))
+    assert either.plan.kind == "mixed" and either.plan.feasible and either.plan.mixed is not None
+    assert (either.plan.mixed.attention, either.plan.mixed.ffn) == (2, 2)
+
+
 def test_pd_pools_are_weighed_only_where_the_mesh_holds_them() -> None:
     from services.scheduler.provisioning import ProvisioningLoop
     from services.scheduler.registry import Worker
