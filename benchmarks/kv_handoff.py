@@ -29,11 +29,8 @@ from pathlib import Path
 import httpx
 import openai
 
-from shared import subjects
-from shared.messages import PlanTelemetry, decode
-from shared.transport import bus
 from shared.transport.nats_server import free_port
-from tools.launch import Mesh, aflex_up
+from tools.launch import aflex_up, until_pd_plan
 
 BARE_GLOO_ONE_WAY = """
 import datetime, statistics, sys, time, torch
@@ -85,22 +82,6 @@ def settled(metrics_url: str, handoffs: float, deadline_s: float = 20.0) -> dict
     return now
 
 
-async def until_pd(mesh: Mesh) -> None:
-    nc = await bus.connect(f"nats://127.0.0.1:{mesh.nats_port}", "bench-plans")
-    ready = asyncio.Event()
-
-    async def on_plan(msg: object) -> None:
-        roles = set(decode(PlanTelemetry, msg.data).assignments.values())  # type: ignore[attr-defined]
-        if {"prefill-attention", "decode-attention"} <= roles:
-            ready.set()
-
-    await nc.subscribe(subjects.TELEMETRY_PLAN, cb=on_plan)
-    try:
-        await asyncio.wait_for(ready.wait(), 120)
-    finally:
-        await nc.close()
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="default")
@@ -112,7 +93,7 @@ def main() -> None:
     rows = []
     with aflex_up(args.model, "--attention-workers", "2", "--ffn-workers", "2", "--provision-window-s", "2",
                   "--provision-kinds", "pd", "--gpu-profile", "a800", open_nats=True) as mesh:
-        asyncio.run(until_pd(mesh))
+        asyncio.run(until_pd_plan(mesh))
         client = openai.OpenAI(base_url=mesh.base_url, api_key="unused", max_retries=0, timeout=300)
         model = client.models.list().data[0].id
         metrics_url = f"{mesh.base_url.removesuffix('/v1')}/metrics"

@@ -20,11 +20,11 @@ import openai
 from nats.aio.msg import Msg
 
 from shared import subjects
-from shared.messages import KVHandoff, PlanTelemetry, decode
+from shared.messages import KVHandoff, decode
 from shared.transport import bus
 from tests.test_mesh_e2e import QUESTION, generate
 from tests.test_mesh_faults import _child_pid, _run
-from tools.launch import Mesh, aflex_up
+from tools.launch import Mesh, aflex_up, until_pd_plan
 
 STREAMS = 4  # per fault: their KV moves while the kill lands
 
@@ -49,7 +49,7 @@ def test_pd_pools_give_the_engines_tokens_and_a_kill_mid_handoff_loses_nothing(t
     with aflex_up(str(tiny_chat_checkpoint), "--attention-workers", "2", "--ffn-workers", "2",
                   "--provision-window-s", "1", "--provision-kinds", "pd", "--gpu-profile", "a800",
                   open_nats=True) as mesh:
-        asyncio.run(_until_pd(mesh))
+        asyncio.run(until_pd_plan(mesh, deadline_s=90.0))
         client = openai.OpenAI(base_url=mesh.base_url, api_key="unused", max_retries=0, timeout=120)
         model = client.models.list().data[0].id
 
@@ -73,29 +73,12 @@ def test_pd_pools_give_the_engines_tokens_and_a_kill_mid_handoff_loses_nothing(t
 
         baseline = asyncio.run(_run(mesh, sampled=True, count=STREAMS))
         for victim in ("prefill", "decode", "scheduler"):
-            asyncio.run(_until_pd(mesh))
+            asyncio.run(until_pd_plan(mesh, deadline_s=90.0))
             after_fault = asyncio.run(_killed_mid_handoff(mesh, victim))
             assert after_fault == baseline, victim
         log = mesh.output()
     for process in ("attn-0", "attn-1", "scheduler"):
         assert f"{process} exited with status -9" in log
-
-
-async def _until_pd(mesh: Mesh, deadline_s: float = 90.0) -> None:
-    """Until a P/D plan serves: a prefill and a decode attention worker, both healthy and registered."""
-    nc = await bus.connect(f"nats://127.0.0.1:{mesh.nats_port}", "test-plans")
-    ready = asyncio.Event()
-
-    async def on_plan(msg: Msg) -> None:
-        roles = set(decode(PlanTelemetry, msg.data).assignments.values())
-        if {"prefill-attention", "decode-attention"} <= roles:
-            ready.set()
-
-    await nc.subscribe(subjects.TELEMETRY_PLAN, cb=on_plan)
-    try:
-        await asyncio.wait_for(ready.wait(), deadline_s)
-    finally:
-        await nc.close()
 
 
 async def _killed_mid_handoff(mesh: Mesh, victim: str) -> list[tuple[str, int]]:

@@ -177,3 +177,27 @@ def aflex_up(model: str, *extra: str, timeout_s: float = 300.0, nats_url: str | 
             except subprocess.TimeoutExpired:
                 process.kill()
                 process.wait()
+
+
+async def until_pd_plan(mesh: Mesh, deadline_s: float = 120.0) -> None:
+    """Until the global scheduler's plan has a prefill and a decode attention worker (a mesh started with
+    `open_nats`, so that its telemetry can be read without a password)."""
+    import asyncio
+
+    from shared import subjects
+    from shared.messages import PlanTelemetry, decode
+    from shared.transport import bus
+
+    nc = await bus.connect(f"nats://127.0.0.1:{mesh.nats_port}", "aflex-plan-watch")
+    ready = asyncio.Event()
+
+    async def on_plan(msg: object) -> None:
+        roles = set(decode(PlanTelemetry, msg.data).assignments.values())  # type: ignore[attr-defined]
+        if {"prefill-attention", "decode-attention"} <= roles:
+            ready.set()
+
+    await nc.subscribe(subjects.TELEMETRY_PLAN, cb=on_plan)
+    try:
+        await asyncio.wait_for(ready.wait(), deadline_s)
+    finally:
+        await nc.close()

@@ -258,7 +258,7 @@ class AttentionWorker:
                     raise AFlexError(f"attention worker {self.worker_id} is shutting down")
                 if desc.seqs:
                     subjects.check_token(desc.ffn_worker)
-                if self.parking is not None:  # parked cold (weights released) and sent work anyway: load first
+                if self.parking is not None and self.parking.released:  # parked cold and sent work: load first
                     await self.parking.ensure_loaded_async()
                 entry.start()
                 if self.gpu is not None:

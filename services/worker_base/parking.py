@@ -76,7 +76,10 @@ class ColdParking:
         return True
 
     def ensure_loaded(self) -> None:
-        """Load the weights again if released (blocking: a serving thread, or a thread of the event loop's)."""
+        """Load the weights again if released (blocking: a serving thread, or a thread of the event loop's).
+        Called before every forward: unlocked while loaded, since weights are released only while idle."""
+        if not self.released:
+            return
         with self._lock:
             if not self.released:
                 return
