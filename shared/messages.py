@@ -249,6 +249,9 @@ class Register(Message):
     # an attention worker's KV seam (torch seam only): where another attention worker sends it a
     # sequence's KV in a P/D handoff; "" when it takes none (the `nats` seam transport)
     kv_address: str = ""
+    # the halves it has loaded, when more than its role's: ["attention", "ffn"] for an attention worker that
+    # can serve the whole model (`colocate`), which the global scheduler may assign `colocated`
+    halves: list[Role] = Field(default_factory=list)
 
 
 class RegisterReply(Message):

@@ -85,10 +85,12 @@ class SchedulerSettings(ServiceSettings):
     provision_headroom: float = Field(default=1.3, ge=1.0, description="plans hold this multiple of the load seen")
     provision_min_attention: int = Field(default=1, ge=1, description="attention workers that never park")
     provision_min_ffn: int = Field(default=1, ge=1, description="FFN workers that never park")
-    provision_kinds: Literal["auto", "mixed", "pd"] = Field(
-        default="auto", description="the pools a plan may use: auto (the cheaper of one mixed A/F pool and P/D "
+    provision_kinds: Literal["auto", "mixed", "pd", "colocated"] = Field(
+        default="auto", description="the pools a plan may use: auto (the cheapest of one mixed A/F pool, P/D "
                                     "pools with KV handoffs, P/D where the mesh holds them: 4+ workers, every "
-                                    "attention worker on the torch seam), mixed, or pd (P/D wherever it fits)")
+                                    "attention worker on the torch seam, and whole-model replicas on the attention "
+                                    "workers started with --colocate), mixed, pd (P/D wherever it fits), or "
+                                    "colocated (replicas wherever a worker holds both halves)")
     provision_parking: Literal["auto", "warm", "cold"] = Field(
         default="auto", description="where a worker out of the plan waits: warm (model kept, lowest clock), cold "
                                     "(weights released, loaded again to serve), or auto (the simulator's rule: cold "
@@ -160,6 +162,9 @@ class AttentionWorkerSettings(WorkerSettings):
     ffn_silence_s: float = Field(
         default=5.0,
         description="an FFN worker with no heartbeat this long is gone: hops waiting on it fail now (0: off)")
+    colocate: bool = Field(
+        default=False, description="also load the FFN half, so that the global scheduler may run the whole model "
+                                   "here (assignment colocated: no FFN worker, no per-layer hop)")
 
 
 class FFNWorkerSettings(WorkerSettings):

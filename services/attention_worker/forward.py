@@ -1,9 +1,10 @@
 """One microbatch's pass through the attention half, and what it commits to its sequences.
 
-Embed, every layer's attention with an FFN round trip (`ffn_hops.py`), then logits, sampling and
-logprobs. Each attention layer and the lm_head run at the phase's clock and are accounted on the GPU
-(modelled time, energy); the FFN replies bring the energy of their share of each forward. The
-seconds and joules add up in the microbatch's `MicrobatchTiming`.
+Embed, every layer's attention with an FFN round trip (`ffn_hops.py`; a colocated worker's own FFN
+half, `local_ffn.py`), then logits, sampling and logprobs. Each attention layer and the lm_head run
+at the phase's clock and are accounted on the GPU (modelled time, energy); the FFN replies bring the
+energy of their share of each forward. The seconds and joules add up in the microbatch's
+`MicrobatchTiming`.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import torch
 from torch import Tensor
 
 from services.attention_worker.done_report import MicrobatchTiming
-from services.attention_worker.ffn_hops import FFNHops
+from services.attention_worker.local_ffn import FFNPath
 from services.attention_worker.logprob_rows import PromptPart, prompt_parts, sampled_logprobs
 from services.attention_worker.sequences import Admitted
 from services.worker_base.gpu import WorkerGPU
@@ -30,7 +31,7 @@ from shared.model.sampling import sample_next_tokens
 log = logging.getLogger("aflex.attention_worker")
 
 
-async def forward(model: AttentionHalf, kv: PagedKVStore, worker_gpu: WorkerGPU, hops: FFNHops,
+async def forward(model: AttentionHalf, kv: PagedKVStore, worker_gpu: WorkerGPU, hops: FFNPath,
                   desc: MicrobatchDescriptor, admitted: list[Admitted], timing: MicrobatchTiming
                   ) -> tuple[list[int], list[TokenLogprob | None], dict[int, PromptPart]]:
     """The sampled tokens and their logprobs (of the sequences that sample, in order), and the echoed

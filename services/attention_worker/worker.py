@@ -20,9 +20,10 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 
 from services.attention_worker.done_report import Failures, MicrobatchTiming, microbatch_done, undecodable
-from services.attention_worker.ffn_hops import FFNHops, FFNReplyError
+from services.attention_worker.ffn_hops import FFN_FAILED, FFNHops, FFNReplyError
 from services.attention_worker.forward import commit, forward
 from services.attention_worker.kv_handoff import KVHandoffError, KVHandoffs, unpack
+from services.attention_worker.local_ffn import FFNPath, LocalFFN
 from services.attention_worker.microbatch_book import MicrobatchBook, MicrobatchEntry
 from services.attention_worker.sequences import Admitted, SequenceRefused, SequenceTable
 from services.worker_base.gpu import WorkerGPU
@@ -46,6 +47,7 @@ from shared.messages import (
     encode,
 )
 from shared.model.attention import AttentionHalf, PagedKVStore
+from shared.model.ffn import FFNHalf
 from shared.model.kv_cache import BlockAllocator, BlockTables
 from shared.settings import AttentionWorkerSettings
 from shared.transport import bus
@@ -65,6 +67,7 @@ class AttentionWorker:
         self.subject = subjects.attn_mb(self.worker_id)
         self.ffn_reply_timeout_s = settings.ffn_reply_timeout_s if ffn_reply_timeout_s is None else ffn_reply_timeout_s
         self.model: AttentionHalf | None = None
+        self.ffn: FFNHalf | None = None  # `colocate`: the FFN half too, for microbatches it runs whole here
         self.model_id = ""
         self.kv: PagedKVStore | None = None
         self.sequences: SequenceTable | None = None
@@ -87,6 +90,12 @@ class AttentionWorker:
         checkpoint, module = load_half(self.settings, AttentionHalf)
         self.model, self.model_id = module, checkpoint.model_id
         self.weight_bytes = sum(p.numel() * p.element_size() for p in module.parameters())
+        if self.settings.colocate:
+            _, ffn = load_half(self.settings, FFNHalf)
+            self.weight_bytes += sum(p.numel() * p.element_size() for p in ffn.parameters())
+            with torch.inference_mode():  # the FFN's first forward loads its CPU kernels (seconds): here, in the
+                ffn(0, torch.zeros(1, ffn.args.dim, device=ffn.device, dtype=ffn.activation_dtype))  # load thread
+            self.ffn = ffn
         n_blocks, block_size = self.settings.num_kv_blocks, self.settings.block_size
         weight = module.embed_tokens.weight
         self.kv = PagedKVStore(module.args, n_blocks * block_size, weight.dtype, weight.device)
@@ -134,7 +143,8 @@ class AttentionWorker:
                     nc, registration(self.worker_id, "attention", self.model_id, args.n_layers,
                                      kv_total_blocks=self.sequences.total_blocks, block_size=s.block_size,
                                      max_seq_len=args.max_seq_len, gpu=gpu.gpu, seam_address=seam.address,
-                                     kv_address=self.handoffs.seam.address if self.handoffs.seam else ""),
+                                     kv_address=self.handoffs.seam.address if self.handoffs.seam else "",
+                                     halves=["attention", "ffn"] if self.ffn is not None else []),
                     self._heartbeat, period_s=s.heartbeat_period_s, register_timeout_s=s.register_timeout_s,
                     on_new_scheduler=self._forget_sequences)
                 stack.push_async_callback(presence.stop)
@@ -160,7 +170,7 @@ class AttentionWorker:
 
     def _release_weights(self) -> None:
         """Parked cold and holding nothing: the model and the KV cache go (the empty block tables stay)."""
-        self.model = self.kv = None
+        self.model = self.kv = self.ffn = None
 
     def _holds_nothing(self) -> bool:
         return not self._tasks and self.sequences is not None and len(self.sequences) == 0
@@ -343,7 +353,18 @@ class AttentionWorker:
                        ) -> list[SeqResult]:
         """The microbatch's forward (`forward.py`), committed to its sequences."""
         assert self.model is not None and self.kv is not None and self.gpu is not None
-        return commit(admitted, *await forward(self.model, self.kv, self.gpu, self.hops, desc, admitted, timing))
+        return commit(admitted, *await forward(self.model, self.kv, self.gpu, self._ffn_path(desc), desc, admitted,
+                                               timing))
+
+    def _ffn_path(self, desc: MicrobatchDescriptor) -> FFNPath:
+        """The seam to the descriptor's FFN worker, or this worker's own FFN half when it names this worker
+        (the scheduler assigned it `colocated`)."""
+        if desc.ffn_worker != self.worker_id:
+            return self.hops
+        if self.ffn is None or self.gpu is None:
+            raise FFNReplyError(f"microbatch {desc.mb_id} asks attention worker {self.worker_id} to run the FFN "
+                                f"itself, but it holds no FFN half (start it with --colocate)", FFN_FAILED)
+        return LocalFFN(self.ffn, self.gpu)
 
     def _done(self, mb_id: str, failures: Failures, results: list[SeqResult],
               timing: MicrobatchTiming | None = None) -> MicrobatchDone:

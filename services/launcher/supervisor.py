@@ -28,7 +28,7 @@ from services.launcher.children import ChildDeathHook, ChildExit, ChildSpec, Rol
 from services.launcher.restarts import RestartPolicy, Restarts
 from services.launcher.worker_gpus import device_env, reset_clock_hook, worker_devices
 from shared.errors import AFlexError
-from shared.settings import GatewaySettings, SchedulerSettings, WorkerSettings
+from shared.settings import AttentionWorkerSettings, GatewaySettings, SchedulerSettings, WorkerSettings
 from shared.settings_flags import add_flags, env_of
 
 ON_FAILURE = RestartPolicy()  # a crashed child is started again (compose's `restart: on-failure`)
@@ -68,6 +68,7 @@ SCHEDULER_KNOBS = ("microbatch_depth", "batching", "freq_policy", "queue_deadlin
 GATEWAY_KNOBS = ("api_key",)
 WORKER_KNOBS = ("device", "dtype", "quantize", "torch_threads", "seam_transport", "gpu_backend", "gpu_profile",
                 "gpu_pace")  # (the flags of both are generated from these settings fields)
+ATTENTION_KNOBS = ("colocate",)  # the attention workers' own
 
 
 def describe_status(returncode: int) -> str:
@@ -279,6 +280,7 @@ def add_up_arguments(parser: argparse.ArgumentParser) -> None:
     add_flags(parser, SchedulerSettings, only=SCHEDULER_KNOBS)
     add_flags(parser, GatewaySettings, only=GATEWAY_KNOBS)
     add_flags(parser, WorkerSettings, only=WORKER_KNOBS, aliases={"gpu_backend": ("--gpu-control",)})
+    add_flags(parser, AttentionWorkerSettings, only=ATTENTION_KNOBS)
     parser.add_argument("--ready-timeout", type=float, default=300.0, metavar="SECONDS",
                         help="how long to wait for the gateway's /ready")
     parser.add_argument("--grace", type=float, default=10.0, metavar="SECONDS",
@@ -299,6 +301,7 @@ def build_commands(args: argparse.Namespace) -> list[ChildSpec]:
     cli = [sys.executable, "-m", "services.launcher.cli"]
     model = {"model": str(args.model)}
     worker = {k: getattr(args, k) for k in WORKER_KNOBS}
+    attention = {k: getattr(args, k) for k in ATTENTION_KNOBS}
     n_workers = args.attention_workers + args.ffn_workers
     # The workers share this machine's cores: give each its share, so that the two halves computing
     # at once (the ping-pong pipeline) do not oversubscribe them.
@@ -310,7 +313,8 @@ def build_commands(args: argparse.Namespace) -> list[ChildSpec]:
     names = [f"attn-{i}" for i in range(args.attention_workers)] + [f"ffn-{i}" for i in range(args.ffn_workers)]
     for name, device in zip(names, devices, strict=True):
         role: Role = "attention-worker" if name.startswith("attn") else "ffn-worker"
-        env = env_of({**model, **worker, "worker_id": name}) | device_env(device)
+        own = attention if role == "attention-worker" else {}
+        env = env_of({**model, **worker, **own, "worker_id": name}) | device_env(device)
         specs.append(ChildSpec(name, role, [*cli, role], env))
     gateway = {k: getattr(args, k) for k in GATEWAY_KNOBS}
     for i in range(args.gateways):

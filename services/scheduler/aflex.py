@@ -166,14 +166,16 @@ class AflexPlanner:
     # -- planning ----------------------------------------------------------------------------------
     def plan_pair(self, profile: GPUProfile, phase: ClockPhase, samples: Sequence[IterationSample],
                   share: int = 1, now_unix: float = 0.0, queue: Sequence[tuple[float, float]] = (),
-                  current: OperatingPoint | None = None) -> PairPlan | None:
-        """The operating point of one attention worker (and `share` like it per FFN worker) for `phase`."""
+                  current: OperatingPoint | None = None, colocated: bool = False) -> PairPlan | None:
+        """The operating point of one attention worker (and `share` like it per FFN worker) for `phase`;
+        `colocated`: a worker running both halves itself (one clock, no FFN worker, no hop)."""
         rep = representative(samples, phase)
         if rep is None:
             return None
         pred = self.predictor(profile)
-        k = max(1, share)
-        shape = PoolShape(split=True, attention=k, ffn=1, link_bytes_s=self.link_bytes_s)
+        k = 1 if colocated else max(1, share)
+        shape = PoolShape(split=False, link_bytes_s=self.link_bytes_s) if colocated else \
+            PoolShape(split=True, attention=k, ffn=1, link_bytes_s=self.link_bytes_s)
         s = rep.stats
         stats = BatchStats(s.phase, s.n_tokens * k, s.ctx_tokens * k, s.pairs * k, s.n_sample * k)
         budget = self.budget_s(phase, rep, now_unix, queue)

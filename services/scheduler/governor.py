@@ -300,7 +300,8 @@ class Governor:
             for phase in CLOCK_PHASES:
                 prev = previous.get(phase)
                 plan = planner.plan_pair(profile, phase, list(window), share, now_unix,
-                                         queue if phase == "prefill" else (), prev.op if prev else None)
+                                         queue if phase == "prefill" else (), prev.op if prev else None,
+                                         colocated=w.assignment == "colocated")
                 if plan is not None:
                     previous[phase] = plan
                     fresh.setdefault(w.worker_id, {})[phase] = plan
@@ -312,7 +313,8 @@ class Governor:
             clocks: dict[ClockPhase, int] = {}
             why = []
             for phase in CLOCK_PHASES:
-                plans = [p[phase] for wid, p in fresh.items() if phase in p and (w.role == "ffn" or wid == w.worker_id)]
+                plans = [p[phase] for wid, p in fresh.items()  # an FFN worker: the pairs that use FFN workers
+                         if phase in p and (wid == w.worker_id if w.role == "attention" else p[phase].shape.split)]
                 if not plans:
                     clocks[phase] = before.get(phase, table[-1])
                     why.append(f"{phase} idle: hold")

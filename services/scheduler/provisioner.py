@@ -12,8 +12,9 @@ plan moves as few workers as it can.
 Kinds live: a mesh whose workers each load one half serves "mixed" pools (every attention worker runs
 prefill and decode beside the FFN workers) and "pd" pools (prefill and decode attention workers, each
 pool with FFN workers of its own, sequences moving between them by KV handoff: handoff.py); which of
-them a window may use is the caller's (`provision_kinds`). "colocated" needs a worker that loads both
-halves; until that lands the live planner does not weigh it.
+them a window may use is the caller's (`provision_kinds`). "colocated" pools are whole-model replicas on
+attention workers that loaded both halves (`colocate`), one worker each (a live worker is one GPU: no TP
+group spans workers); the FFN workers park.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from shared.policy.footprint import elastic_plan
 from shared.policy.headroom import AdaptiveHeadroom
 from shared.policy.window_load import window_load
 
-LIVE_KINDS: tuple[str, ...] = ("mixed", "pd")
+LIVE_KINDS: tuple[str, ...] = ("mixed", "pd", "colocated")
 POOL_ASSIGNMENT: dict[str, Assignment] = {"prefill": "prefill-attention", "decode": "decode-attention",
                                           "mixed": "mixed-attention", "colocated": "colocated"}
 
@@ -67,14 +68,15 @@ class LoadLog:
         if arrival is not None:
             arrival.output_tokens = output_tokens
 
-    def prune(self, now_mono: float) -> None:
-        while self.arrivals and now_mono - self.arrivals[0].mono > self.keep_s:
+    def prune(self, now_mono: float, keep_s: float | None = None) -> None:
+        keep_s = max(self.keep_s, keep_s or 0.0)
+        while self.arrivals and now_mono - self.arrivals[0].mono > keep_s:
             self.by_id.pop(self.arrivals.popleft().request_id, None)
 
     def load(self, now_mono: float, window_s: float, subwindow_s: float, quantile: float) -> WindowLoad:
         """The load of the last `window_s` seconds, by the simulator's rule. A request still running counts
         the mean output of those that finished (its `max_tokens` while none has)."""
-        self.prune(now_mono)
+        self.prune(now_mono, window_s)
         t0 = now_mono - window_s
         recent = [a for a in self.arrivals if a.mono >= t0]
         done = [a.output_tokens for a in recent if a.output_tokens is not None]
@@ -96,19 +98,24 @@ class PlanDecision:
 
 
 def assign(plan: Plan, attention_ids: list[str], ffn_ids: list[str], previous: dict[str, Assignment],
-           parked: Assignment = "parked-warm", previous_pool: dict[str, str] | None = None
-           ) -> tuple[dict[str, Assignment], dict[str, str]]:
+           parked: Assignment = "parked-warm", previous_pool: dict[str, str] | None = None,
+           colocate_ids: list[str] | None = None) -> tuple[dict[str, Assignment], dict[str, str]]:
     """Name the workers of each pool of `plan`, moving as few as it can: first every worker keeps its place
     where the plan still has one (its role, and an FFN worker its pool); then the places left take the
     serving workers that lost theirs, then parked ones (warm before cold), each in id order; the rest park
     (`parked`). So a pool that grows wakes a parked worker rather than taking one from another pool, whose
-    sequences would have to move."""
+    sequences would have to move. A colocated pool's replicas are attention workers that hold both halves
+    (`colocate_ids`; None: every attention worker)."""
     before = previous_pool or {}
     places: list[tuple[str, Assignment, int, list[str]]] = []  # (pool, role, workers it takes, candidates)
     free_a, free_f = sorted(attention_ids), sorted(ffn_ids)
+    whole = set(attention_ids if colocate_ids is None else colocate_ids)
     for pool, shape in plan.pools().items():
-        places.append((pool, POOL_ASSIGNMENT[pool], shape.attention if shape.split else shape.gpus, free_a))
-        places.append((pool, "ffn", shape.ffn if shape.split else 0, free_f))
+        if not shape.split:  # one colocated pool: the plan's only one
+            places.append((pool, POOL_ASSIGNMENT[pool], shape.gpus, [w for w in free_a if w in whole]))
+            continue
+        places.append((pool, POOL_ASSIGNMENT[pool], shape.attention, free_a))
+        places.append((pool, "ffn", shape.ffn, free_f))
     out: dict[str, Assignment] = {}
     pool_of: dict[str, str] = {}
     left: list[int] = []
@@ -127,8 +134,9 @@ def assign(plan: Plan, attention_ids: list[str], ffn_ids: list[str], previous: d
         for wid in sorted(free, key=rank)[:count]:
             out[wid], pool_of[wid] = role, pool
             free.remove(wid)
-    for wid in [*free_a, *free_f]:
-        out[wid], pool_of[wid] = parked, ""
+    for wid in [*attention_ids, *ffn_ids]:
+        if wid not in out:
+            out[wid], pool_of[wid] = parked, ""
     return out, pool_of
 
 
@@ -154,6 +162,7 @@ class Provisioner:
         parking_state(parking, 0.0, 0.0, 0.0, 0.0)  # an unknown state is refused now, not at the first plan
         self.parking = parking
         self.loads = LoadLog(keep_s=window_s)
+        self.observed_mono: float | None = None  # when the last window's load was read
         self.assignments: dict[str, Assignment] = {}
         self.plan_id = 0
         self.kind: str | None = None
@@ -177,35 +186,45 @@ class Provisioner:
         state = parking_state(self.parking, self.window_s, profile.warm_parked_power_w, profile.idle_power_w, cold_j)
         return "parked-cold" if state == "cold" else "parked-warm"
 
-    def spec(self, args: ModelArgs, profile: GPUProfile, n_attention: int, n_ffn: int) -> ClusterSpec:
-        """The live cluster: its workers as GPUs, each able to serve the half it loaded, a parked one priced at
-        its parking state's power."""
+    def spec(self, args: ModelArgs, profile: GPUProfile, n_attention: int, n_ffn: int,
+             n_colocate: int = 0) -> ClusterSpec:
+        """The live cluster: its workers as GPUs, each able to serve the half it loaded (`n_colocate` of the
+        attention workers both: one GPU each, no TP group across workers), a parked one priced at its parking
+        state's power."""
         parked_w = profile.idle_power_w if self.parked_state(args, profile) == "parked-cold" \
             else profile.warm_parked_power_w
         return ClusterSpec.for_model(args, n_attention + n_ffn, ttft_slo_s=self.ttft_slo_s,
                                      tpot_slo_s=self.tpot_slo_s, link_bytes_s=self.link_bytes_s,
-                                     parked_power_w=parked_w, max_attention=n_attention, max_ffn=n_ffn)
+                                     parked_power_w=parked_w, max_attention=n_attention, max_ffn=n_ffn,
+                                     colocated_workers=n_colocate)
 
     def observe(self, now_mono: float) -> tuple[WindowLoad, float | None]:
         """The last window's load and P90 TTFT: read where dispatch adds to them (the event loop), so that
         `plan` may run elsewhere (a thread: its first call builds the predictors' tables, seconds)."""
-        return self.loads.load(now_mono, self.window_s, self.subwindow_s, self.quantile), self.p90_ttft_ms(now_mono)
+        # windows follow each other as the simulator's do: one starts where the last ended, so no arrival is
+        # missed when the wait and the planning call together outlast `window_s`
+        span_s = self.window_s if self.observed_mono is None else max(self.window_s, now_mono - self.observed_mono)
+        self.observed_mono = now_mono
+        return self.loads.load(now_mono, span_s, self.subwindow_s, self.quantile), self.p90_ttft_ms(now_mono)
 
     def plan(self, now_mono: float, pred: Predictor, rule: ClockRule, attention_ids: list[str],
              ffn_ids: list[str], kinds: tuple[str, ...] | None = None,
-             observed: tuple[WindowLoad, float | None] | None = None) -> PlanDecision:
+             observed: tuple[WindowLoad, float | None] | None = None,
+             colocate_ids: list[str] | None = None) -> PlanDecision:
         """The plan for the coming window over these (healthy, registered) workers, and who serves where;
-        `kinds`: the pool kinds it may use (None: the provisioner's); `observed`: `observe`'s (None: read now)."""
+        `kinds`: the pool kinds it may use (None: the provisioner's); `observed`: `observe`'s (None: read now);
+        `colocate_ids`: the attention workers that hold both halves (None: none)."""
         if not attention_ids or not ffn_ids:
             raise ValueError("a plan needs at least one attention and one FFN worker")
         load, p90_ttft_ms = observed if observed is not None else self.observe(now_mono)
-        spec = self.spec(pred.args, pred.profile, len(attention_ids), len(ffn_ids))
+        whole = [w for w in colocate_ids or () if w in attention_ids]
+        spec = self.spec(pred.args, pred.profile, len(attention_ids), len(ffn_ids), len(whole))
         headroom = self.headroom_rule.update(p90_ttft_ms, self.ttft_slo_ms)
         plan = elastic_plan(pred, load, spec, rule, headroom, self.kind, kinds=kinds or self.kinds)
         plan = self._at_least(plan, spec)
         assignments, pool_of = assign(plan, attention_ids, ffn_ids, self.assignments,
                                       self.parked_state(pred.args, pred.profile),
-                                      self.latest.pool_of if self.latest is not None else None)
+                                      self.latest.pool_of if self.latest is not None else None, whole)
         changed = sorted(w for w, a in assignments.items() if self.assignments.get(w) != a)
         self.plan_id += 1
         self.kind, self.assignments = plan.kind, assignments

@@ -96,7 +96,8 @@ class ProvisioningLoop:
         # the planning call in a thread: the dispatch loop goes on meanwhile (the first builds the predictors)
         decision = await asyncio.to_thread(self.provisioner.plan, now, pred, rule, [w.worker_id for w in attention],
                                            [w.worker_id for w in ffn], self.kinds(attention, ffn),
-                                           self.provisioner.observe(now))
+                                           self.provisioner.observe(now),
+                                           [w.worker_id for w in attention if w.can_colocate])
         changed = [self.registry.workers[w] for w in decision.changed]
         for wid, assignment in decision.assignments.items():
             worker = self.registry.workers[wid]
@@ -112,12 +113,18 @@ class ProvisioningLoop:
 
     def kinds(self, attention: list[Worker], ffn: list[Worker]) -> tuple[str, ...]:
         """The pool kinds this window's plan may use (`provision_kinds`): P/D pools only where the mesh holds
-        two of each role and every attention worker has a KV seam to take handed-off sequences."""
+        two of each role and every attention worker has a KV seam to take handed-off sequences; colocated
+        replicas only where some attention worker holds both halves; mixed always (the fallback)."""
         pd_fits = len(attention) >= 2 and len(ffn) >= 2 and all(w.kv_address for w in attention)
+        whole = any(w.can_colocate for w in attention)  # colocated replicas: on workers holding both halves
         wanted = self.settings.provision_kinds
-        if not pd_fits or wanted == "mixed":
-            return ("mixed",)
-        return ("pd",) if wanted == "pd" else ("mixed", "pd")
+        if wanted == "colocated" and whole:
+            return ("colocated",)
+        if wanted == "pd" and pd_fits:
+            return ("pd",)
+        if wanted == "auto":
+            return ("mixed", *(("pd",) if pd_fits else ()), *(("colocated",) if whole else ()))
+        return ("mixed",)
 
     async def _publish(self, d: PlanDecision) -> None:
         now = time.time()

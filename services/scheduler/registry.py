@@ -81,6 +81,12 @@ class Worker:
     assignment: Assignment | None = None  # the global scheduler's (None: no plan yet, or provisioning off)
     pool: str = ""  # the plan's pool it serves in ("prefill", "decode", "mixed"; "": none, or no plan)
     kv_address: str = ""  # an attention worker's KV seam (P/D handoffs); "": it takes none
+    halves: tuple[Role, ...] = ()  # what it loaded beyond its role's half (`Register.halves`)
+
+    @property
+    def can_colocate(self) -> bool:
+        """An attention worker holding the FFN half too: it can serve the whole model (`colocated`)."""
+        return self.role == "attention" and "ffn" in self.halves
 
     @property
     def parked(self) -> bool:
@@ -149,6 +155,7 @@ class Registry:
         worker.gpu_backend, worker.gpu_name, worker.gpu_profile = msg.gpu_backend, msg.gpu_name, msg.gpu_profile
         worker.supported_clocks_mhz = sorted({c for c in msg.supported_clocks_mhz if c > 0})
         worker.kv_address = msg.kv_address
+        worker.halves = tuple(msg.halves)
         worker.last_seen = now
         worker.healthy = True
         return worker, restarted
@@ -204,7 +211,15 @@ class Registry:
 
     @property
     def ready(self) -> bool:
-        return bool(self.usable_attention()) and bool(self.healthy("ffn"))
+        return any(self.has_ffn(w) for w in self.usable_attention())
+
+    def has_ffn(self, worker: Worker) -> bool:
+        """Whether `worker`'s microbatches have an FFN to go to: its own (colocated), or a healthy FFN worker."""
+        return worker.assignment == "colocated" or bool(self.healthy("ffn"))
+
+    def ffn_for(self, worker: Worker) -> Worker | None:
+        """The FFN worker of `worker`'s next microbatch: itself when it is colocated, else `next_ffn`."""
+        return worker if worker.assignment == "colocated" else self.next_ffn(worker.pool)
 
     def context_limit(self) -> int:
         return max((w.capacity_tokens for w in self.usable_attention()), default=0)

@@ -190,8 +190,8 @@ class Scheduler:
             now = time.monotonic()
             plan = plan_passes(lane.running, lane.waiting, self.governor.iteration_policy(worker, now),
                                lane.kv_room())
-            if not plan.groups or not self.registry.healthy("ffn"):
-                if lane.pending_release and self.registry.healthy("ffn"):
+            if not plan.groups or not self.registry.has_ffn(worker):
+                if lane.pending_release and self.registry.has_ffn(worker):
                     await self._publish_release_only(worker)
                 await lane.wake.wait()
                 continue
@@ -211,7 +211,7 @@ class Scheduler:
         sent: list[tuple[str, list[Pass], asyncio.Future[MicrobatchDone]]] = []
         ffn_of: dict[str, str] = {}
         for k, group in enumerate(plan.groups):
-            ffn = self.registry.next_ffn(worker.pool)
+            ffn = self.registry.ffn_for(worker)
             assert ffn is not None  # checked by the caller, nothing awaited since
             mb_id = f"{self.run_token}-{worker.worker_id}-{lane.iteration}-{k}"
             release, lane.pending_release = forks.split_releases(
@@ -297,7 +297,8 @@ class Scheduler:
 
         No `MicrobatchDone` is awaited for it; if the worker sends one, it only updates KV counts.
         """
-        desc = release_only(worker, self.registry.healthy("ffn")[0].worker_id, self.run_token)
+        ffn = worker if worker.assignment == "colocated" else self.registry.healthy("ffn")[0]
+        desc = release_only(worker, ffn.worker_id, self.run_token)
         self.in_flight.note_sent(desc.mb_id, worker.worker_id)
         await self.nc.publish(subjects.attn_mb(worker.worker_id), encode(desc))
 

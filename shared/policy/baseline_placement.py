@@ -33,6 +33,15 @@ def instance_tps(spec: ClusterSpec, max_gpus: int, weight_fraction: float = 0.75
     return [tp for tp in TP_DEGREES if weights <= weight_fraction * tp * spec.gpu_memory_bytes and tp <= max_gpus]
 
 
+def colocated_options(spec: ClusterSpec) -> list[tuple[int, int]]:
+    """(TP, most replicas) of the colocated pools the cluster can run: any TP that holds the model, or on a
+    live mesh (`spec.colocated_workers`) TP 1 on the workers that loaded both halves."""
+    fits = instance_tps(spec, spec.gpus)
+    if spec.colocated_workers is not None:
+        return [(1, spec.colocated_workers)] if 1 in fits and spec.colocated_workers > 0 else []
+    return [(tp, spec.gpus // tp) for tp in fits]
+
+
 def colocated_tp(pred: Predictor | None, spec: ClusterSpec, p90_prompt: float = 0.0) -> int:
     """TP of a static colocated replica: the smallest that holds the model and, given a predictor and a
     p90 prompt, runs that prompt alone within the TTFT budget at the top clock (else the fastest)."""
@@ -69,8 +78,8 @@ def provision_colocated(pred: Predictor, load: WindowLoad, spec: ClusterSpec, ru
     `load` × `headroom`; GPUs left out are parked. Falls back to every GPU when nothing is feasible."""
     hl, rule = _headroom(load, headroom), _total(rule)
     best: tuple[float, PoolShape] | None = None
-    for tp in instance_tps(spec, spec.gpus):
-        for replicas in range(1, spec.gpus // tp + 1):
+    for tp, most in colocated_options(spec):
+        for replicas in range(1, most + 1):
             shape = _instances(replicas, tp, spec)
             p = mixed_power(pred, shape, hl, spec, rule) + (spec.gpus - shape.gpus) * spec.parked_power_w
             if best is None or p < best[0]:

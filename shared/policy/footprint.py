@@ -30,7 +30,7 @@ from collections.abc import Mapping
 from dataclasses import replace
 
 from shared.perf import Predictor
-from shared.policy.baseline_placement import instance_tps, provision_colocated
+from shared.policy.baseline_placement import colocated_options, provision_colocated
 from shared.policy.operating_point import ClockRule
 from shared.policy.provision import (
     INFEASIBLE,
@@ -56,7 +56,7 @@ def candidate_plans(pred: Predictor, load: WindowLoad, spec: ClusterSpec, rule: 
         plans["pd"] = provision(pred, load, spec, rule, headroom=headroom, min_pd_gpus=smallest_pd_gpus(spec))
     if "mixed" in kinds and spec.gpus >= 1 + spec.ffn_min:
         plans["mixed"] = provision_mixed(pred, load, spec, rule, headroom)
-    if "colocated" in kinds and instance_tps(spec, spec.gpus):
+    if "colocated" in kinds and colocated_options(spec):
         plans["colocated"] = provision_colocated(pred, load, spec, rule, headroom)
     return plans
 

@@ -57,16 +57,20 @@ class ClusterSpec:
     # GPU can take either role, as in the simulator's cluster)
     max_attention: int | None = None
     max_ffn: int | None = None
+    # a live mesh: how many of its workers hold both halves, each one GPU (a colocated replica is one of them,
+    # TP 1); None: any GPU or TP group can, as in the simulator
+    colocated_workers: int | None = None
 
     @classmethod
     def for_model(cls, args: ModelArgs, gpus: int, *, ttft_slo_s: float, tpot_slo_s: float, link_bytes_s: float,
                   parked_power_w: float, gpu_memory_bytes: float = GPU_MEMORY_BYTES, max_attention: int | None = None,
-                  max_ffn: int | None = None) -> ClusterSpec:
+                  max_ffn: int | None = None, colocated_workers: int | None = None) -> ClusterSpec:
         """The cluster that serves `args` on `gpus` GPUs, planned to `SLO_BUDGET_SHARE` of each SLO (the rest is
         the queueing and dispatch a plan does not see): the simulator's and the live scheduler's one spec."""
         return cls(gpus, gpu_memory_bytes, attention_weight_bytes(args), ffn_weight_bytes(args),
                    kv_bytes_per_token(args), link_bytes_s, ttft_slo_s * SLO_BUDGET_SHARE,
-                   tpot_slo_s * SLO_BUDGET_SHARE, parked_power_w, max_attention=max_attention, max_ffn=max_ffn)
+                   tpot_slo_s * SLO_BUDGET_SHARE, parked_power_w, max_attention=max_attention, max_ffn=max_ffn,
+                   colocated_workers=colocated_workers)
 
     def role_fits(self, attention: int, ffn: int) -> bool:
         """Whether `attention` attention and `ffn` FFN GPUs, together, fit the cluster and its role limits."""

@@ -1,0 +1,57 @@
+"""A colocated attention worker's FFN: the same call as a seam hop (`FFNHops.round_trip`), run here.
+
+An attention worker started with `colocate` also loads the FFN half. When the global scheduler assigns
+it `colocated`, its microbatches name the worker itself as their FFN worker, and `forward` takes each
+layer's FFN from this path instead of a round trip: the whole model on one GPU, no seam, no FFN
+worker (DynamoLLM's replicas, the simulator's "colocated" plan). The FFN runs on the worker's own GPU
+at the phase's clock and is accounted there, as the FFN worker accounts its forwards.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Protocol
+
+import torch
+from torch import Tensor
+
+from services.worker_base.gpu import WorkerGPU
+from shared.gpu.workload import ffn_work
+from shared.kinds import clock_phase
+from shared.messages import MicrobatchDescriptor
+from shared.model.ffn import FFNHalf
+
+
+class FFNPath(Protocol):
+    """Where a layer's FFN runs: over the seam on an FFN worker, or here."""
+
+    async def round_trip(self, desc: MicrobatchDescriptor, layer: int, ffn_in: Tensor,
+                         while_waiting: Callable[[], None] | None = None, *, block: bool = False
+                         ) -> tuple[Tensor, float, float]:
+        """Layer `layer`'s ffn_out for `ffn_in`, the energy of its FFN forward, and that forward's time."""
+        ...
+
+
+class LocalFFN:
+    def __init__(self, model: FFNHalf, worker_gpu: WorkerGPU) -> None:
+        self.model, self.worker_gpu = model, worker_gpu
+
+    async def round_trip(self, desc: MicrobatchDescriptor, layer: int, ffn_in: Tensor,
+                         while_waiting: Callable[[], None] | None = None, *, block: bool = False
+                         ) -> tuple[Tensor, float, float]:
+        if while_waiting is not None:  # the attention layer's accounting first, as on the seam path
+            while_waiting()
+        model, gpu = self.model, self.worker_gpu.gpu
+        phase = clock_phase(desc.phase)
+        self.worker_gpu.controller.before_microbatch(phase)
+        energy0 = gpu.total_energy_j()
+        started = time.perf_counter()
+        with torch.inference_mode():
+            out = model(layer, ffn_in.to(device=model.device, dtype=model.activation_dtype))  # [T, D]
+        measured_s = time.perf_counter() - started
+        rows = ffn_in.shape[0]
+        modelled_s = gpu.run(ffn_work(model.args, rows, dtype_bytes=model.weight_bytes, layer=layer, phase=phase),
+                             measured_s)
+        self.worker_gpu.meter.op(phase, measured_s, modelled_s)
+        return out.to(dtype=ffn_in.dtype), gpu.total_energy_j() - energy0, measured_s
