@@ -13,13 +13,17 @@ import sys
 import threading
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from services.launcher.supervisor import SERVING_ANNOUNCEMENT
 from shared.transport.nats_server import EmbeddedNatsServer, free_port
+
+if TYPE_CHECKING:
+    from shared.messages import PlanTelemetry
 
 
 @dataclass(frozen=True)
@@ -179,9 +183,10 @@ def aflex_up(model: str, *extra: str, timeout_s: float = 300.0, nats_url: str | 
                 process.wait()
 
 
-async def until_pd_plan(mesh: Mesh, deadline_s: float = 120.0) -> None:
-    """Until the global scheduler's plan has a prefill and a decode attention worker (a mesh started with
-    `open_nats`, so that its telemetry can be read without a password)."""
+async def until_plan(mesh: Mesh, wanted: Callable[[PlanTelemetry], bool], deadline_s: float = 120.0
+                     ) -> PlanTelemetry:
+    """The first plan of the global scheduler that is `wanted` (a mesh started with `open_nats`, so that its
+    telemetry can be read without a password)."""
     import asyncio
 
     from shared import subjects
@@ -189,15 +194,21 @@ async def until_pd_plan(mesh: Mesh, deadline_s: float = 120.0) -> None:
     from shared.transport import bus
 
     nc = await bus.connect(f"nats://127.0.0.1:{mesh.nats_port}", "aflex-plan-watch")
-    ready = asyncio.Event()
+    found: asyncio.Future[PlanTelemetry] = asyncio.get_running_loop().create_future()
 
     async def on_plan(msg: object) -> None:
-        roles = set(decode(PlanTelemetry, msg.data).assignments.values())  # type: ignore[attr-defined]
-        if {"prefill-attention", "decode-attention"} <= roles:
-            ready.set()
+        plan = decode(PlanTelemetry, msg.data)  # type: ignore[attr-defined]
+        if wanted(plan) and not found.done():
+            found.set_result(plan)
 
     await nc.subscribe(subjects.TELEMETRY_PLAN, cb=on_plan)
     try:
-        await asyncio.wait_for(ready.wait(), deadline_s)
+        return await asyncio.wait_for(found, deadline_s)
     finally:
         await nc.close()
+
+
+async def until_pd_plan(mesh: Mesh, deadline_s: float = 120.0) -> PlanTelemetry:
+    """Until the global scheduler's plan has a prefill and a decode attention worker."""
+    return await until_plan(mesh, lambda p: {"prefill-attention", "decode-attention"} <= set(p.assignments.values()),
+                            deadline_s)

@@ -220,7 +220,13 @@ class Provisioner:
         whole = [w for w in colocate_ids or () if w in attention_ids]
         spec = self.spec(pred.args, pred.profile, len(attention_ids), len(ffn_ids), len(whole))
         headroom = self.headroom_rule.update(p90_ttft_ms, self.ttft_slo_ms)
-        plan = elastic_plan(pred, load, spec, rule, headroom, self.kind, kinds=kinds or self.kinds)
+        kinds = kinds or self.kinds
+        try:
+            plan = elastic_plan(pred, load, spec, rule, headroom, self.kind, kinds=kinds)
+        except ValueError:  # no plan of these kinds fits (e.g. colocated, where no worker holds the whole model)
+            if kinds == ("mixed",):
+                raise
+            plan = elastic_plan(pred, load, spec, rule, headroom, self.kind, kinds=("mixed",))
         plan = self._at_least(plan, spec)
         assignments, pool_of = assign(plan, attention_ids, ffn_ids, self.assignments,
                                       self.parked_state(pred.args, pred.profile),

@@ -182,12 +182,12 @@ class Live:
 
 
 @contextlib.asynccontextmanager
-async def live(url: str, attn: FakeAttention, **settings: object) -> AsyncIterator[Live]:
-    """A scheduler whose frequency windows the test runs itself (`freq_window_s` is long)."""
+async def live(url: str, attn: FakeAttention, model: ModelInfo = MODEL, **settings: object) -> AsyncIterator[Live]:
+    """A scheduler (serving `model`'s shape) whose frequency windows the test runs itself (`freq_window_s` is long)."""
     sched_nc = await nats.connect(url)
     nc = await nats.connect(url)
     s = SchedulerSettings(nats_url=url, **{"freq_window_s": 30.0, "telemetry_hz": 0, **settings})  # type: ignore[arg-type]
-    sched = Scheduler(s, sched_nc, MODEL)
+    sched = Scheduler(s, sched_nc, model)
     await sched.start()
     commands: dict[str, list[FrequencyCommand]] = {}
 

@@ -1,0 +1,59 @@
+"""Colocated replicas on a real mesh (issue 26): `aflex up --colocate --provision-kinds colocated` with 2
+attention workers and 1 FFN worker. Both attention workers load the FFN half too; the global scheduler's
+plan runs the whole model on one (or both) of them and parks the FFN worker. A colocated worker runs each
+layer's FFN itself, so the mesh serves with its FFN worker hung; the tokens are the in-process engine's,
+greedy and seeded; a replica SIGKILLed mid-stream loses nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import openai
+
+from tests.test_mesh_e2e import QUESTION, generate
+from tests.test_mesh_faults import MAX_TOKENS, _child_pid, _run
+from tools.launch import aflex_up, until_plan
+
+
+def test_colocated_replicas_serve_the_engines_tokens_without_the_ffn_worker_and_lose_nothing(
+        tiny_chat_checkpoint: Path) -> None:
+    greedy = generate(tiny_chat_checkpoint, max_tokens=10, temperature=0.0, seed=None)
+    seeded = generate(tiny_chat_checkpoint, max_tokens=10, temperature=0.8, seed=7)
+    with aflex_up(str(tiny_chat_checkpoint), "--attention-workers", "2", "--ffn-workers", "1", "--colocate",
+                  "--provision-window-s", "1", "--provision-kinds", "colocated", "--gpu-profile", "a800",
+                  open_nats=True) as mesh:
+        plan = asyncio.run(until_plan(mesh, lambda p: p.kind == "colocated", 90.0))
+        replicas = sorted(w for w, a in plan.assignments.items() if a == "colocated")
+        assert replicas and set(replicas) <= {"attn-0", "attn-1"} and plan.pools["colocated"] == [len(replicas), 1]
+        assert plan.assignments["ffn-0"] in ("parked-warm", "parked-cold")
+        client = openai.OpenAI(base_url=mesh.base_url, api_key="unused", max_retries=0, timeout=120)
+        model = client.models.list().data[0].id
+
+        def ask(i: int) -> str | None:
+            temperature, seed = (0.0, None) if i % 2 == 0 else (0.8, 7)
+            return client.chat.completions.create(
+                model=model, messages=[{"role": "user", "content": QUESTION}], max_tokens=10,
+                temperature=temperature, seed=seed, extra_body={"ignore_eos": True}).choices[0].message.content
+
+        ffn_pid = _child_pid(mesh, "ffn-0")
+        os.kill(ffn_pid, signal.SIGSTOP)  # hung: a microbatch that needed it would wait, then fail
+        try:
+            with ThreadPoolExecutor(4) as pool:
+                texts = list(pool.map(ask, range(4)))
+        finally:
+            os.kill(ffn_pid, signal.SIGCONT)
+        assert texts == [greedy["text"], seeded["text"]] * 2
+
+        baseline = asyncio.run(_run(mesh, sampled=True, count=4))
+        serving = asyncio.run(until_plan(mesh, lambda p: p.kind == "colocated", 30.0))
+        victim = sorted(w for w, a in serving.assignments.items() if a == "colocated")[0]
+        after_fault = asyncio.run(_run(mesh, kill=victim, sampled=True, count=4))
+        log = mesh.output()
+    assert f"{victim} exited with status -9" in log
+    assert [tokens for _, tokens in after_fault] == [MAX_TOKENS] * 4
+    assert after_fault == baseline
