@@ -276,6 +276,9 @@ class Heartbeat(Message):
     # attention workers: the newest descriptor taken; one the scheduler sent after it is still on the way
     newest_mb_id: str | None = None
     seam_address: str = ""  # as in `Register`: attention workers open their seam to an FFN worker here
+    # its GPU's energy counter (J, monotonic from the worker's start: NVML or the emulated GPU's model); the
+    # global scheduler sums the mesh's to correct each plan kind's power. None: not reported
+    gpu_energy_j: float | None = None
 
 
 class WorkerInfo(Message):
@@ -371,6 +374,9 @@ class PlanTelemetry(Message):
     mean_output: float = 0.0
     p90_prompt: float = 0.0
     reason: str = ""
+    # each kind's power correction the plan was ranked with (what its plans drew on the mesh against the pool
+    # models); empty when the plan had one kind to choose
+    power_factor: dict[str, float] = Field(default_factory=dict)
 
 
 class SchedulerTelemetry(Message):

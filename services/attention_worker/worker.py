@@ -186,7 +186,8 @@ class AttentionWorker:
         return Heartbeat(worker_id=self.worker_id, role="attention", ts=time.time(),
                          kv_free_blocks=self.sequences.free_blocks, kv_total_blocks=self.sequences.total_blocks,
                          queue_depth=self.book.queue_depth, active_mb_ids=self.book.active_mb_ids(),
-                         newest_mb_id=self.book.newest_mb_id)
+                         newest_mb_id=self.book.newest_mb_id,
+                         gpu_energy_j=self.gpu.gpu.total_energy_j() if self.gpu is not None else None)
 
     # -- dispatch -------------------------------------------------------------------------------
 

@@ -115,7 +115,8 @@ class FFNWorker:
 
     def _heartbeat(self) -> Heartbeat:
         return Heartbeat(worker_id=self.worker_id, role="ffn", ts=time.time(), queue_depth=len(self.queue),
-                         seam_address=self.seam.address if self.seam is not None else "")
+                         seam_address=self.seam.address if self.seam is not None else "",
+                         gpu_energy_j=self.gpu.gpu.total_energy_j() if self.gpu is not None else None)
 
     # -- receiving ------------------------------------------------------------------------------
 

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
+from services.scheduler.power_books import LivePowerCorrection
 from shared.gpu.emulated import GPUProfile
 from shared.kinds import Assignment
 from shared.model.config import ModelArgs
@@ -95,6 +96,16 @@ class PlanDecision:
     assignments: dict[str, Assignment]
     changed: list[str]
     pool_of: dict[str, str] = field(default_factory=dict)  # worker -> the pool it serves in ("" when parked)
+    power_factor: dict[str, float] | None = None  # each kind's power correction it was ranked with
+
+
+@dataclass(frozen=True)
+class Observed:
+    """What a window reads on the event loop (where dispatch adds to it) for a plan made elsewhere."""
+
+    load: WindowLoad  # the last window's
+    p90_ttft_ms: float | None  # the last window's first tokens'
+    stretch_load: WindowLoad | None  # the load since the plan in force began (its power correction's)
 
 
 def assign(plan: Plan, attention_ids: list[str], ffn_ids: list[str], previous: dict[str, Assignment],
@@ -161,7 +172,8 @@ class Provisioner:
         self.quantile, self.kinds = quantile, kinds
         parking_state(parking, 0.0, 0.0, 0.0, 0.0)  # an unknown state is refused now, not at the first plan
         self.parking = parking
-        self.loads = LoadLog(keep_s=window_s)
+        self.power = LivePowerCorrection(window_s)
+        self.loads = LoadLog(keep_s=max(window_s, self.power.correction.min_span_s))  # a stretch's load too
         self.observed_mono: float | None = None  # when the last window's load was read
         self.assignments: dict[str, Assignment] = {}
         self.plan_id = 0
@@ -198,31 +210,40 @@ class Provisioner:
                                      parked_power_w=parked_w, max_attention=n_attention, max_ffn=n_ffn,
                                      colocated_workers=n_colocate)
 
-    def observe(self, now_mono: float) -> tuple[WindowLoad, float | None]:
-        """The last window's load and P90 TTFT: read where dispatch adds to them (the event loop), so that
-        `plan` may run elsewhere (a thread: its first call builds the predictors' tables, seconds)."""
+    def observe(self, now_mono: float) -> Observed:
+        """The last window's load and P90 TTFT, and the load since the plan in force began: read where
+        dispatch adds to them (the event loop), so that `plan` may run elsewhere (a thread: its first call
+        builds the predictors' tables, seconds)."""
         # windows follow each other as the simulator's do: one starts where the last ended, so no arrival is
         # missed when the wait and the planning call together outlast `window_s`
         span_s = self.window_s if self.observed_mono is None else max(self.window_s, now_mono - self.observed_mono)
         self.observed_mono = now_mono
-        return self.loads.load(now_mono, span_s, self.subwindow_s, self.quantile), self.p90_ttft_ms(now_mono)
+        stretch = self.power.stretch
+        stretch_load = None if stretch is None else self.loads.load(
+            now_mono, max(self.window_s, now_mono - stretch.since_mono), self.subwindow_s, self.quantile)
+        return Observed(self.loads.load(now_mono, span_s, self.subwindow_s, self.quantile),
+                        self.p90_ttft_ms(now_mono), stretch_load)
 
     def plan(self, now_mono: float, pred: Predictor, rule: ClockRule, attention_ids: list[str],
              ffn_ids: list[str], kinds: tuple[str, ...] | None = None,
-             observed: tuple[WindowLoad, float | None] | None = None,
-             colocate_ids: list[str] | None = None) -> PlanDecision:
+             observed: Observed | None = None, colocate_ids: list[str] | None = None) -> PlanDecision:
         """The plan for the coming window over these (healthy, registered) workers, and who serves where;
         `kinds`: the pool kinds it may use (None: the provisioner's); `observed`: `observe`'s (None: read now);
         `colocate_ids`: the attention workers that hold both halves (None: none)."""
         if not attention_ids or not ffn_ids:
             raise ValueError("a plan needs at least one attention and one FFN worker")
-        load, p90_ttft_ms = observed if observed is not None else self.observe(now_mono)
+        seen = observed if observed is not None else self.observe(now_mono)
+        load = seen.load
         whole = [w for w in colocate_ids or () if w in attention_ids]
         spec = self.spec(pred.args, pred.profile, len(attention_ids), len(ffn_ids), len(whole))
-        headroom = self.headroom_rule.update(p90_ttft_ms, self.ttft_slo_ms)
+        headroom = self.headroom_rule.update(seen.p90_ttft_ms, self.ttft_slo_ms)
         kinds = kinds or self.kinds
+        if seen.stretch_load is not None:  # what the plan in force drew, against its model: its kind's factor
+            met = seen.p90_ttft_ms is None or seen.p90_ttft_ms <= self.ttft_slo_ms
+            self.power.observe(now_mono, pred, rule, seen.stretch_load, met)
+        factor = self.power.factors(kinds)
         try:
-            plan = elastic_plan(pred, load, spec, rule, headroom, self.kind, kinds=kinds)
+            plan = elastic_plan(pred, load, spec, rule, headroom, self.kind, kinds=kinds, power_factor=factor)
         except ValueError:  # no plan of these kinds fits (e.g. colocated, where no worker holds the whole model)
             if kinds == ("mixed",):
                 raise
@@ -234,7 +255,8 @@ class Provisioner:
         changed = sorted(w for w, a in assignments.items() if self.assignments.get(w) != a)
         self.plan_id += 1
         self.kind, self.assignments = plan.kind, assignments
-        self.latest = PlanDecision(self.plan_id, plan, load, assignments, changed, pool_of)
+        self.power.applied(now_mono, plan, spec)
+        self.latest = PlanDecision(self.plan_id, plan, load, assignments, changed, pool_of, factor)
         return self.latest
 
     def _at_least(self, plan: Plan, spec: ClusterSpec) -> Plan:

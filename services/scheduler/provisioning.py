@@ -93,6 +93,8 @@ class ProvisioningLoop:
         pred = planner.predictor(profile) if planner is not None else cached_predictor(profile, self.args)
         rule = planner.rule if planner is not None else ClockRule(objective=AFLEX_CLOCK_OBJECTIVE)
         now = time.monotonic()
+        for w in self.registry.workers.values():  # the mesh's energy so far: each plan kind's power correction
+            self.provisioner.power.energy.report(w.worker_id, w.gpu_energy_j)
         # the planning call in a thread: the dispatch loop goes on meanwhile (the first builds the predictors)
         decision = await asyncio.to_thread(self.provisioner.plan, now, pred, rule, [w.worker_id for w in attention],
                                            [w.worker_id for w in ffn], self.kinds(attention, ffn),
@@ -139,4 +141,5 @@ class ProvisioningLoop:
             scheduler_id=self.settings.scheduler_id, ts=now, plan_id=d.plan_id, kind=d.plan.kind, pools=pools,
             assignments=d.assignments, changed=d.changed, predicted_power_w=d.plan.predicted_power_w,
             feasible=d.plan.feasible, load_rps=d.load.rate_rps, mean_prompt=d.load.mean_prompt,
-            mean_output=d.load.mean_output, p90_prompt=d.load.p90_prompt, reason=reason)))
+            mean_output=d.load.mean_output, p90_prompt=d.load.p90_prompt, reason=reason,
+            power_factor=d.power_factor or {})))

@@ -82,6 +82,7 @@ class Worker:
     pool: str = ""  # the plan's pool it serves in ("prefill", "decode", "mixed"; "": none, or no plan)
     kv_address: str = ""  # an attention worker's KV seam (P/D handoffs); "": it takes none
     halves: tuple[Role, ...] = ()  # what it loaded beyond its role's half (`Register.halves`)
+    gpu_energy_j: float | None = None  # its GPU's energy counter, as its latest heartbeat said
 
     @property
     def can_colocate(self) -> bool:
@@ -169,6 +170,7 @@ class Registry:
         revived = not worker.healthy
         worker.last_seen = now
         worker.healthy = True
+        worker.gpu_energy_j = msg.gpu_energy_j
         if msg.kv_total_blocks:
             worker.report_kv(msg.kv_free_blocks, msg.kv_total_blocks)
         return worker, revived

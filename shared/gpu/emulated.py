@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
@@ -241,6 +242,10 @@ class EmulatedGPU(GPU):
         self._busy_until = now  # end of the last modelled operator (may run ahead of the wall clock)
         self._accounted_until = now  # energy is accounted up to here (busy or idle)
         self._busy_power_w = self.idle_power_w
+        # the books are kept from several threads (an FFN worker runs its forwards on its serving threads while
+        # its telemetry and heartbeats read the total on the event loop): one at a time, or a stretch is counted
+        # twice (idle and busy) or not at all
+        self._books = threading.RLock()
 
     # -- clocks -------------------------------------------------------------------------------
     @property
@@ -266,12 +271,13 @@ class EmulatedGPU(GPU):
 
     def set_sm_clock_mhz(self, clock_mhz: int) -> ClockResult:
         target = self.snap_clock_mhz(clock_mhz)
-        now = self._clock()
-        self._settle(now)
-        wanted = self._pending[1] if self._pending is not None else self._current_mhz
-        if target == wanted:
-            return ClockResult(clock_mhz, target, applied=False, reason=f"already at {target} MHz")
-        self._pending = (now + self.profile.clock_switch_delay_s, target)
+        with self._books:
+            now = self._clock()
+            self._settle(now)
+            wanted = self._pending[1] if self._pending is not None else self._current_mhz
+            if target == wanted:
+                return ClockResult(clock_mhz, target, applied=False, reason=f"already at {target} MHz")
+            self._pending = (now + self.profile.clock_switch_delay_s, target)
         self._write_lock(target)
         return ClockResult(clock_mhz, target, applied=True)
 
@@ -313,37 +319,40 @@ class EmulatedGPU(GPU):
         is later (the previous operator's modelled end), and runs for its modelled duration at the
         clock in effect then. With `pace`, sleep the part of the modelled duration the host did
         not already spend, so a lower clock really slows the caller."""
-        now = self._clock()
-        start = max(now - measured_s, self._accounted_until)
-        self._account_idle(start)
-        self._settle(start)
-        cost = operator_cost(self.profile, work, self._current_mhz)
-        self._energy_j += cost.energy_j
-        self._accounted_until = self._busy_until = start + cost.time_s
-        self._busy_power_w = cost.power_w
+        with self._books:
+            now = self._clock()
+            start = max(now - measured_s, self._accounted_until)
+            self._account_idle(start)
+            self._settle(start)
+            cost = operator_cost(self.profile, work, self._current_mhz)
+            self._energy_j += cost.energy_j
+            self._accounted_until = self._busy_until = start + cost.time_s
+            self._busy_power_w = cost.power_w
         if self.pace and cost.time_s > measured_s:
             self._sleep(cost.time_s - measured_s)
         return cost.time_s
 
     def release_context(self) -> None:
         """Parked cold: the idle up to now at the context's power, bare idle (`profile.idle_power_w`) after."""
-        self._account_idle(self._clock())
-        self.context_resident = False
+        with self._books:
+            self._account_idle(self._clock())
+            self.context_resident = False
 
     def create_context(self, weight_bytes: float) -> float:
         """A cold-parked GPU rejoins: a new context and `weight_bytes` over the host link
         (`profile.cold_rejoin_s`), drawing context-idle power meanwhile, as the simulator's fleet charges a
         rejoining GPU. Returns the modelled seconds (slept with `pace` where the host was quicker)."""
-        if self.context_resident:
-            return 0.0
-        now = self._clock()
-        start = max(now, self._accounted_until)
-        self._account_idle(start)
-        self.context_resident = True
-        rejoin_s = self.profile.cold_rejoin_s(weight_bytes)
-        self._energy_j += rejoin_s * self.profile.context_idle_power_w
-        self._accounted_until = self._busy_until = start + rejoin_s
-        self._busy_power_w = self.profile.context_idle_power_w
+        with self._books:
+            if self.context_resident:
+                return 0.0
+            now = self._clock()
+            start = max(now, self._accounted_until)
+            self._account_idle(start)
+            self.context_resident = True
+            rejoin_s = self.profile.cold_rejoin_s(weight_bytes)
+            self._energy_j += rejoin_s * self.profile.context_idle_power_w
+            self._accounted_until = self._busy_until = start + rejoin_s
+            self._busy_power_w = self.profile.context_idle_power_w
         if self.pace:
             self._sleep(rejoin_s)
         return rejoin_s
@@ -353,8 +362,9 @@ class EmulatedGPU(GPU):
         return self._busy_power_w if now < self._busy_until else self.idle_power_w
 
     def total_energy_j(self) -> float:
-        self._account_idle(self._clock())
-        return self._energy_j
+        with self._books:
+            self._account_idle(self._clock())
+            return self._energy_j
 
 
 def read_locked_mhz(device_file: Path) -> int | None:
