@@ -7,6 +7,7 @@ it serves are the tokens `aflex generate` (the in-process engine) gives for the 
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import subprocess
 import sys
@@ -23,6 +24,7 @@ from tools.launch import Mesh, aflex_up
 QUESTION = "Tell me about the sea."
 
 
+@functools.cache  # one run per question: several mesh tests check against the same answer
 def generate(model: Path | str, *, max_tokens: int, temperature: float, seed: int | None,
              quantize: str = "none") -> dict:
     command = [sys.executable, "-m", "services.launcher.cli", "generate", "--model", str(model), "--chat",
