@@ -10,12 +10,9 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import openai
-
-from tests.test_mesh_e2e import QUESTION, generate
+from tests.test_mesh_e2e import ask_greedy_and_seeded, generate
 from tests.test_mesh_faults import MAX_TOKENS, _child_pid, _run
 from tools.launch import aflex_up, until_plan
 
@@ -31,20 +28,10 @@ def test_colocated_replicas_serve_the_engines_tokens_without_the_ffn_worker_and_
         replicas = sorted(w for w, a in plan.assignments.items() if a == "colocated")
         assert replicas and set(replicas) <= {"attn-0", "attn-1"} and plan.pools["colocated"] == [len(replicas), 1]
         assert plan.assignments["ffn-0"] in ("parked-warm", "parked-cold")
-        client = openai.OpenAI(base_url=mesh.base_url, api_key="unused", max_retries=0, timeout=120)
-        model = client.models.list().data[0].id
-
-        def ask(i: int) -> str | None:
-            temperature, seed = (0.0, None) if i % 2 == 0 else (0.8, 7)
-            return client.chat.completions.create(
-                model=model, messages=[{"role": "user", "content": QUESTION}], max_tokens=10,
-                temperature=temperature, seed=seed, extra_body={"ignore_eos": True}).choices[0].message.content
-
         ffn_pid = _child_pid(mesh, "ffn-0")
         os.kill(ffn_pid, signal.SIGSTOP)  # hung: a microbatch that needed it would wait, then fail
         try:
-            with ThreadPoolExecutor(4) as pool:
-                texts = list(pool.map(ask, range(4)))
+            texts = ask_greedy_and_seeded(mesh, 4)
         finally:
             os.kill(ffn_pid, signal.SIGCONT)
         assert texts == [greedy["text"], seeded["text"]] * 2

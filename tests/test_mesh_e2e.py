@@ -24,6 +24,22 @@ from tools.launch import Mesh, aflex_up
 QUESTION = "Tell me about the sea."
 
 
+def ask_greedy_and_seeded(mesh: Mesh, count: int, max_tokens: int = 10) -> list[str | None]:
+    """`count` concurrent answers to QUESTION through the official client, greedy (even) and seeded
+    with seed 7 at temperature 0.8 (odd): what `generate` answers with those settings."""
+    client = openai.OpenAI(base_url=mesh.base_url, api_key="unused", max_retries=0, timeout=120)
+    model = client.models.list().data[0].id
+
+    def ask(i: int) -> str | None:
+        temperature, seed = (0.0, None) if i % 2 == 0 else (0.8, 7)
+        return client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": QUESTION}], max_tokens=max_tokens,
+            temperature=temperature, seed=seed, extra_body={"ignore_eos": True}).choices[0].message.content
+
+    with ThreadPoolExecutor(4) as pool:
+        return list(pool.map(ask, range(count)))
+
+
 @functools.cache  # one run per question: several mesh tests check against the same answer
 def generate(model: Path | str, *, max_tokens: int, temperature: float, seed: int | None,
              quantize: str = "none") -> dict:

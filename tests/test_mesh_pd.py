@@ -12,17 +12,15 @@ import os
 import re
 import signal
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
-import openai
 from nats.aio.msg import Msg
 
 from shared import subjects
 from shared.messages import KVHandoff, decode
 from shared.transport import bus
-from tests.test_mesh_e2e import QUESTION, generate
+from tests.test_mesh_e2e import ask_greedy_and_seeded, generate
 from tests.test_mesh_faults import _child_pid, _run
 from tools.launch import Mesh, aflex_up, until_pd_plan
 
@@ -50,17 +48,7 @@ def test_pd_pools_give_the_engines_tokens_and_a_kill_mid_handoff_loses_nothing(t
                   "--provision-window-s", "1", "--provision-kinds", "pd", "--gpu-profile", "a800",
                   open_nats=True) as mesh:
         asyncio.run(until_pd_plan(mesh, deadline_s=90.0))
-        client = openai.OpenAI(base_url=mesh.base_url, api_key="unused", max_retries=0, timeout=120)
-        model = client.models.list().data[0].id
-
-        def ask(i: int) -> str | None:
-            temperature, seed = (0.0, None) if i % 2 == 0 else (0.8, 7)
-            return client.chat.completions.create(
-                model=model, messages=[{"role": "user", "content": QUESTION}], max_tokens=10,
-                temperature=temperature, seed=seed, extra_body={"ignore_eos": True}).choices[0].message.content
-
-        with ThreadPoolExecutor(4) as pool:
-            texts = list(pool.map(ask, range(8)))
+        texts = ask_greedy_and_seeded(mesh, 8)
         assert texts == [greedy["text"], seeded["text"]] * 4
         metrics_url = f"{mesh.base_url.removesuffix('/v1')}/metrics"
         deadline = time.monotonic() + 30
