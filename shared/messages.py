@@ -252,6 +252,7 @@ class Register(Message):
     # the halves it has loaded, when more than its role's: ["attention", "ffn"] for an attention worker that
     # can serve the whole model (`colocate`), which the global scheduler may assign `colocated`
     halves: list[Role] = Field(default_factory=list)
+    gpu_memory_bytes: float = 0.0  # its GPU's memory (NVML's total, or the emulated profile's); 0: unknown
 
 
 class RegisterReply(Message):

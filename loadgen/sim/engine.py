@@ -47,7 +47,7 @@ from shared.policy.headroom import AdaptiveHeadroom
 from shared.policy.pipeline import iteration_cost
 from shared.policy.power_correction import PowerCorrection
 from shared.policy.prefill_cap import AT_MAX, prefill_cap, queue_ttft_budget
-from shared.policy.provision import GPU_MEMORY_BYTES, Plan
+from shared.policy.provision import Plan
 
 OPERATOR_KEYS = ("prefill-attention", "prefill-ffn", "decode-attention", "decode-ffn")
 MIXED_MODES = ("mixed", "colocated")  # pools that serve prefill and decode
@@ -67,7 +67,7 @@ class Simulation:
             raise ValueError(f"unknown accounting {config.accounting!r}; known: {', '.join(ACCOUNTINGS)}")
         self.margin_ttft, self.margin_tpot = SloMargin(), SloMargin()
         self.kv_tok = kv_bytes_per_token(args)
-        self.mem = GPU_MEMORY_BYTES
+        self.mem = profile.memory_bytes  # the profile's device (80 GB on the A800)
         n = len(arrivals)
         self.first = np.full(n, np.nan)
         self.finish = np.full(n, np.nan)

@@ -199,16 +199,17 @@ class Provisioner:
         return "parked-cold" if state == "cold" else "parked-warm"
 
     def spec(self, args: ModelArgs, profile: GPUProfile, n_attention: int, n_ffn: int,
-             n_colocate: int = 0) -> ClusterSpec:
-        """The live cluster: its workers as GPUs, each able to serve the half it loaded (`n_colocate` of the
-        attention workers both: one GPU each, no TP group across workers), a parked one priced at its parking
-        state's power."""
+             n_colocate: int = 0, gpu_memory_bytes: float = 0.0) -> ClusterSpec:
+        """The live cluster: its workers as GPUs of `gpu_memory_bytes` (0: the profile's), each able to serve
+        the half it loaded (`n_colocate` of the attention workers both: one GPU each, no TP group across
+        workers), a parked one priced at its parking state's power."""
         parked_w = profile.idle_power_w if self.parked_state(args, profile) == "parked-cold" \
             else profile.warm_parked_power_w
         return ClusterSpec.for_model(args, n_attention + n_ffn, ttft_slo_s=self.ttft_slo_s,
                                      tpot_slo_s=self.tpot_slo_s, link_bytes_s=self.link_bytes_s,
                                      parked_power_w=parked_w, max_attention=n_attention, max_ffn=n_ffn,
-                                     colocated_workers=n_colocate)
+                                     colocated_workers=n_colocate,
+                                     gpu_memory_bytes=gpu_memory_bytes or profile.memory_bytes)
 
     def observe(self, now_mono: float) -> Observed:
         """The last window's load and P90 TTFT, and the load since the plan in force began: read where
@@ -226,16 +227,18 @@ class Provisioner:
 
     def plan(self, now_mono: float, pred: Predictor, rule: ClockRule, attention_ids: list[str],
              ffn_ids: list[str], kinds: tuple[str, ...] | None = None,
-             observed: Observed | None = None, colocate_ids: list[str] | None = None) -> PlanDecision:
+             observed: Observed | None = None, colocate_ids: list[str] | None = None,
+             gpu_memory_bytes: float = 0.0) -> PlanDecision:
         """The plan for the coming window over these (healthy, registered) workers, and who serves where;
         `kinds`: the pool kinds it may use (None: the provisioner's); `observed`: `observe`'s (None: read now);
-        `colocate_ids`: the attention workers that hold both halves (None: none)."""
+        `colocate_ids`: the attention workers that hold both halves (None: none); `gpu_memory_bytes`: the
+        smallest of the workers' GPUs (0: the profile's)."""
         if not attention_ids or not ffn_ids:
             raise ValueError("a plan needs at least one attention and one FFN worker")
         seen = observed if observed is not None else self.observe(now_mono)
         load = seen.load
         whole = [w for w in colocate_ids or () if w in attention_ids]
-        spec = self.spec(pred.args, pred.profile, len(attention_ids), len(ffn_ids), len(whole))
+        spec = self.spec(pred.args, pred.profile, len(attention_ids), len(ffn_ids), len(whole), gpu_memory_bytes)
         headroom = self.headroom_rule.update(seen.p90_ttft_ms, self.ttft_slo_ms)
         kinds = kinds or self.kinds
         if seen.stretch_load is not None:  # what the plan in force drew, against its model: its kind's factor

@@ -99,7 +99,9 @@ class ProvisioningLoop:
         decision = await asyncio.to_thread(self.provisioner.plan, now, pred, rule, [w.worker_id for w in attention],
                                            [w.worker_id for w in ffn], self.kinds(attention, ffn),
                                            self.provisioner.observe(now),
-                                           [w.worker_id for w in attention if w.can_colocate])
+                                           [w.worker_id for w in attention if w.can_colocate],
+                                           min((m for w in (*attention, *ffn) if (m := w.gpu_memory_bytes) > 0),
+                                               default=0.0))
         changed = [self.registry.workers[w] for w in decision.changed]
         for wid, assignment in decision.assignments.items():
             worker = self.registry.workers[wid]

@@ -83,6 +83,7 @@ class Worker:
     kv_address: str = ""  # an attention worker's KV seam (P/D handoffs); "": it takes none
     halves: tuple[Role, ...] = ()  # what it loaded beyond its role's half (`Register.halves`)
     gpu_energy_j: float | None = None  # its GPU's energy counter, as its latest heartbeat said
+    gpu_memory_bytes: float = 0.0  # as registered (0: unknown)
 
     @property
     def can_colocate(self) -> bool:
@@ -157,6 +158,7 @@ class Registry:
         worker.supported_clocks_mhz = sorted({c for c in msg.supported_clocks_mhz if c > 0})
         worker.kv_address = msg.kv_address
         worker.halves = tuple(msg.halves)
+        worker.gpu_memory_bytes = msg.gpu_memory_bytes
         worker.last_seen = now
         worker.healthy = True
         return worker, restarted

@@ -59,7 +59,8 @@ def registration(worker_id: str, role: Role, model_id: str, n_layers: int, *,
                     gpu_name=gpu.name if gpu is not None else "",
                     gpu_profile=str(getattr(getattr(gpu, "profile", None), "key", "")),
                     supported_clocks_mhz=list(gpu.supported_sm_clocks_mhz()) if gpu is not None else [],
-                    seam_address=seam_address, kv_address=kv_address, halves=halves or [])
+                    seam_address=seam_address, kv_address=kv_address, halves=halves or [],
+                    gpu_memory_bytes=gpu.memory_bytes() if gpu is not None else 0.0)
 
 
 class Presence:

@@ -93,6 +93,10 @@ class GPU(ABC):
         duration in seconds. Real GPUs measure themselves: the measured time is the time."""
         return measured_s
 
+    def memory_bytes(self) -> float:
+        """The device's memory in bytes (0: unknown), which the global scheduler plans weights and KV into."""
+        return 0.0
+
     def release_context(self) -> None:  # noqa: B027 - optional hook
         """The worker released its weights and context (parked cold). A real GPU's power says so itself; the
         emulated one draws bare idle from now on."""

@@ -54,6 +54,7 @@ class GPUProfile:
     modelling_choices: tuple[str, ...]
     idle_leakage_share: float = 0.2  # of context idle at f_max, following V(f)
     idle_clock_share: float = 0.3  # of context idle at f_max, following f·V(f)² (the clock tree)
+    memory_bytes: float = 80e9  # the device's memory (datasheet GB): what the planner fits weights and KV into
     host_to_device_bytes_s: float = 25e9  # weights loaded when a cold-parked GPU rejoins
     context_create_s: float = 2.0
 
@@ -124,6 +125,7 @@ class GPUProfile:
                 idle_clock_share=float(d["context_idle_shares"]["clock"]),
                 host_to_device_bytes_s=float(d["rejoin"]["host_to_device_bytes_s"]),
                 context_create_s=float(d["rejoin"]["context_create_s"]),
+                memory_bytes=float(d.get("memory_bytes", 80e9)),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise GPUError(f"GPU profile {source} is malformed: {exc!r}") from None
@@ -356,6 +358,9 @@ class EmulatedGPU(GPU):
         if self.pace:
             self._sleep(rejoin_s)
         return rejoin_s
+
+    def memory_bytes(self) -> float:
+        return self.profile.memory_bytes
 
     def power_w(self) -> float:
         now = self._clock()

@@ -138,6 +138,12 @@ class NvmlGPU(GPU):
         self._locked_mhz = None
 
     # -- power and energy ---------------------------------------------------------------------
+    def memory_bytes(self) -> float:
+        try:
+            return float(self._call("nvmlDeviceGetMemoryInfo", self._handle).total)
+        except GPUError:
+            return 0.0
+
     def power_w(self) -> float:
         return float(self._call("nvmlDeviceGetPowerUsage", self._handle)) / 1000.0
 

@@ -17,8 +17,9 @@ import pytest
 from loadgen.sim.models import get_model
 from services.scheduler.model_info import ModelInfo
 from services.scheduler.provisioner import Provisioner, assign
+from services.scheduler.registry import Registry
 from shared import subjects
-from shared.gpu.emulated import load_profile
+from shared.gpu.emulated import EmulatedGPU, load_profile
 from shared.messages import Register, RegisterReply, decode, encode
 from shared.perf import cached_predictor
 from shared.policy import AFLEX_CLOCK_OBJECTIVE, ClockRule, Plan, PoolShape, WindowLoad
@@ -123,3 +124,23 @@ def test_a_colocated_worker_is_its_own_ffn_worker_and_the_ffn_workers_park(nats_
             assert plans and all(not p.shape.split and p.op.clock_attention == p.op.clock_ffn for p in plans.values())
             assert lv.commands["f0"][-1].clocks_mhz == {"prefill": A800_CLOCKS[0], "decode": A800_CLOCKS[0]}
     asyncio.run(main())
+
+
+def test_the_cluster_is_planned_on_the_memory_the_workers_registered() -> None:
+    """Qwen3-32B's 64 GB of weights want TP 2 on 80 GB A800s, but one 141 GB H200 holds them: the GPU's memory,
+    as registered (the emulated profile's, or NVML's total), decides whether a colocated replica fits."""
+    h200 = load_profile("h200")
+    assert A800.memory_bytes == 80e9 and h200.memory_bytes == 141e9
+    assert EmulatedGPU("h200").memory_bytes() == 141e9
+    reg = Registry()
+    worker, _ = reg.register(Register(worker_id="a0", role="attention", model_id="m", n_layers=2,
+                                      gpu_memory_bytes=141e9, halves=["attention", "ffn"]), 0.0)
+    assert worker.gpu_memory_bytes == 141e9 and worker.can_colocate
+    pv = _provisioner()
+    pred = cached_predictor(h200, QWEN)
+    load = WindowLoad(1.0, 500.0, 200.0, 800.0)
+    assert "colocated" in candidate_plans(pred, load, pv.spec(QWEN, h200, 2, 1, 2), RULE)  # the profile's 141 GB
+    assert "colocated" not in candidate_plans(pred, load, pv.spec(QWEN, h200, 2, 1, 2, gpu_memory_bytes=80e9), RULE)
+    d = pv.plan(0.0, pred, RULE, ["a0", "a1"], ["f0"], kinds=("colocated",), colocate_ids=["a0", "a1"],
+                gpu_memory_bytes=141e9)
+    assert d.plan.kind == "colocated"
