@@ -141,7 +141,7 @@ class NvmlGPU(GPU):
     def memory_bytes(self) -> float:
         try:
             return float(self._call("nvmlDeviceGetMemoryInfo", self._handle).total)
-        except GPUError:
+        except (GPUError, AttributeError):  # not supported, or a pynvml without the call: unknown
             return 0.0
 
     def power_w(self) -> float:

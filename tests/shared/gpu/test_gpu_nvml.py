@@ -68,6 +68,7 @@ class FakeNvml(types.ModuleType):
             "nvmlDeviceSetGpuLockedClocks": None, "nvmlDeviceResetGpuLockedClocks": None,
             "nvmlDeviceGetPowerUsage": lambda h: fake.power_mw,
             "nvmlDeviceGetTotalEnergyConsumption": lambda h: fake.energy_mj,
+            "nvmlDeviceGetMemoryInfo": lambda h: types.SimpleNamespace(total=85_899_345_920, free=1, used=2),
         }.items():
             setattr(self, name, record(name, result))
 
@@ -115,6 +116,14 @@ def test_reads_clock_power_energy_in_the_right_units(nvml: FakeNvml) -> None:
     gpu.close()
     gpu.close()
     assert nvml.names().count("nvmlShutdown") == 1
+
+
+def test_reports_the_devices_memory_or_zero_when_nvml_will_not(nvml: FakeNvml) -> None:
+    gpu = NvmlGPU()
+    assert gpu.memory_bytes() == 85_899_345_920  # an 80 GB card's total, as NVML reports it
+    nvml.fail["nvmlDeviceGetMemoryInfo"] = FakeNvml.NVML_ERROR_NOT_SUPPORTED
+    assert gpu.memory_bytes() == 0.0  # unknown: the planner takes the profile's
+    gpu.close()
 
 
 def test_energy_falls_back_to_integrating_power(nvml: FakeNvml) -> None:
