@@ -4,20 +4,18 @@ An attention worker started with `colocate` also loads the FFN half. When the gl
 it `colocated`, its microbatches name the worker itself as their FFN worker, and `forward` takes each
 layer's FFN from this path instead of a round trip: the whole model on one GPU, no seam, no FFN
 worker (DynamoLLM's replicas, the simulator's "colocated" plan). The FFN runs on the worker's own GPU
-at the phase's clock and is accounted there, as the FFN worker accounts its forwards.
+at the phase's clock and is accounted there by the FFN worker's own call (`ffn_forward`).
 """
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from typing import Protocol
 
-import torch
 from torch import Tensor
 
+from services.worker_base.ffn_forward import ffn_forward
 from services.worker_base.gpu import WorkerGPU
-from shared.gpu.workload import ffn_work
 from shared.kinds import clock_phase
 from shared.messages import MicrobatchDescriptor
 from shared.model.ffn import FFNHalf
@@ -42,16 +40,5 @@ class LocalFFN:
                          ) -> tuple[Tensor, float, float]:
         if while_waiting is not None:  # the attention layer's accounting first, as on the seam path
             while_waiting()
-        model, gpu = self.model, self.worker_gpu.gpu
-        phase = clock_phase(desc.phase)
-        self.worker_gpu.controller.before_microbatch(phase)
-        energy0 = gpu.total_energy_j()
-        started = time.perf_counter()
-        with torch.inference_mode():
-            out = model(layer, ffn_in.to(device=model.device, dtype=model.activation_dtype))  # [T, D]
-        measured_s = time.perf_counter() - started
-        rows = ffn_in.shape[0]
-        modelled_s = gpu.run(ffn_work(model.args, rows, dtype_bytes=model.weight_bytes, layer=layer, phase=phase),
-                             measured_s)
-        self.worker_gpu.meter.op(phase, measured_s, modelled_s)
-        return out.to(dtype=ffn_in.dtype), gpu.total_energy_j() - energy0, measured_s
+        out, energy_j, measured_s = ffn_forward(self.model, self.worker_gpu, layer, clock_phase(desc.phase), ffn_in)
+        return out.to(dtype=ffn_in.dtype), energy_j, measured_s

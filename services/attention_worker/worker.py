@@ -27,7 +27,7 @@ from services.attention_worker.local_ffn import FFNPath, LocalFFN
 from services.attention_worker.microbatch_book import MicrobatchBook, MicrobatchEntry
 from services.attention_worker.sequences import Admitted, SequenceRefused, SequenceTable
 from services.worker_base.gpu import WorkerGPU
-from services.worker_base.loading import eos_token_ids, load_half
+from services.worker_base.loading import eos_token_ids, load_half, parameter_bytes
 from services.worker_base.parking import ColdParking
 from services.worker_base.presence import Presence, registration
 from shared import subjects
@@ -89,10 +89,10 @@ class AttentionWorker:
         """Load the attention half and allocate the KV cache (blocking)."""
         checkpoint, module = load_half(self.settings, AttentionHalf)
         self.model, self.model_id = module, checkpoint.model_id
-        self.weight_bytes = sum(p.numel() * p.element_size() for p in module.parameters())
+        self.weight_bytes = parameter_bytes(module)
         if self.settings.colocate:
             _, ffn = load_half(self.settings, FFNHalf)
-            self.weight_bytes += sum(p.numel() * p.element_size() for p in ffn.parameters())
+            self.weight_bytes += parameter_bytes(ffn)
             with torch.inference_mode():  # the FFN's first forward loads its CPU kernels (seconds): here, in the
                 ffn(0, torch.zeros(1, ffn.args.dim, device=ffn.device, dtype=ffn.activation_dtype))  # load thread
             self.ffn = ffn

@@ -19,14 +19,15 @@ from nats.aio.client import Client
 from torch import Tensor
 
 from services.ffn_worker.serving import ServingQueue, Work
+from services.worker_base.ffn_forward import ffn_forward
 from services.worker_base.gpu import WorkerGPU
-from services.worker_base.loading import load_half
+from services.worker_base.loading import load_half, parameter_bytes
 from services.worker_base.parking import ColdParking
 from services.worker_base.presence import Presence, registration
 from shared import subjects
 from shared.errors import AFlexError
 from shared.gpu.base import GPU
-from shared.gpu.workload import ffn_work
+from shared.kinds import ClockPhase
 from shared.lifecycle import stop_on_signals
 from shared.messages import Heartbeat
 from shared.model.config import ModelArgs
@@ -68,7 +69,7 @@ class FFNWorker:
     def load(self) -> None:
         checkpoint, self.model = load_half(self.settings, FFNHalf)
         self.model_id, self.args = checkpoint.model_id, self.model.args
-        self.weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        self.weight_bytes = parameter_bytes(self.model)
 
     async def run(self, stop: asyncio.Event | None = None) -> None:
         """Serve until `stop` is set (or SIGTERM/SIGINT); then unsubscribe, serve what is queued, drain."""
@@ -154,22 +155,12 @@ class FFNWorker:
         split back per frame, with each frame's share (by rows) of the forward's GPU energy."""
         model, worker_gpu = self.model, self.gpu
         assert model is not None and worker_gpu is not None
-        gpu = worker_gpu.gpu
-        phase = "prefill" if any(w.request.header.phase == "prefill" for w in batch) else "decode"
+        phase: ClockPhase = "prefill" if any(w.request.header.phase == "prefill" for w in batch) else "decode"
         rows = [w.hidden.shape[0] for w in batch]
         x = batch[0].hidden if len(batch) == 1 else torch.cat([w.hidden for w in batch])
-        worker_gpu.controller.before_microbatch(phase)
-        energy0 = gpu.total_energy_j()
-        started = time.perf_counter()
-        with torch.inference_mode():
-            out = model(batch[0].layer, x.to(device=model.device, dtype=model.activation_dtype))
-        measured_s = time.perf_counter() - started
+        out, energy, measured_s = ffn_forward(model, worker_gpu, batch[0].layer, phase, x)
         total_rows = sum(rows)
-        modelled_s = gpu.run(ffn_work(model.args, total_rows, dtype_bytes=model.weight_bytes, layer=batch[0].layer,
-                                       phase=phase), measured_s)
-        energy = gpu.total_energy_j() - energy0
         meter = worker_gpu.meter
-        meter.op(phase, measured_s, modelled_s)
         meter.done(total_rows, len(batch))
         meter.queue_depth = len(self.queue)
         self.forwards += 1

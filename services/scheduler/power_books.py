@@ -61,19 +61,16 @@ class LivePowerCorrection:
         if s is None or now_mono <= s.since_mono:
             return False
         predicted_w = plan_power_w(pred, s.plan, load, s.spec, rule)
-        if predicted_w is None:
-            self.stretch = Stretch(now_mono, s.plan, s.spec, self.energy.total_j)  # an overload is left out
-            return False
-        drawn_j = self.energy.total_j - s.energy_j
-        if not self.correction.observe(s.plan.kind, predicted_w, drawn_j, now_mono - s.since_mono, slo_met):
-            return False
-        self.stretch = Stretch(now_mono, s.plan, s.spec, self.energy.total_j)
-        return True
+        folded = predicted_w is not None and self.correction.observe(
+            s.plan.kind, predicted_w, self.energy.total_j - s.energy_j, now_mono - s.since_mono, slo_met)
+        if folded or predicted_w is None:  # folded in, or an overload (left out): the next stretch starts now
+            self.applied(now_mono, s.plan, s.spec, restart=True)
+        return folded
 
-    def applied(self, now_mono: float, plan: Plan, spec: ClusterSpec) -> None:
-        """The plan in force from now: a new stretch unless it is the one already running."""
+    def applied(self, now_mono: float, plan: Plan, spec: ClusterSpec, restart: bool = False) -> None:
+        """The plan in force from now: a new stretch unless it is the one already running (or `restart`)."""
         s = self.stretch
-        if s is None or s.plan != plan or s.spec != spec:
+        if restart or s is None or s.plan != plan or s.spec != spec:
             self.stretch = Stretch(now_mono, plan, spec, self.energy.total_j)
 
     def factors(self, kinds: tuple[str, ...]) -> dict[str, float] | None:

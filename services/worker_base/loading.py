@@ -42,6 +42,11 @@ def load_half(settings: WorkerSettings, half: type[HalfT]) -> tuple[Checkpoint, 
     return checkpoint, module
 
 
+def parameter_bytes(module: nn.Module) -> int:
+    """The bytes a loaded half's weights take (what a cold-parked worker releases and loads again)."""
+    return sum(p.numel() * p.element_size() for p in module.parameters())
+
+
 def eos_token_ids(checkpoint: Checkpoint) -> tuple[int, ...]:
     """The tokenizer's EOS ids when the checkpoint ships a tokenizer, else the config's (as Engine does)."""
     tokenizer = checkpoint.tokenizer
