@@ -10,6 +10,8 @@ power at the candidate clocks, `idle_floor_w`) instead of the iteration's total 
 With `per_operator=False` both sides share one clock (phase-level DVFS); with `max_clock=True` the
 clocks stay at the top (no DVFS); `fixed_mhz` pins all four (the static oracle). Hysteresis: the
 current point is kept while it still meets the budget and costs at most `hysteresis` more than the best.
+It is two steps, the candidates of a batch (`point_tables`) and the pick under a budget (`select_point`),
+so that the simulator can keep the first for a batch that comes back under another budget.
 
 `SloMargin` is the adaptive safety margin: budgets are SLO·(1 − margin); a window with misses
 widens it, a clean window with p90 well under the SLO narrows it.
@@ -168,15 +170,31 @@ def idle_floor_w(pred: Predictor, shape: PoolShape) -> np.ndarray:
 OBJECTIVES = ("total", "marginal", "marginal-decode", "idle-aware")
 
 
-def choose_operating_point(pred: Predictor, shape: PoolShape, stats: BatchStats, budget_s: float, rule: ClockRule,
-                           current: OperatingPoint | None = None, next_prompt_rate_hz: float = 0.0) -> OperatingPoint:
-    """The least-energy (depth, clock_a, clock_f) whose predicted time meets `budget_s`.
+@dataclass(frozen=True)
+class DepthTable:
+    """One candidate depth's predicted (time, energy) and objective value over the clock pairs it may use."""
 
-    `next_prompt_rate_hz` (> 0: the pool waits for new prompts once this iteration ends, at this arrival
-    rate) prices that wait under the "idle-aware" objective."""
+    depth: int
+    time_s: np.ndarray
+    energy_j: np.ndarray
+    value: np.ndarray  # what the objective minimises (ClockRule.objective)
+    mask: np.ndarray  # the clock pairs the rule allows
+
+
+@dataclass(frozen=True)
+class PointTables:
+    """Every candidate of one iteration, before a budget picks one: they depend on the batch and the rule
+    only, so a caller that meets the same batch under many budgets (the simulator) can keep them."""
+
+    depths: tuple[DepthTable, ...]
+    offset: tuple[int, int]  # the clock table's indices of the tables' (0, 0): a pinned rule's one pair
+
+
+def point_tables(pred: Predictor, shape: PoolShape, stats: BatchStats, rule: ClockRule,
+                 next_prompt_rate_hz: float = 0.0) -> PointTables:
+    """The candidates `choose_operating_point` picks from (its docstring)."""
     args = pred.args
-    clocks = pred.clocks
-    top = len(clocks) - 1
+    top = len(pred.clocks) - 1
     if shape.split:
         if rule.depths:
             depths = tuple(d for d in rule.depths if d >= 1)
@@ -189,16 +207,12 @@ def choose_operating_point(pred: Predictor, shape: PoolShape, stats: BatchStats,
             depths = (megascale_depth(tc, float(max(ta[top], tf[top]))),)
     else:
         depths = (1,)
-    best: OperatingPoint | None = None
-    fastest: OperatingPoint | None = None
-    keep: OperatingPoint | None = None
     if rule.objective not in OBJECTIVES:
         raise ValueError(f"unknown clock objective {rule.objective!r}")
     decode_only = stats.phase == "decode"
     marginal = rule.objective == "marginal" or (rule.objective in ("marginal-decode", "idle-aware") and decode_only)
     waits = rule.objective == "idle-aware" and not decode_only and next_prompt_rate_hz > 0
     floor_w = idle_floor_w(pred, shape) if marginal or waits else 0.0
-    best_v = keep_v = np.inf
     depths = tuple(dict.fromkeys(min(d, max(1, int(stats.n_tokens))) for d in depths))
     pin = _pinned(pred, shape, stats.phase, rule)
     if pin is not None:  # one clock pair: a 1x1 table (the same figures as masking the whole one)
@@ -209,6 +223,7 @@ def choose_operating_point(pred: Predictor, shape: PoolShape, stats: BatchStats,
         rows = cols = slice(None)
     if marginal or waits:
         floor_w = floor_w[rows, cols]  # type: ignore[index]
+    out = []
     for d in depths:
         t, e = _tables(pred, shape, stats, d, args.dim, args.n_layers, rows, cols)
         if pin is not None:
@@ -219,6 +234,25 @@ def choose_operating_point(pred: Predictor, shape: PoolShape, stats: BatchStats,
                 np.fill_diagonal(mask, True)
             else:
                 mask[:] = True
+        # the objective: total energy; energy above the pool's idle floor (marginal); or total energy
+        # and the idle pool at these clocks until the next prompt (idle-aware, when the queue empties)
+        rate = next_prompt_rate_hz
+        v = e + floor_w * np.exp(-rate * t) / rate if waits else e - floor_w * t
+        out.append(DepthTable(d, t, e, v, mask))
+    return PointTables(tuple(out), (oa, of))
+
+
+def select_point(pred: Predictor, tables: PointTables, budget_s: float, rule: ClockRule,
+                 current: OperatingPoint | None = None) -> OperatingPoint:
+    """The least-objective candidate whose time meets `budget_s` (the fastest if none does), with hysteresis."""
+    clocks = pred.clocks
+    oa, of = tables.offset
+    best: OperatingPoint | None = None
+    fastest: OperatingPoint | None = None
+    keep: OperatingPoint | None = None
+    best_v = keep_v = np.inf
+    for tab in tables.depths:
+        d, t, e, v = tab.depth, tab.time_s, tab.energy_j, tab.value
 
         def point(i: tuple[Any, ...], feasible: bool, d: int = d, t: np.ndarray = t,
                   e: np.ndarray = e) -> OperatingPoint:
@@ -226,17 +260,13 @@ def choose_operating_point(pred: Predictor, shape: PoolShape, stats: BatchStats,
             return OperatingPoint(d, float(clocks[ga]), float(clocks[gf]), float(t[i]), float(e[i]), feasible,
                                   (ga, gf))
 
-        tm = np.where(mask, t, np.inf)
+        tm = np.where(tab.mask, t, np.inf)
         i_fast = np.unravel_index(int(np.argmin(tm)), t.shape)
         p_fast = point(i_fast, bool(t[i_fast] <= budget_s))
         if fastest is None or p_fast.time_s < fastest.time_s:
             fastest = p_fast
-        ok = mask & (t <= budget_s)
+        ok = tab.mask & (t <= budget_s)
         if ok.any():
-            # the objective: total energy; energy above the pool's idle floor (marginal); or total energy
-            # and the idle pool at these clocks until the next prompt (idle-aware, when the queue empties)
-            rate = next_prompt_rate_hz
-            v = e + floor_w * np.exp(-rate * t) / rate if waits else e - floor_w * t
             em = np.where(ok, v, np.inf)
             i = np.unravel_index(int(np.argmin(em)), t.shape)
             if best is None or float(v[i]) < best_v:
@@ -251,6 +281,15 @@ def choose_operating_point(pred: Predictor, shape: PoolShape, stats: BatchStats,
     if keep is not None and keep_v <= best_v + abs(best_v) * rule.hysteresis:
         return keep
     return best
+
+
+def choose_operating_point(pred: Predictor, shape: PoolShape, stats: BatchStats, budget_s: float, rule: ClockRule,
+                           current: OperatingPoint | None = None, next_prompt_rate_hz: float = 0.0) -> OperatingPoint:
+    """The least-energy (depth, clock_a, clock_f) whose predicted time meets `budget_s`.
+
+    `next_prompt_rate_hz` (> 0: the pool waits for new prompts once this iteration ends, at this arrival
+    rate) prices that wait under the "idle-aware" objective."""
+    return select_point(pred, point_tables(pred, shape, stats, rule, next_prompt_rate_hz), budget_s, rule, current)
 
 
 @dataclass
