@@ -13,7 +13,8 @@ its one replay gives every column.
     python benchmarks/paper_table.py --runs conv-qwen3 --loads 0.25,0.5,1,2 --no-oracle --plots out/plots
 
 Every figure is modelled (the emulated A800 profile), never measured. Replays are spread over
-`--workers` processes; `static-oracle` runs its own grid (loadgen.sim.oracle) over the same workers.
+`--workers` processes; each `static-oracle` grid (loadgen.sim.oracle) is one job among them, the longest
+first.
 """
 
 from __future__ import annotations
@@ -138,17 +139,20 @@ def main(argv: list[str] | None = None) -> int:
     extra = a.extra.split()
     t0 = time.perf_counter()
     jobs = [(run, load, pol, extra) for run in runs for load in loads for pol in policies]
+    if not a.no_oracle:  # each oracle's grid replays one after another in one worker (`--oracle-workers 1`)
+        jobs += [(run, load, "static-oracle", [*extra, "--oracle-workers", "1"]) for run in runs for load in loads]
+    # the longest jobs first (the oracles' grids, then AFlex and its ablations, which re-plan every window), so
+    # that no worker is left alone with a long one at the end
+    order = sorted(jobs, key=lambda job: (job[2] != "static-oracle", not job[2].startswith("aflex")))
     out: dict[str, dict[float, dict[str, Any]]] = {}
     with ProcessPoolExecutor(max_workers=a.workers, mp_context=multiprocessing.get_context("fork")) as ex:
-        for run, load, pol, res in ex.map(_one, jobs):
+        for run, load, pol, res in ex.map(_one, order):
             out.setdefault(run, {}).setdefault(load, {})[pol] = res
             print(f"{run} x{load:g} {pol}: {res['accounting']['cluster']['energy_per_token_j']:.3f} J/token "
                   f"({res['wall_s']} s)", file=sys.stderr)
-    if not a.no_oracle:
-        for run in runs:
-            for load in loads:
-                *_, res = _one((run, load, "static-oracle", [*extra, "--oracle-workers", str(a.workers)]))
-                out.setdefault(run, {}).setdefault(load, {})["static-oracle"] = res
+    names = [*policies, "static-oracle"]  # the table's order, whatever order the jobs ran in
+    out = {run: {load: {p: out[run][load][p] for p in names if p in out[run][load]} for load in loads}
+           for run in runs}
     wall = time.perf_counter() - t0
     table = {run: by_load[1.0] for run, by_load in out.items() if 1.0 in by_load}
     text = markdown(table)

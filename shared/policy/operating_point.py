@@ -260,6 +260,18 @@ def select_point(pred: Predictor, tables: PointTables, budget_s: float, rule: Cl
             return OperatingPoint(d, float(clocks[ga]), float(clocks[gf]), float(t[i]), float(e[i]), feasible,
                                   (ga, gf))
 
+        if t.size == 1:  # one clock pair (a pinned rule): plain floats, as numpy's per-call cost is most of it here
+            only = (0, 0)
+            t_only, v_only = float(t[only]), float(v[only])
+            p_only = point(only, t_only <= budget_s)
+            if fastest is None or t_only < fastest.time_s:
+                fastest = p_only
+            if t_only <= budget_s:
+                if best is None or v_only < best_v:
+                    best, best_v = p_only, v_only
+                if current is not None and current.depth == d and current.index == (oa, of):
+                    keep, keep_v = p_only, v_only
+            continue
         tm = np.where(tab.mask, t, np.inf)
         i_fast = np.unravel_index(int(np.argmin(tm)), t.shape)
         p_fast = point(i_fast, bool(t[i_fast] <= budget_s))
