@@ -77,6 +77,9 @@ class SubmitRequest(Message):
     # one of the n choices of a request: the request id of the first choice, whose prompt KV this one
     # may share (same prompt) on the same attention worker, instead of prefilling it again
     fork_of: str = ""
+    # vLLM's `priority`: a lower value is served first; a request that waited ages toward the front
+    # (`shared.policy.batching.prefill_order`), so no class starves
+    priority: int = Field(default=0, ge=-(2**31), le=2**31 - 1)
 
 
 class SubmitReply(Message):

@@ -5,9 +5,15 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 import torch
+
+if TYPE_CHECKING:
+    import openai
+
+    from tools.launch import Mesh
 
 REPO_ROOT = Path(__file__).resolve().parent.parent  # tests/ mirrors the package tree below it
 TEST_DATA = REPO_ROOT / "tests" / "data"
@@ -101,3 +107,31 @@ def tiny_chat_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(directory)
     tokenizer.save_pretrained(directory)
     return directory
+
+
+CHAT_CHUNK_TOKENS = 16  # the chat mesh's max_batch_tokens: a 40-token prompt is prefilled in three chunks
+
+
+@pytest.fixture(scope="session")
+def chat_mesh(tiny_chat_checkpoint: Path) -> Iterator[Mesh]:
+    """One `aflex up` of the tiny chat checkpoint, prefilling in chunks of `CHAT_CHUNK_TOKENS`, shared by the
+    modules that test the API clients use (sampling, tools): a mesh takes seconds to start."""
+    from tools.launch import aflex_up
+
+    with aflex_up(str(tiny_chat_checkpoint), env_extra={"AFLEX_MAX_BATCH_TOKENS": str(CHAT_CHUNK_TOKENS)}) as running:
+        yield running
+
+
+@pytest.fixture(scope="session")
+def chat_client(chat_mesh: Mesh) -> openai.OpenAI:
+    """The official `openai` client on `chat_mesh` (no retries: a refusal is the answer)."""
+    import openai
+
+    return openai.OpenAI(base_url=chat_mesh.base_url, api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="session")
+def chat_model(chat_mesh: Mesh) -> str:
+    """The model name `chat_mesh` serves."""
+    return chat_mesh.served_model()
+

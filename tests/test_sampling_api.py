@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import random
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -19,16 +19,16 @@ import openai
 import pytest
 import torch
 
-from tools.launch import Mesh, aflex_up
+from tests.conftest import CHAT_CHUNK_TOKENS
+from tools.launch import Mesh
 
 TOL = 2e-4  # float32 over two layers, a different summation order
-CHUNK_TOKENS = 16  # the scheduler's max_batch_tokens: a 40-token prompt is prefilled in three chunks
+CHUNK_TOKENS = CHAT_CHUNK_TOKENS
 
 
 @pytest.fixture(scope="module")
-def mesh(tiny_chat_checkpoint: Path) -> Iterator[Mesh]:
-    with aflex_up(str(tiny_chat_checkpoint), env_extra={"AFLEX_MAX_BATCH_TOKENS": str(CHUNK_TOKENS)}) as running:
-        yield running
+def mesh(chat_mesh: Mesh) -> Mesh:
+    return chat_mesh
 
 
 @pytest.fixture(scope="module")

@@ -32,7 +32,6 @@ from services.gateway.body_limit import BodyLimit
 from services.gateway.context import (
     Gateway,
     GatewayDep,
-    chat_messages,
     check_api_key,
     check_model,
     new_gateway_id,
@@ -48,6 +47,7 @@ from services.gateway.generation import Generation
 from services.gateway.logprobs import LogprobFormat
 from services.gateway.openai_schema import ChatCompletionRequest, CompletionRequest, _GenerationRequest
 from services.gateway.openapi_doc import document
+from services.gateway.responses_api import ResponsesRequest, ResponseView, chat_request, response_events
 from services.gateway.streaming import (
     SSE_HEADERS,
     ChoiceEvents,
@@ -57,6 +57,7 @@ from services.gateway.streaming import (
     collect,
     stream,
 )
+from services.gateway.tools import ToolRequest, template_messages, tool_request
 from shared import subjects
 from shared.errors import InvalidRequestError, TokenizerError
 from shared.lifecycle import stop_on_signals
@@ -131,8 +132,24 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, gatewa
         raise invalid("messages must be a non-empty list", "messages")
     if body.top_logprobs is not None and not body.logprobs:
         raise invalid("when using `top_logprobs`, `logprobs` must be set to true", "top_logprobs")
-    prompt_ids = await run_in_threadpool(render_chat, gateway.tokenizer, chat_messages(body.messages))
-    return await _generate(request, gateway, body, prompt_ids, chat=True, param="messages")
+    tools, prompt_ids = await _chat_prompt(gateway, body)
+    return await _generate(request, gateway, body, prompt_ids, chat=True, param="messages", tools=tools)
+
+
+async def _chat_prompt(gateway: Gateway, body: ChatCompletionRequest) -> tuple[ToolRequest | None, list[int]]:
+    """The request's tools, checked, and its conversation's prompt ids with them."""
+    tools = tool_request(body)
+    messages, variables = template_messages(body.messages, tools, gateway.tokenizer)
+    return tools, await run_in_threadpool(lambda: render_chat(gateway.tokenizer, messages, **variables))
+
+
+@api.post("/responses")
+async def responses(body: ResponsesRequest, request: Request, gateway: GatewayDep) -> Response:
+    """OpenAI's Responses API, stateless (services.gateway.responses_api)."""
+    chat = chat_request(body)
+    _check_common(gateway, chat)
+    tools, prompt_ids = await _chat_prompt(gateway, chat)
+    return await _generate(request, gateway, chat, prompt_ids, chat=True, param="input", tools=tools, responses=body)
 
 
 @api.post("/completions")
@@ -189,13 +206,16 @@ def _max_tokens(gateway: Gateway, body: _GenerationRequest, n_prompt: int, param
 
 
 async def _generate(request: Request, gateway: Gateway, body: _GenerationRequest, prompt_ids: list[int], *,
-                    chat: bool, param: str, echo_text: str | None = None) -> Response:
+                    chat: bool, param: str, echo_text: str | None = None, tools: ToolRequest | None = None,
+                    responses: ResponsesRequest | None = None) -> Response:
+    """Submit the request's choices and answer as a chat completion, a completion, or (`responses`) a Response."""
     max_tokens = _max_tokens(gateway, body, len(prompt_ids), param, chat)
-    sampling = dataclasses.replace(body.sampling(max_tokens), grammar=await _grammar(gateway, body))
+    sampling = dataclasses.replace(body.sampling(max_tokens), grammar=await _grammar(gateway, body, tools))
     if body.min_tokens > max_tokens:
         raise invalid(f"min_tokens must be at most max_tokens={max_tokens}, got {body.min_tokens}", "min_tokens")
     client_id = request.headers.get("x-request-id")  # vLLM's: the request's id, echoed back
-    request_id = f"{'chatcmpl' if chat else 'cmpl'}-{client_id or uuid.uuid4().hex}"
+    kind = "resp" if responses is not None else "chatcmpl" if chat else "cmpl"
+    request_id = f"{kind}-{client_id or uuid.uuid4().hex}"
     if client_id is not None and not REQUEST_ID.fullmatch(client_id):
         raise invalid("the x-request-id header may hold 1 to 128 letters, digits, '-', '_' or ':'", "x-request-id")
     generations = [Generation(
@@ -206,13 +226,16 @@ async def _generate(request: Request, gateway: Gateway, body: _GenerationRequest
         watch=gateway.schedulers, gateway_id=gateway.gateway_id,
         scheduler_silence_s=gateway.settings.scheduler_silence_s,
         failover_deadline_s=gateway.settings.failover_deadline_s, fork_of=request_id if i else "",
+        priority=body.priority,
     ) for i in range(body.n)]
     shape = ResponseShape(request_id, int(time.time()), body.model or gateway.served_model, chat)
     top_n = sampling.logprobs
     extras = [Extras(None if top_n is None else LogprobFormat(gateway.tokenizer, chat=chat, top_n=top_n,
                                                                 as_ids=body.return_tokens_as_token_ids),
-                     echo_text, tuple(prompt_ids)) for _ in generations]
+                     echo_text, tuple(prompt_ids), tools.functions if tools is not None and tools.parses else None)
+              for _ in generations]
     headers = {"X-Request-Id": client_id or request_id}
+    view = None if responses is None else ResponseView(responses, shape.model, request_id)
     try:
         for generation in generations:  # choice 0 first: the others may share its prompt's KV
             await generation.submit()
@@ -234,8 +257,10 @@ async def _generate(request: Request, gateway: Gateway, body: _GenerationRequest
             if isinstance(exc, APIError):
                 exc.headers.update(headers)
             raise
-        return ChoiceStreamResponse(events, stream(shape, events, first, include_usage, continuous, extras),
-                                    media_type="text/event-stream", headers={**SSE_HEADERS, **headers})
+        body_bytes = stream(shape, events, first, include_usage, continuous, extras) if view is None else \
+            response_events(view, events, first, extras[0].functions)
+        return ChoiceStreamResponse(events, body_bytes, media_type="text/event-stream",
+                                    headers={**SSE_HEADERS, **headers})
     try:
         result = await _unless_disconnected(request, collect(shape, generations, extras))
     except APIError as exc:
@@ -244,23 +269,26 @@ async def _generate(request: Request, gateway: Gateway, body: _GenerationRequest
     finally:
         for generation in generations:
             await asyncio.shield(generation.release("client_disconnected"))
-    return JSONResponse(result, headers=headers)
+    return JSONResponse(result if view is None else view.from_chat(result), headers=headers)
 
 
-async def _grammar(gateway: Gateway, body: _GenerationRequest) -> str | None:
-    """`response_format` as a grammar, checked against the vocabulary (a bad schema is a 400 here)."""
+async def _grammar(gateway: Gateway, body: _GenerationRequest, tools: ToolRequest | None) -> str | None:
+    """The grammar of a forced tool call or of `response_format`, checked against the vocabulary (a bad
+    schema is a 400 here)."""
     form = body.response_format
-    if form is None or form.type == "text":
-        return None
+    param = "tools" if tools is not None and tools.choice in ("required", "function") else "response_format"
     try:
-        grammar = structured.grammar_for(form.type, form.json_schema.schema_ if form.json_schema else None)
-        assert grammar is not None
+        grammar = tools.grammar() if tools is not None else None
+        if grammar is None and form is not None and form.type != "text":
+            grammar = structured.grammar_for(form.type, form.json_schema.schema_ if form.json_schema else None)
+        if grammar is None:
+            return None
         tokenizer = await run_in_threadpool(structured.llg_tokenizer, gateway.tokenizer, gateway.card.args.vocab_size)
-        await run_in_threadpool(structured.check, grammar, tokenizer)
+        await run_in_threadpool(structured.check, grammar, tokenizer, param)
     except InvalidRequestError as exc:
-        raise invalid(str(exc), "response_format") from None
-    except ValueError as exc:  # llguidance: not a JSON object it can compile
-        raise invalid(f"response_format: {exc}", "response_format") from None
+        raise invalid(str(exc), exc.param or param) from None
+    except ValueError as exc:  # llguidance: not a JSON Schema or grammar it can compile
+        raise invalid(f"{param}: {exc}", param) from None
     return grammar
 
 

@@ -78,9 +78,10 @@ def chat_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
 
 
 def render_chat(tokenizer: Tokenizer, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True,
-                add_special_tokens: bool = False) -> list[int]:
+                add_special_tokens: bool = False, **variables: Any) -> list[int]:
+    """The conversation's prompt ids; `variables` (`tools`, ...) reach the template."""
     try:
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, **variables)
     except InvalidRequestError as exc:
         raise invalid(str(exc), exc.param or "messages") from None
     except TokenizerError as exc:

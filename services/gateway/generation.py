@@ -113,6 +113,7 @@ class Generation:
     scheduler_silence_s: float = 2.0
     failover_deadline_s: float = 30.0
     fork_of: str = ""  # one of n choices: choice 0's request id, whose prompt KV it may share
+    priority: int = 0  # vLLM's: lower is served first
     output_ids: list[int] = field(default_factory=list, init=False)  # every token streamed so far
     failovers: int = field(default=0, init=False)  # times the request was resubmitted (taken over or resynced)
     _instance: str = field(default="", init=False)  # the scheduler run that holds it
@@ -133,7 +134,7 @@ class Generation:
         return SubmitRequest(request_id=self.request_id, model=self.model_id, prompt_ids=self.prompt_ids,
                              sampling=self.sampling, arrival_ts=self._arrival_ts, generated_ids=list(self.output_ids),
                              first_index=self._next_index, gateway_id=self.gateway_id, resync=resync,
-                             fork_of=self.fork_of)
+                             fork_of=self.fork_of, priority=self.priority)
 
     async def _ask(self, submission: SubmitRequest) -> SubmitReply:
         """One submission's reply; `_Unanswered` when no scheduler took it (none there, no answer, no bus)."""

@@ -46,10 +46,25 @@ class ContentPart(_Model):
     text: str | None = None
 
 
+class FunctionCallSpec(_Model):
+    name: str
+    arguments: str  # a JSON object's text
+
+
+class ToolCallSpec(_Model):
+    """An earlier assistant turn's call, sent back with the conversation."""
+
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCallSpec
+
+
 class ChatMessage(_Model):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallSpec] | None = None  # assistant turns
+    tool_call_id: str | None = None  # tool turns: the call this result answers
 
     def text(self) -> str:
         """The content as one string; content-part arrays may only hold text parts."""
@@ -61,6 +76,27 @@ class ChatMessage(_Model):
                 raise ValueError(f"content parts of type {part.type!r} are not supported (text only)")
             texts.append(part.text)
         return "".join(texts)
+
+
+class FunctionSpec(_Model):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON Schema of the arguments
+    strict: Bool | None = None
+
+
+class ToolSpec(_Model):
+    type: Literal["function"]
+    function: FunctionSpec
+
+
+class NamedFunction(_Model):
+    name: str
+
+
+class NamedToolChoice(_Model):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class JsonSchemaSpec(_Model):
@@ -100,6 +136,7 @@ class _GenerationRequest(_Model):
     min_tokens: Annotated[int, Strict(), _bounds("min_tokens")] = 0
     ignore_eos: Bool = False
     stop_token_ids: list[TokenId] | None = None
+    priority: Annotated[int, Strict(), Field(ge=-(2**31), le=2**31 - 1)] = 0  # lower is served first
 
     @field_validator("stop")
     @classmethod
@@ -146,6 +183,9 @@ class ChatCompletionRequest(_GenerationRequest):
     max_completion_tokens: Annotated[int, Strict(), _bounds("max_tokens")] | None = None
     logprobs: Bool | None = None
     top_logprobs: LogprobCount | None = None  # needs `logprobs: true` (the route says so)
+    tools: list[ToolSpec] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: Bool = True
 
     def logprob_counts(self) -> tuple[int | None, int | None]:
         return (self.top_logprobs or 0) if self.logprobs else None, None

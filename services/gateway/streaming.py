@@ -22,6 +22,8 @@ from starlette.types import Receive, Scope, Send
 from services.gateway.errors import SERVER_ERROR, APIError
 from services.gateway.generation import Generation, TextEvent, usage_dict
 from services.gateway.logprobs import Entry, LogprobFormat, prompt_entries
+from services.gateway.tools import call_dicts
+from shared.model.tool_calls import Function, ToolCall, ToolCallStream, parse_tool_calls
 
 DONE = b"data: [DONE]\n\n"
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -43,11 +45,14 @@ class ResponseShape:
     def _envelope(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices}
 
-    def choice(self, text: str, finish_reason: str | None, *, index: int = 0, delta: dict[str, Any] | None = None,
-               logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
+    def choice(self, text: str | None, finish_reason: str | None, *, index: int = 0,
+               delta: dict[str, Any] | None = None, logprobs: dict[str, Any] | None = None,
+               tool_calls: list[dict[str, Any]] | None = None) -> dict[str, Any]:
         if self.chat:
-            key, value = ("delta", delta) if delta is not None else ("message", {"role": "assistant",
-                                                                                  "content": text})
+            message: dict[str, Any] = {"role": "assistant", "content": text}
+            if tool_calls:
+                message["tool_calls"] = tool_calls
+            key, value = ("delta", delta) if delta is not None else ("message", message)
             return {"index": index, key: value, "logprobs": logprobs, "finish_reason": finish_reason}
         return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
 
@@ -64,6 +69,11 @@ class ResponseShape:
                                   [self.choice(text, finish_reason, index=index, delta=delta, logprobs=logprobs)])
         return self._envelope("text_completion", [self.choice(text, finish_reason, index=index, logprobs=logprobs)])
 
+    def tool_chunk(self, calls: tuple[ToolCall, ...], *, index: int = 0) -> dict[str, Any]:
+        """A streamed answer's calls, each whole in one delta (the openai client's stream accumulates them)."""
+        delta = {"tool_calls": call_dicts(calls, stream=True)}
+        return self._envelope("chat.completion.chunk", [self.choice("", None, index=index, delta=delta)])
+
     def usage_chunk(self, usage: dict[str, Any]) -> dict[str, Any]:
         obj = "chat.completion.chunk" if self.chat else "text_completion"
         return {**self._envelope(obj, []), "usage": usage}
@@ -76,6 +86,7 @@ class Extras:
     format: LogprobFormat | None = None
     echo_text: str | None = None  # None: no echo
     prompt_ids: tuple[int, ...] = ()
+    functions: tuple[Function, ...] | None = None  # the offered functions, when the answer is read for calls
 
     def first(self, event: TextEvent) -> tuple[str, list[Entry]]:
         """The first event's text and entries, with the echoed prompt (and its logprobs) before them."""
@@ -103,8 +114,12 @@ async def _collect_one(shape: ResponseShape, index: int, generation: Generation,
         texts.append(text)
         entries += new
         if event.finish_reason is not None:
-            return (shape.choice("".join(texts), event.finish_reason, index=index, logprobs=extras.render(entries)),
-                    event.usage or {})
+            text, logprobs = "".join(texts), extras.render(entries)
+            parsed = parse_tool_calls(text, extras.functions) if extras.functions is not None else None
+            if parsed is not None and parsed.calls:
+                return (shape.choice(parsed.content, "tool_calls", index=index, logprobs=logprobs,
+                                     tool_calls=call_dicts(parsed.calls)), event.usage or {})
+            return shape.choice(text, event.finish_reason, index=index, logprobs=logprobs), event.usage or {}
     raise AssertionError("events() ended without a finish reason")
 
 
@@ -196,6 +211,7 @@ async def stream(shape: ResponseShape, events: ChoiceEvents, first: tuple[int, T
 
     started = [False] * len(generations)
     usages: list[dict[str, Any]] = [{}] * len(generations)
+    calls = [None if e.functions is None else ToolCallStream(e.functions) for e in extras]
     try:
         item = first
         while item is not None:
@@ -204,8 +220,23 @@ async def stream(shape: ResponseShape, events: ChoiceEvents, first: tuple[int, T
                 yield sse({**shape.chunk("", index=index, role=True), **extra()})
             text, entries = extras[index].first(event) if not started[index] else (event.text, event.logprobs)
             started[index] = True
-            yield sse({**shape.chunk(text, event.finish_reason, index=index, logprobs=extras[index].render(entries)),
-                       **extra()})
+            logprobs = extras[index].render(entries)
+            reader = calls[index]
+            if reader is None:
+                yield sse({**shape.chunk(text, event.finish_reason, index=index, logprobs=logprobs), **extra()})
+            else:  # content up to where a call may begin; the calls once the answer is whole
+                text = reader.feed(text)
+                found: tuple[ToolCall, ...] = ()
+                if event.finish_reason is not None:
+                    rest, found = reader.finish()
+                    text += rest
+                if found:
+                    if text or logprobs:
+                        yield sse({**shape.chunk(text, index=index, logprobs=logprobs), **extra()})
+                    yield sse({**shape.tool_chunk(found, index=index), **extra()})
+                    yield sse({**shape.chunk("", "tool_calls", index=index), **extra()})
+                else:
+                    yield sse({**shape.chunk(text, event.finish_reason, index=index, logprobs=logprobs), **extra()})
             if event.finish_reason is not None:
                 usages[index] = event.usage or {}
             item = await events.next()

@@ -42,10 +42,10 @@ CLOCK_OBJECTIVE = AFLEX_CLOCK_OBJECTIVE
 
 
 def serving_order(now_mono: float, queue: Sequence[tuple[float, float]],
-                  rule: BatchingRule = BATCHING) -> list[int]:
+                  rule: BatchingRule = BATCHING, priority: Sequence[int] | None = None) -> list[int]:
     """Indices of `queue` ((arrival, prefill tokens left) per request, in queue order) in the order the
-    policy serves them: `prefill_order` at `now_mono` (arrival on the same clock)."""
-    return prefill_order(rule, now_mono, [a for a, _ in queue], [r for _, r in queue])
+    policy serves them: `prefill_order` at `now_mono` (arrival on the same clock), `priority` first."""
+    return prefill_order(rule, now_mono, [a for a, _ in queue], [r for _, r in queue], priority)
 
 
 @dataclass(frozen=True)

@@ -294,7 +294,7 @@ class Governor:
                 continue
             waiting = list(w.lane.waiting)
             order = serving_order(now_mono, [(s.received_mono, float(s.pending_tokens)) for s in waiting],
-                                  planner.batching)
+                                  planner.batching, [s.priority for s in waiting])
             queue = [(waiting[k].arrival_ts, float(waiting[k].pending_tokens)) for k in order]
             previous = self.plans.setdefault(w.worker_id, {})
             for phase in CLOCK_PHASES:

@@ -73,7 +73,7 @@ def plan_passes(running: Sequence[RequestState], waiting: Iterable[RequestState]
 def _item(state: RequestState) -> WorkItem[RequestState]:
     decode = state.num_computed >= len(state.prompt_ids)
     return WorkItem(state, state.pending_tokens, state.received_mono, is_decode=decode,
-                    context_tokens=state.num_computed)
+                    context_tokens=state.num_computed, priority=state.priority)
 
 
 def share_energy(group: list[Pass], energy_j: float, refused: set[str]) -> None:

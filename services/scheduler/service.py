@@ -156,7 +156,7 @@ class Scheduler:
         state = RequestState(req.request_id, list(req.prompt_ids), req.sampling, req.arrival_ts,
                              output_ids=list(req.generated_ids), next_index=req.first_index,  # a continuation
                              base_index=req.first_index, base_tokens=len(req.generated_ids),
-                             gateway_id=req.gateway_id, choice_of=req.fork_of)
+                             gateway_id=req.gateway_id, choice_of=req.fork_of, priority=req.priority)
         self.gateways.heard(req.gateway_id, time.monotonic())
         self.requests[req.request_id] = state
         self.placement.admit(state, self.requests.get(req.fork_of) if req.fork_of else None)

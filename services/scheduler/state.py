@@ -54,6 +54,7 @@ class RequestState(TokenHistory):
     forks: list[RequestState] = field(default_factory=list)  # choices waiting to share its prompt KV
     held_by: RequestState | None = None  # the request whose `forks` this one waits in
     choice_of: str = ""  # one of n choices: choice 0's request id ("": choice 0, or a lone request)
+    priority: int = 0  # vLLM's: lower is served first (SubmitRequest.priority)
 
     @property
     def finished(self) -> bool:

@@ -55,11 +55,11 @@ def llg_tokenizer(tokenizer: Tokenizer, n_vocab: int) -> llguidance.LLTokenizer:
         return _tokenizers[key]
 
 
-def check(grammar: str, tokenizer: llguidance.LLTokenizer) -> None:
-    """Raise `InvalidRequestError` (param `response_format`) when the grammar cannot be built."""
+def check(grammar: str, tokenizer: llguidance.LLTokenizer, param: str = "response_format") -> None:
+    """Raise `InvalidRequestError` (naming `param`, what the grammar came from) when it cannot be built."""
     error = llguidance.LLMatcher.validate_grammar(grammar, tokenizer)
     if error and not error.startswith("WARNING"):
-        raise InvalidRequestError(f"response_format: {error}", "response_format")
+        raise InvalidRequestError(f"{param}: {error}", param)
 
 
 class Constraint:

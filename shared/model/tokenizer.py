@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import jinja2
 import jinja2.ext
+import jinja2.meta
 import jinja2.nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
@@ -198,6 +199,16 @@ class Tokenizer:
             raise InvalidRequestError(f"chat template rejected the conversation: {exc}", "messages") from None
         except jinja2.TemplateError as exc:
             raise TokenizerError(f"chat template of {self.source} failed: {exc}") from None
+
+    @property
+    def template_takes_tools(self) -> bool:
+        """Whether the chat template reads a `tools` variable (renders offered functions itself)."""
+        if not self.chat_template:
+            return False
+        try:
+            return "tools" in jinja2.meta.find_undeclared_variables(_jinja_environment().parse(self.chat_template))
+        except jinja2.TemplateError:
+            return False
 
     def _template(self) -> jinja2.Template:
         if self._compiled is None:

@@ -8,6 +8,7 @@ rules in full: docs/architecture.md, "Batching rules".
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -21,6 +22,7 @@ class BatchingRule:
     max_chunk_tokens: int = 16384
     order: str = "fcfs"  # "fcfs" or "srpt" (shortest remaining prompt first, with aging)
     aging_s: float = 30.0  # srpt: a prompt that waited this long ranks with the shortest
+    priority_aging_s: float = 10.0  # each this long waited moves a request up one priority level
     prefill_iter_frac: float = 0.0  # > 0: a prefill-only iteration lasts at most this share of the TTFT SLO
 
 
@@ -53,17 +55,28 @@ def prefill_budget(rule: BatchingRule, queued_tokens: int, decode_running: int,
 
 
 def prefill_order(rule: BatchingRule, now: float, arrival_s: Sequence[float],
-                  remaining: Sequence[float]) -> list[int]:
-    """Indices of the prefill queue in the order to serve them (stable: ties keep queue order)."""
+                  remaining: Sequence[float], priority: Sequence[int] | None = None) -> list[int]:
+    """Indices of the prefill queue in the order to serve them (stable: ties keep queue order).
+
+    `priority` (vLLM's: lower first) ranks before the rule's own order, less one level for every
+    `priority_aging_s` a request has waited, down to the best level queued: a request k levels below
+    the best waits at most k x `priority_aging_s` before it ranks with the best class (in the rule's
+    order among them), so no class starves, and within the best class the rule's order stands."""
     n = len(remaining)
-    if rule.order == "fcfs" or n <= 1:
-        return list(range(n))
-    if rule.order != "srpt":
+    if rule.order not in ("fcfs", "srpt"):
         raise ValueError(f"unknown prefill order {rule.order!r}")
-    aging = max(rule.aging_s, 1e-9)
-    keys = [(rem * max(0.0, 1.0 - (now - arr) / aging), arr, i)
-            for i, (arr, rem) in enumerate(zip(arrival_s, remaining, strict=True))]
-    return [k[2] for k in sorted(keys)]
+    if rule.order == "fcfs" or n <= 1:
+        base = list(range(n))
+    else:
+        aging = max(rule.aging_s, 1e-9)
+        keys = [(rem * max(0.0, 1.0 - (now - arr) / aging), arr, i)
+                for i, (arr, rem) in enumerate(zip(arrival_s, remaining, strict=True))]
+        base = [k[2] for k in sorted(keys)]
+    if priority is None or n <= 1 or min(priority) == max(priority):
+        return base
+    step, best = max(rule.priority_aging_s, 1e-9), min(priority)
+    level = [max(best, p - math.floor(max(0.0, now - arr) / step)) for p, arr in zip(priority, arrival_s, strict=True)]
+    return sorted(base, key=lambda i: level[i])  # stable: the rule's order within a level
 
 
 def seq_chunk_cap(rule: BatchingRule, budget_tokens: int) -> int:

@@ -23,6 +23,7 @@ PrefillCap = Callable[[int, int], int]
 # (prefill tokens queued, decode steps beside them, their context tokens, the first's tokens) -> most prefill tokens
 DecodeAwareCap = Callable[[int, int, float, int], int]
 
+FCFS = BatchingRule(order="fcfs")  # no rule: queue order, but a `priority` still ranks first
 AUTO_DEPTH_MIN_SEQS = 4  # below this many sequences overlap cannot pay: depth 1 (as the paper found)
 AUTO_PLANNER_DEPTHS = (1, 2, 3, 4)  # what a clock planner may choose among under "auto"
 DepthSetting = int | Literal["auto"]  # `microbatch_depth`: a fixed number of microbatches, or "auto"
@@ -38,6 +39,7 @@ class WorkItem(Generic[K]):
     is_waiting: bool = False  # not admitted yet: must pass `max_num_seqs` and `can_admit`
     is_decode: bool = False  # a decode step (one token after the prompt), not prefill work
     context_tokens: int = 0  # tokens already in its KV (what a decode step attends to)
+    priority: int = 0  # vLLM's: lower first (`prefill_order`)
 
 
 @dataclass(frozen=True)
@@ -74,8 +76,9 @@ def form_iteration(decodes: Iterable[WorkItem[K]], queue: Iterable[WorkItem[K]],
     """The sequences of one iteration and the tokens each feeds (module docstring for the rule).
 
     `running_count` sequences already hold a place toward `max_num_seqs` (None: no limit); `rule`
-    (None: queue order) orders the queue at `now_s`; `prefill_cap` bounds the queue's tokens once
-    the decode steps are in; `seq_cap` bounds one queue item's tokens (a chunked-prefill chunk).
+    (None: queue order) orders the queue at `now_s`, a lower `priority` value first either way;
+    `prefill_cap` bounds the queue's tokens once the decode steps are in; `seq_cap` bounds one queue
+    item's tokens (a chunked-prefill chunk).
     Items with nothing to feed are skipped. The simulator forms its prefill chunk from its queue,
     already in serving order, with no decodes and nothing waiting (every item is fed, none admitted)::
 
@@ -94,8 +97,9 @@ def form_iteration(decodes: Iterable[WorkItem[K]], queue: Iterable[WorkItem[K]],
             feeds.append(Feed(item, min(item.remaining_tokens, budget)))
             budget -= feeds[-1].n_tokens
     work = [i for i in queue if i.remaining_tokens > 0]
-    if rule is not None and len(work) > 1:
-        order = prefill_order(rule, now_s, [i.arrival_s for i in work], [float(i.remaining_tokens) for i in work])
+    if len(work) > 1 and (rule is not None or any(i.priority != work[0].priority for i in work)):
+        order = prefill_order(rule or FCFS, now_s, [i.arrival_s for i in work],
+                              [float(i.remaining_tokens) for i in work], [i.priority for i in work])
         work = [work[k] for k in order]
     if prefill_cap is not None and work:
         budget = min(budget, max(0, prefill_cap(sum(i.remaining_tokens for i in work), work[0].remaining_tokens)))

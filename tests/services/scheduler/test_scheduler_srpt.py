@@ -72,6 +72,14 @@ def test_aging_admits_an_old_long_prompt_first() -> None:
     assert [s.request_id for s in admitted] == ["older", "long", "s0"]
 
 
+def test_a_higher_priority_request_is_admitted_first_under_either_order() -> None:
+    early, urgent = _state("early", 20, received=10.0), _state("urgent", 500, received=11.0)
+    urgent.priority = -1
+    for rule in (BATCHING, None):  # shortest first, or first come (the other clock policies)
+        _, admitted = plan_iteration([], [early, urgent], max_batch_tokens=64, max_num_seqs=1, rule=rule, now=12.0)
+        assert admitted == [urgent], rule
+
+
 def test_a_refused_aged_prompt_is_not_overtaken_and_running_work_goes_on() -> None:
     aged = _state("aged", 300, received=0.0)
     short = _state("short", 10, received=40.0)

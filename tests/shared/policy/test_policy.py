@@ -142,6 +142,29 @@ def test_srpt_order_serves_short_prompts_first_and_ages_long_ones() -> None:
     assert prefill_order(BatchingRule(), 2.0, [0.0, 1.0, 2.0], [5000, 300, 1200]) == [0, 1, 2]
 
 
+@pytest.mark.parametrize("order", ["fcfs", "srpt"])
+def test_priority_ranks_first_and_a_waiting_request_ages_one_level_per_step(order: str) -> None:
+    """Checked against the rule written out, over every arrival/priority pattern of four requests."""
+    import itertools
+    import math
+
+    from shared.policy import prefill_order
+
+    rule = BatchingRule(order=order, aging_s=30.0, priority_aging_s=10.0)
+    remaining = [900.0, 40.0, 300.0, 40.0]
+    now = 25.0
+    for arrivals in itertools.product([0.0, 14.0, 24.0], repeat=4):
+        for prio in itertools.product([0, 1, 3], repeat=4):
+            got = prefill_order(rule, now, list(arrivals), remaining, list(prio))
+            base = prefill_order(rule, now, list(arrivals), remaining)
+            level = [max(min(prio), p - math.floor((now - a) / 10.0)) for p, a in zip(prio, arrivals, strict=True)]
+            assert got == sorted(base, key=lambda i: level[i]), (arrivals, prio)
+    # a priority-3 request that waited 30 s ranks with fresh priority-0 ones (and, FCFS, before them)
+    assert prefill_order(BatchingRule(), 30.0, [0.0, 29.0], [10, 10], [3, 0]) == [0, 1]
+    assert prefill_order(BatchingRule(), 29.0, [0.0, 28.0], [10, 10], [3, 0]) == [1, 0]
+    assert prefill_order(BatchingRule(), 29.0, [0.0, 28.0], [10, 10], [0, 0]) == [0, 1]
+
+
 def test_prefill_only_iteration_is_capped_by_time_when_asked() -> None:
     rule = BatchingRule(prefill_iter_frac=0.25)
     assert prefill_budget(rule, 10_000, 0) == 10_000  # no predictor: everything queued

@@ -1,0 +1,103 @@
+"""Reading tool calls out of model text (Hermes blocks, Llama 3.x JSON), streamed and whole, and the grammar
+that forces them, checked on SmolLM2's real vocabulary."""
+
+from __future__ import annotations
+
+import json
+
+import llguidance
+import pytest
+
+from shared.model import structured
+from shared.model.checkpoint import open_model_card
+from shared.model.tokenizer import Tokenizer
+from shared.model.tool_calls import Function, ToolCall, ToolCallStream, call_grammar, hermes_block, parse_tool_calls
+
+WEATHER = Function("get_weather", {"type": "object", "properties": {"city": {"type": "string"}},
+                                   "required": ["city"]})
+TIME = Function("get_time", None)
+FUNCTIONS = (WEATHER, TIME)
+PARIS = ToolCall("get_weather", '{"city": "Paris"}')
+
+
+@pytest.mark.parametrize(("text", "content", "calls"), [
+    (hermes_block(PARIS), None, (PARIS,)),
+    ("Let me check.\n" + hermes_block(PARIS) + "\n" + hermes_block(ToolCall("get_time", "{}")),
+     "Let me check.\n", (PARIS, ToolCall("get_time", "{}"))),
+    ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}', None, (PARIS,)),  # no closing tag
+    (hermes_block(PARIS) + '\n<tool_call>\n{"name": "get_time", "argu', None, (PARIS,)),  # the last cut short
+    ('{"name": "get_weather", "parameters": {"city": "Paris"}}', None, (PARIS,)),  # Llama 3.x JSON
+    ('<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris"}}; {"name": "get_time", "parameters": {}}',
+     None, (PARIS, ToolCall("get_time", "{}"))),
+])
+def test_calls_are_parsed(text: str, content: str | None, calls: tuple[ToolCall, ...]) -> None:
+    parsed = parse_tool_calls(text, FUNCTIONS)
+    assert (parsed.content, parsed.calls) == (content, calls)
+
+
+@pytest.mark.parametrize("text", [
+    "The weather is fine.",
+    '<tool_call>\n{"name": "launch_rockets", "arguments": {}}\n</tool_call>',  # not an offered function
+    "<tool_call>\nnot json\n</tool_call>",
+    '{"answer": 42}',  # JSON content, no call
+    '{"name": "get_weather", "parameters": {"city": "Paris"}} and then some prose',
+])
+def test_text_that_is_not_a_call_stays_text(text: str) -> None:
+    parsed = parse_tool_calls(text, FUNCTIONS)
+    assert parsed.calls == () and parsed.content == text
+
+
+def _streamed(pieces: list[str]) -> tuple[list[str], str, tuple[ToolCall, ...]]:
+    reader = ToolCallStream(FUNCTIONS)
+    out = [reader.feed(p) for p in pieces]
+    rest, calls = reader.finish()
+    return out, rest, calls
+
+
+def test_a_stream_lets_out_text_but_never_call_syntax() -> None:
+    tail = hermes_block(PARIS)[len("<tool_"):]
+    pieces = ["Sure", ", one moment. <to", "ol_", *[tail[k:k + 5] for k in range(0, len(tail), 5)]]
+    out, rest, calls = _streamed(pieces)
+    assert "".join(out) + rest == "Sure, one moment. " and calls == (PARIS,)
+    assert out[1] == ", one moment. "  # held back only from the cut marker on
+    out, rest, calls = _streamed(['{"name": "get_weather", ', '"parameters": {"city": "Paris"}}'])
+    assert out == ["", ""] and rest == "" and calls == (PARIS,)
+    out, rest, calls = _streamed(["a < b", " and {x}"])  # not a call: all of it, in order
+    assert "".join(out) + rest == "a < b and {x}" and calls == ()
+    out, rest, calls = _streamed(['{"answer": ', "42}"])  # held (it might have been a call), then let out
+    assert "".join(out) + rest == '{"answer": 42}' and calls == ()
+
+
+Vocabulary = tuple[Tokenizer, llguidance.LLTokenizer]
+
+
+@pytest.fixture(scope="module")
+def vocabulary() -> Vocabulary:
+    card = open_model_card("default")
+    assert card.tokenizer is not None
+    return card.tokenizer, structured.llg_tokenizer(card.tokenizer, card.args.vocab_size)
+
+
+def _accepts(vocabulary: Vocabulary, grammar: str, text: str) -> bool:
+    tokenizer, llg = vocabulary
+    ids = tokenizer.encode(text, False)
+    matcher = llguidance.LLMatcher(llg, grammar)
+    return bool(matcher.try_consume_tokens(ids) == len(ids) and matcher.is_accepting())
+
+
+def test_the_grammar_takes_exactly_calls_to_the_offered_functions(vocabulary: Vocabulary) -> None:
+    any_call = call_grammar(FUNCTIONS, parallel=True)
+    structured.check(any_call, vocabulary[1], "tools")
+    two = hermes_block(PARIS) + "\n" + hermes_block(ToolCall("get_time", '{"tz": "UTC"}'))
+    assert _accepts(vocabulary, any_call, hermes_block(PARIS))
+    assert _accepts(vocabulary, any_call, two)
+    one = call_grammar(FUNCTIONS, parallel=False)
+    assert not _accepts(vocabulary, one, two)
+    assert not _accepts(vocabulary, any_call, hermes_block(ToolCall("get_weather", '{"city": 3}')))
+    assert not _accepts(vocabulary, any_call, hermes_block(ToolCall("other", "{}")))
+    assert not _accepts(vocabulary, any_call, "Sure! " + hermes_block(PARIS))
+    only_time = call_grammar([TIME])
+    assert not _accepts(vocabulary, only_time, hermes_block(PARIS))
+    with pytest.raises(ValueError, match="at least one function"):
+        call_grammar([])
+    assert json.loads(PARIS.arguments) == {"city": "Paris"}
