@@ -8,9 +8,17 @@ every sequence, and a list plus range arithmetic is cheaper there than any tenso
 Blocks are reference-counted so that sequences can share a prefix (`fork`: the n choices of one
 request share their prompt's KV). A shared block is copied before anyone writes to it
 (`copy_on_write` names the copies the storage must make), so a sequence's K/V never change under it.
+
+Prefix caching: a full block can be named by its content (`cache`, with a `block_hash` name). A named
+block that no sequence holds any more is not freed but kept, least recently used first, and a later
+sequence whose prompt starts with the same blocks takes them (`BlockTables.add_cached_sequence`)
+instead of computing them again; allocation evicts the least recently used of them when no free block
+is left. So cached blocks count as free capacity, and nothing a sequence holds is ever evicted.
 """
 
 from __future__ import annotations
+
+from collections import OrderedDict
 
 from shared.errors import KVCacheExhaustedError
 
@@ -35,8 +43,12 @@ class BlockAllocator:
         self._block_size = block_size
         # Reversed so that pop() hands out low ids first: easier to read in logs and tests.
         self._free_stack: list[int] = list(range(num_blocks - 1, -1, -1))
-        self._refs: list[int] = [0] * num_blocks  # 0: free; >1: shared by that many tables
+        self._refs: list[int] = [0] * num_blocks  # 0: free or cached; >1: shared by that many tables
         self.num_shared_blocks = 0  # blocks held by more than one table (0: nothing to copy on write)
+        self._name_of: dict[int, int] = {}  # block -> content name (a full block whose K/V are written)
+        self._block_of: dict[int, int] = {}  # content name -> block
+        self._cached: OrderedDict[int, None] = OrderedDict()  # named blocks no table holds, least recent first
+        self.evictions = 0  # cached blocks taken back for new work
 
     @property
     def num_blocks(self) -> int:
@@ -48,24 +60,65 @@ class BlockAllocator:
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self._free_stack)
+        """Blocks a new allocation may take: free ones, and cached ones no table holds (evicted as needed)."""
+        return len(self._free_stack) + len(self._cached)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        """Named blocks no table holds: kept for a later prompt with the same prefix."""
+        return len(self._cached)
 
     def allocate(self, n: int) -> list[int]:
-        """Take `n` free blocks, or none at all (raises `KVCacheExhaustedError(n, free)`)."""
+        """Take `n` free blocks, or none at all (raises `KVCacheExhaustedError(n, free)`); free blocks first,
+        then the least recently used cached ones, which lose their names."""
         if n < 0:
             raise ValueError(f"cannot allocate a negative number of blocks ({n})")
         free = len(self._free_stack)
-        if n > free:
-            raise KVCacheExhaustedError(n, free)
+        if n > free + len(self._cached):
+            raise KVCacheExhaustedError(n, free + len(self._cached))
         if n == 0:
             return []
-        blocks = self._free_stack[free - n:]
-        del self._free_stack[free - n:]
+        take = min(n, free)
+        blocks = self._free_stack[free - take:]
+        del self._free_stack[free - take:]
         blocks.reverse()  # pop order: lowest id first
+        for _ in range(n - take):
+            b, _none = self._cached.popitem(last=False)
+            del self._block_of[self._name_of.pop(b)]
+            self.evictions += 1
+            blocks.append(b)
         refs = self._refs
         for b in blocks:
             refs[b] = 1
         return blocks
+
+    def cache(self, block: int, name: int) -> None:
+        """Name a held, full block by its content (`block_hash`); a name another block has already stays there."""
+        self._check([block])
+        if name not in self._block_of and block not in self._name_of:
+            self._name_of[block] = name
+            self._block_of[name] = block
+
+    def lookup(self, names: list[int]) -> list[int]:
+        """The blocks holding the longest prefix of `names` (held by tables or cached)."""
+        out = []
+        for name in names:
+            b = self._block_of.get(name)
+            if b is None:
+                break
+            out.append(b)
+        return out
+
+    def take(self, blocks: list[int]) -> None:
+        """One more table holds each of these named blocks, cached or already held."""
+        for b in blocks:
+            if b not in self._name_of:
+                raise ValueError(f"KV block {b} holds no cached content to take")
+        for b in blocks:
+            if self._refs[b] == 0:
+                del self._cached[b]
+            self._refs[b] += 1
+            self.num_shared_blocks += self._refs[b] == 2
 
     def refs(self, block: int) -> int:
         return self._refs[block]
@@ -91,7 +144,10 @@ class BlockAllocator:
             refs[b] -= 1
             self.num_shared_blocks -= refs[b] == 1
             if refs[b] == 0:
-                released.append(b)
+                if b in self._name_of:
+                    self._cached[b] = None  # kept for a later prompt: the most recently used
+                else:
+                    released.append(b)
         self._free_stack.extend(reversed(released))
 
     def _check(self, blocks: list[int]) -> None:
@@ -169,6 +225,23 @@ class BlockTables:
         if seq_id in self._tables:
             raise ValueError(f"sequence {seq_id!r} already has a block table")
         self._tables[seq_id] = []
+
+    def add_cached_sequence(self, seq_id: str, names: list[int]) -> int:
+        """Register a sequence whose table starts with the cached blocks of the longest prefix of `names`
+        (`block_hash.block_hashes` of its prompt); returns how many of its tokens they hold."""
+        if seq_id in self._tables:
+            raise ValueError(f"sequence {seq_id!r} already has a block table")
+        blocks = self._allocator.lookup(names)
+        self._allocator.take(blocks)
+        self._tables[seq_id] = blocks
+        return len(blocks) * self._block_size
+
+    def name_blocks(self, seq_id: str, names: list[int]) -> None:
+        """Name the sequence's first blocks by their content (their K/V are written and full), so later
+        prompts with the same prefix can take them."""
+        table = self._table(seq_id)
+        for block, name in zip(table, names, strict=False):
+            self._allocator.cache(block, name)
 
     def has_sequence(self, seq_id: str) -> bool:
         return seq_id in self._tables
