@@ -46,10 +46,13 @@ def plot_plans(path: Path, plans: dict[str, list[dict[str, Any]]]) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(len(plans), 1, figsize=(9, 1.8 * max(1, len(plans))), squeeze=False)
+    fig, axes = plt.subplots(len(plans), 1, figsize=(9, 1.8 * max(1, len(plans))), squeeze=False, sharex=True)
+    # a plan holds until the next; every policy's last one until the last re-plan of any (a static plan's
+    # one plan holds for the whole run), plus one window
+    end_s = max((steps[-1]["t_s"] for steps in plans.values() if steps), default=0.0) + 300.0
     for ax, (name, steps) in zip(axes[:, 0], plans.items(), strict=True):
         for i, step in enumerate(steps):
-            end = steps[i + 1]["t_s"] if i + 1 < len(steps) else step["t_s"] + 300.0
+            end = steps[i + 1]["t_s"] if i + 1 < len(steps) else end_s
             # split pools are [attention, ffn, attention TP]; colocated ones [replicas, TP]
             gpus = sum(v[0] + v[1] if len(v) == 3 else v[0] * v[1]
                        for k, v in step.items() if k in ("prefill", "decode", "mixed", "colocated"))
