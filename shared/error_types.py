@@ -59,6 +59,9 @@ FORK_PARENT_MISSING = "fork_parent_missing"
 # The KV a P/D handoff sent for the sequence is not on the worker its next pass went to (it never
 # arrived, or expired): the sequence is recomputed from its tokens.
 KV_HANDOFF_MISSING = "kv_handoff_missing"
+# The cached KV blocks a first pass named (`SeqWork.prefix`) are not all on the worker (evicted): the
+# sequence starts again from its first token, and the scheduler forgets that the worker held them.
+PREFIX_MISSING = "prefix_missing"
 # The prefill worker could not reach the decode worker's KV seam: the scheduler sends that worker no
 # moves for a few seconds (it is probably gone; its heartbeats will say).
 KV_HANDOFF_UNREACHABLE = "kv_handoff_unreachable"

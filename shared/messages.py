@@ -111,6 +111,7 @@ class Usage(Message):
     completion_tokens: int
     total_tokens: int
     energy_j: float | None = None
+    cached_tokens: int = 0  # prompt tokens taken from the prefix cache (their prefill not run, nor charged)
 
 
 
@@ -164,6 +165,9 @@ class SeqWork(Message):
     # on the first pass: the KV handoff (`KVHandoff.handoff_id`) whose KV, arrived on this worker's KV
     # seam, holds this sequence's first `start_pos` tokens; None: none
     kv_from: str | None = None
+    # on the first pass: the content names (`shared.model.block_hash`) of the cached KV blocks that hold
+    # this sequence's first `start_pos` tokens on this worker (prefix caching); None: none
+    prefix: list[int] | None = None
 
 
 class MicrobatchDescriptor(Message):

@@ -66,6 +66,9 @@ class SchedulerSettings(ServiceSettings):
                                     "tpot_slo_ms; auto: where that is at least 2 unloaded steps (else max_num_seqs "
                                     "alone: the SLO would cost most of the throughput), slo: at any cost, off: "
                                     "max_num_seqs only")
+    prefix_caching: bool = Field(
+        default=False, description="a new request starts from the KV blocks of its prompt's longest prefix that an "
+                                   "attention worker already holds (vLLM's automatic prefix caching), routed there")
     max_batch_tokens: int = Field(
         default=2048, description="tokens per iteration per attention worker (chunked prefill)")
     max_num_seqs: int = Field(default=256, description="running sequences per attention worker")

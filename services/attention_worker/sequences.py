@@ -4,18 +4,24 @@ The scheduler owns a request's whole state; the worker keeps only what it must t
 sequence across microbatches: where its K/V live, how many tokens of it are in the cache (so a
 descriptor whose `start_pos` disagrees is refused instead of silently attending to garbage), and
 its sampler (its RNG stream and the token counts that penalties and `min_tokens` use).
+
+Prefix caching: every full block whose K/V a committed pass wrote is named by its content
+(`shared.model.block_hash`, chained from the sequence's first token), so it stays cached when the
+sequence ends; a first pass that names cached blocks (`SeqWork.prefix`) starts from them, or is refused
+(`prefix_missing`) when one was evicted.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from torch import Tensor
 
-from shared.error_types import ErrorType
+from shared.error_types import PREFIX_MISSING, ErrorType
 from shared.errors import AFlexError, KVCacheExhaustedError
 from shared.messages import SeqWork
 from shared.model.attention import SequencePass
+from shared.model.block_hash import block_hashes
 from shared.model.kv_cache import BlockTables
 from shared.model.sampling import SequenceSampler
 from shared.model.structured import Constraint, llg_tokenizer
@@ -35,6 +41,11 @@ class SequenceState:
     sampler: SequenceSampler
     num_computed: int = 0  # tokens whose K/V are in this worker's cache
     held: Tensor | None = None  # prompt logprobs: the last chunk's last row ([1, V]) until its target comes
+    # prefix caching: the name of its last named block, how many are named, and the tokens fed since
+    # (None: not named, as for a fork or a handed-off KV, whose first tokens this worker never saw)
+    last_name: int | None = None
+    named_blocks: int = 0
+    unnamed: list[int] | None = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -104,7 +115,7 @@ class SequenceTable:
                                   f"tokens were to be shared with {work.fork_of}, which this worker does not "
                                   "hold that far (resend it from start_pos 0)", ErrorType.SERVER_ERROR)
         if state is None:
-            if work.start_pos != 0 and parent is None:
+            if work.start_pos != 0 and parent is None and not work.prefix:
                 raise SequenceRefused("start_pos_mismatch", f"sequence {work.seq_id}: start_pos is "
                                       f"{work.start_pos} but this worker holds no KV for it (resend it from "
                                       "start_pos 0 with its sampling and generated_ids)", ErrorType.SERVER_ERROR)
@@ -116,6 +127,9 @@ class SequenceTable:
                                   ErrorType.SERVER_ERROR)
         if is_new and work.fork_of is not None:
             self.block_tables.fork(work.fork_of, work.seq_id, work.start_pos)
+            state.unnamed = None
+        elif is_new and work.prefix:
+            self._take_prefix(work, state)
         elif is_new:
             self.block_tables.add_sequence(work.seq_id)
         try:
@@ -132,6 +146,35 @@ class SequenceTable:
         seq_pass = SequencePass(work.start_pos, n_new, self.block_tables.slots(work.seq_id, 0, end),
                                 wants_logits=work.sample)
         return Admitted(work, state, seq_pass, is_new, copies)
+
+    def _take_prefix(self, work: SeqWork, state: SequenceState) -> None:
+        """A new sequence's first `start_pos` tokens from the cached blocks its pass names; refused (nothing
+        kept) when the worker no longer holds them all."""
+        assert work.prefix is not None
+        bs = self.block_tables.block_size
+        got = self.block_tables.add_cached_sequence(work.seq_id, work.prefix)
+        if got != work.start_pos or len(work.prefix) * bs != work.start_pos:
+            self.block_tables.free_sequence(work.seq_id)
+            raise SequenceRefused(PREFIX_MISSING, f"sequence {work.seq_id}: {got} of the {work.start_pos} cached "
+                                  "prefix tokens its first pass names are on this worker (resend it from start_pos "
+                                  "0)", ErrorType.SERVER_ERROR)
+        state.last_name, state.named_blocks = work.prefix[-1], len(work.prefix)
+
+    def name_computed(self, admitted: list[Admitted]) -> None:
+        """After a committed pass: name the sequences' newly full blocks, whose K/V are written now."""
+        bs = self.block_tables.block_size
+        for item in admitted:
+            state, seq_id = item.state, item.work.seq_id
+            if state.unnamed is None or not self.block_tables.has_sequence(seq_id):
+                continue
+            state.unnamed += item.work.token_ids
+            full = len(state.unnamed) // bs
+            if full == 0:
+                continue
+            names = block_hashes(state.unnamed[: full * bs], bs, parent=state.last_name)
+            self.block_tables.name_blocks(seq_id, names, first_block=state.named_blocks)
+            state.last_name, state.named_blocks = names[-1], state.named_blocks + full
+            del state.unnamed[: full * bs]
 
     def _new_state(self, work: SeqWork) -> SequenceState:
         """A sequence's first pass here: its sampler, from `sampling` and the tokens generated before."""
@@ -167,6 +210,7 @@ class SequenceTable:
             raise SequenceRefused("kv_cache_exhausted", f"sequence {work.seq_id}: {exc}",
                                   ErrorType.OVERLOADED) from None
         state.num_computed = work.start_pos
+        state.unnamed = None  # its first tokens' KV came from another worker: not named here
         self._states[work.seq_id] = state
         return self.block_tables.slots(work.seq_id, 0, work.start_pos)
 

@@ -354,8 +354,11 @@ class AttentionWorker:
                        ) -> list[SeqResult]:
         """The microbatch's forward (`forward.py`), committed to its sequences."""
         assert self.model is not None and self.kv is not None and self.gpu is not None
-        return commit(admitted, *await forward(self.model, self.kv, self.gpu, self._ffn_path(desc), desc, admitted,
-                                               timing))
+        results = commit(admitted, *await forward(self.model, self.kv, self.gpu, self._ffn_path(desc), desc,
+                                                  admitted, timing))
+        assert self.sequences is not None
+        self.sequences.name_computed(admitted)  # their K/V are written: full blocks join the prefix cache
+        return results
 
     def _ffn_path(self, desc: MicrobatchDescriptor) -> FFNPath:
         """The seam to the descriptor's FFN worker, or this worker's own FFN half when it names this worker

@@ -81,9 +81,12 @@ class TextEvent:
     prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
-def usage_dict(prompt_tokens: int, completion_tokens: int, energy_j: float | None = None) -> dict[str, Any]:
+def usage_dict(prompt_tokens: int, completion_tokens: int, energy_j: float | None = None,
+               cached_tokens: int = 0) -> dict[str, Any]:
+    """OpenAI's usage, with `prompt_tokens_details.cached_tokens` (the prompt tokens the prefix cache held)."""
     usage: dict[str, Any] = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                             "total_tokens": prompt_tokens + completion_tokens}
+                             "total_tokens": prompt_tokens + completion_tokens,
+                             "prompt_tokens_details": {"cached_tokens": cached_tokens}}
     if energy_j is not None:
         usage["energy_j"] = energy_j  # AFlex extension: joules the workers spent on this request
     return usage
@@ -288,12 +291,13 @@ class Generation:
             self.metrics.request_finished(ttft_s=ttft, e2e_s=time.monotonic() - self._submitted_at,
                                           prompt_tokens=usage["prompt_tokens"],
                                           completion_tokens=usage["completion_tokens"],
-                                          energy_j=usage.get("energy_j"))
+                                          energy_j=usage.get("energy_j"),
+                                          cached_tokens=usage["prompt_tokens_details"]["cached_tokens"])
 
     def _final_usage(self, usage: Usage | None, n_tokens: int) -> dict[str, Any]:
         if usage is None:
             return usage_dict(len(self.prompt_ids), n_tokens)
-        return usage_dict(usage.prompt_tokens, usage.completion_tokens, usage.energy_j)
+        return usage_dict(usage.prompt_tokens, usage.completion_tokens, usage.energy_j, usage.cached_tokens)
 
     async def _next_delta(self) -> OutputDelta:
         assert self._sub is not None, "submit() first"

@@ -199,6 +199,11 @@ class GatewayMetrics:
                                           registry=r).labels(model_name)
         self.vllm_generation_tokens = Counter("vllm:generation_tokens", "Number of generation tokens processed.", m,
                                               registry=r).labels(model_name)
+        # vLLM's prefix-cache counters, in tokens: prompt tokens looked up, and those the cache held
+        self.vllm_prefix_queries = Counter("vllm:prefix_cache_queries", "Prefix cache queries, in terms of number "
+                                           "of queried tokens.", m, registry=r).labels(model_name)
+        self.vllm_prefix_hits = Counter("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached "
+                                        "tokens.", m, registry=r).labels(model_name)
         self.vllm_ttft = Histogram("vllm:time_to_first_token_seconds", "Histogram of time to first token in "
                                    "seconds.", m, buckets=TTFT_BUCKETS, registry=r).labels(model_name)
         self.vllm_tpot = Histogram("vllm:time_per_output_token_seconds", "Histogram of time per output token in "
@@ -211,10 +216,12 @@ class GatewayMetrics:
     # -- requests ---------------------------------------------------------------------------------
 
     def request_finished(self, *, ttft_s: float | None, e2e_s: float, prompt_tokens: int,
-                         completion_tokens: int, energy_j: float | None) -> None:
+                         completion_tokens: int, energy_j: float | None, cached_tokens: int = 0) -> None:
         """One request that ended with a finish reason (stop, length, stop string)."""
         for tokens in (self.prompt_tokens, self.vllm_prompt_tokens):
             tokens.inc(prompt_tokens)
+        self.vllm_prefix_queries.inc(prompt_tokens)
+        self.vllm_prefix_hits.inc(cached_tokens)
         for tokens in (self.generation_tokens, self.vllm_generation_tokens):
             tokens.inc(completion_tokens)
         if energy_j is not None and energy_j >= 0:

@@ -30,10 +30,15 @@ class ErrorResponse(_Body):
     error: ErrorDetail
 
 
+class PromptTokensDetails(_Body):
+    cached_tokens: int  # prompt tokens the prefix cache held: their prefill was not run, nor charged
+
+
 class Usage(_Body):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
     energy_j: float | None = None  # AFlex: joules the workers spent on the request
 
 

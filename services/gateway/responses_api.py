@@ -143,7 +143,8 @@ def chat_request(body: ResponsesRequest) -> ChatCompletionRequest:
 
 
 def _usage(usage: dict[str, Any]) -> dict[str, Any]:
-    out = {"input_tokens": usage["prompt_tokens"], "input_tokens_details": {"cached_tokens": 0},
+    cached = usage.get("prompt_tokens_details", {}).get("cached_tokens", 0)
+    out = {"input_tokens": usage["prompt_tokens"], "input_tokens_details": {"cached_tokens": cached},
            "output_tokens": usage["completion_tokens"], "output_tokens_details": {"reasoning_tokens": 0},
            "total_tokens": usage["total_tokens"]}
     if "energy_j" in usage:

@@ -102,7 +102,8 @@ def total_usage(usages: list[dict[str, Any]]) -> dict[str, Any]:
     """The n choices' usage as one: the prompt counted once (as vLLM does), the completions summed."""
     energies = [u.get("energy_j") for u in usages]
     energy_j = None if any(e is None for e in energies) else sum(e for e in energies if e is not None)
-    return usage_dict(usages[0]["prompt_tokens"], sum(u["completion_tokens"] for u in usages), energy_j)
+    return usage_dict(usages[0]["prompt_tokens"], sum(u["completion_tokens"] for u in usages), energy_j,
+                      usages[0].get("prompt_tokens_details", {}).get("cached_tokens", 0))
 
 
 async def _collect_one(shape: ResponseShape, index: int, generation: Generation, extras: Extras

@@ -60,6 +60,8 @@ class Membership:
         log.info("worker %s (%s) registered%s", reg.worker_id, reg.role, " again: restarted" if restarted else "")
         if worker.role == "attention" and restarted:
             recovery.lose(worker, self.sched.in_flight, restarted=True)  # its KV is empty now: recompute what it held
+            if self.sched.prefixes is not None:
+                self.sched.prefixes.lost(worker.worker_id)
         await msg.respond(self._register_reply(True))
         self.capacity_changed()
         self.sched.governor.worker_restarted(worker.worker_id)
@@ -110,6 +112,8 @@ class Membership:
                             worker.role, timeout)
                 if worker.role == "attention":
                     recovery.lose(worker, self.sched.in_flight, restarted=False)
+                    if self.sched.prefixes is not None:
+                        self.sched.prefixes.lost(worker.worker_id)
                 if self.sched.provisioning is not None:
                     self.sched.provisioning.lost(worker)
             for state in self.sched.gateways.orphans(time.monotonic(), list(self.sched.requests.values())):

@@ -45,7 +45,7 @@ class Pass:
         return SeqWork(seq_id=s.request_id, token_ids=s.all_ids[self.start:self.start + self.n_new],
                        start_pos=self.start, sample=self.samples, sampling=s.sampling if first else None,
                        generated_ids=list(s.output_ids) if first else [], fork_of=s.fork_from if first else None,
-                       kv_from=s.kv_from if first else None)
+                       kv_from=s.kv_from if first else None, prefix=s.prefix_names if first else None)
 
 
 @dataclass(frozen=True)

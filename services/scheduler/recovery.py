@@ -25,7 +25,14 @@ from dataclasses import dataclass
 
 from services.scheduler.registry import Worker
 from services.scheduler.state import RequestState
-from shared.error_types import FFN_UNREACHABLE, FORK_PARENT_MISSING, KV_HANDOFF_MISSING, SEQUENCE_BUSY, ErrorType
+from shared.error_types import (
+    FFN_UNREACHABLE,
+    FORK_PARENT_MISSING,
+    KV_HANDOFF_MISSING,
+    PREFIX_MISSING,
+    SEQUENCE_BUSY,
+    ErrorType,
+)
 from shared.errors import AFlexError
 from shared.messages import ErrorBody, MicrobatchDone, SeqResult
 
@@ -33,7 +40,7 @@ MAX_FAILURES = 3  # errored passes of one request before it ends with finish_rea
 LOST_CONFIRM_S = 0.5  # how long a microbatch missing from a heartbeat has to turn up done before it is lost
 ORDER_MEMORY = 256  # descriptors per worker whose send order is kept, for the heartbeats' `newest_mb_id`
 # Refusals that are no sequence's fault, so not counted against it (shared/error_types.py says what each means).
-BLAMELESS_CODES = frozenset({FFN_UNREACHABLE, SEQUENCE_BUSY, FORK_PARENT_MISSING, KV_HANDOFF_MISSING})
+BLAMELESS_CODES = frozenset({FFN_UNREACHABLE, SEQUENCE_BUSY, FORK_PARENT_MISSING, KV_HANDOFF_MISSING, PREFIX_MISSING})
 
 
 class WorkerLostError(AFlexError):

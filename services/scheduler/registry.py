@@ -231,10 +231,15 @@ class Registry:
     def best_attention(self, tokens: int) -> Worker | None:
         """The usable attention worker able to hold `tokens` with the most free KV blocks (estimated); a
         decode worker of a P/D plan only when no other can (it then prefills too)."""
+        fits = self.attention_fits(tokens)
+        return fits[0] if fits else None
+
+    def attention_fits(self, tokens: int) -> list[Worker]:
+        """The usable attention workers able to hold `tokens`, best first (`best_attention`'s order)."""
         fits = [w for w in self.usable_attention() if w.capacity_tokens >= tokens]
         fits = [w for w in fits if w.assignment != "decode-attention"] or fits
-        return max(fits, key=lambda w: (w.lane.est_free_blocks, -len(w.lane.running) - len(w.lane.waiting)),
-                   default=None)
+        return sorted(fits, key=lambda w: (w.lane.est_free_blocks, -len(w.lane.running) - len(w.lane.waiting)),
+                      reverse=True)
 
     def next_ffn(self, pool: str = "") -> Worker | None:
         """Round-robin over the serving FFN workers of `pool` (of any pool when it has none; every healthy one

@@ -32,13 +32,14 @@ from services.scheduler.membership import Membership
 from services.scheduler.model_info import ModelInfo
 from services.scheduler.outputs import OutputStream, token_delta
 from services.scheduler.passes import Pass, PassPlan, plan_passes, release_only, share_energy
+from services.scheduler.prefix_index import PrefixIndex
 from services.scheduler.provisioning import ProvisioningLoop
 from services.scheduler.recovery import InFlight
 from services.scheduler.registry import Registry, Worker
 from services.scheduler.routing import Placement
 from services.scheduler.state import RequestState, Status
 from shared import subjects
-from shared.error_types import ErrorType
+from shared.error_types import PREFIX_MISSING, ErrorType
 from shared.messages import (
     CancelRequest,
     ErrorBody,
@@ -65,7 +66,8 @@ class Scheduler:
         self.settings, self.nc, self.model = settings, nc, model
         self.registry = Registry()
         self.requests: dict[str, RequestState] = {}
-        self.placement = Placement(self.registry)
+        self.prefixes = PrefixIndex() if settings.prefix_caching else None
+        self.placement = Placement(self.registry, self.prefixes)
         self.in_flight = InFlight()
         self.run_token = uuid.uuid4().hex[:8]  # this run: mb ids unique across restarts, the heartbeat's instance
         self._tasks: set[asyncio.Task[None]] = set()
@@ -267,11 +269,15 @@ class Scheduler:
             if state.finished or state.worker_id != worker.worker_id:
                 continue  # cancelled, or moved elsewhere, while in flight
             if not verdict.ok:
+                if verdict.code == PREFIX_MISSING and self.prefixes is not None:
+                    self.prefixes.missing(worker.worker_id, state.prefix_names or [])
                 if verdict.code is not None and not verdict.blamed:
                     log.info("request %s sent again (%s): %s", state.request_id, verdict.code, verdict.reason)
                 await self._requeue(worker, state, failure=verdict.blamed, reason=verdict.reason)
                 continue
             state.num_computed += p.n_new
+            if self.prefixes is not None:
+                self.prefixes.computed(worker.worker_id, state, worker.block_size, worker.kv_total_blocks)
             self.placement.prompt_in(state)
             result = verdict.result
             if result is not None and result.prompt_logprobs:
@@ -341,7 +347,7 @@ class Scheduler:
         if self.provisioning is not None:
             self.provisioning.finished(state)
         usage = Usage(prompt_tokens=len(state.prompt_ids), completion_tokens=len(state.output_ids),
-                      total_tokens=state.num_tokens, energy_j=state.energy_j)
+                      total_tokens=state.num_tokens, energy_j=state.energy_j, cached_tokens=state.cached_tokens)
         delta = (token_delta(state, state.next_index, finish_reason=reason, usage=usage, error=error) if last_token
                  else OutputDelta(request_id=state.request_id, index=state.next_index, token_ids=[],
                                   finish_reason=reason, usage=usage, error=error, retry_after_s=retry_after_s))

@@ -55,6 +55,9 @@ class RequestState(TokenHistory):
     held_by: RequestState | None = None  # the request whose `forks` this one waits in
     choice_of: str = ""  # one of n choices: choice 0's request id ("": choice 0, or a lone request)
     priority: int = 0  # vLLM's: lower is served first (SubmitRequest.priority)
+    prefix_names: list[int] | None = None  # its first pass takes these cached KV blocks (prefix_index.py)
+    cached_tokens: int = 0  # prompt tokens it took from the prefix cache (not computed for it)
+    named_blocks: int = 0  # full blocks of it the prefix index has learned its worker holds
 
     @property
     def finished(self) -> bool:
@@ -87,6 +90,9 @@ class RequestState(TokenHistory):
         self.num_computed = 0
         self.fork_from = None
         self.kv_from = None
+        self.prefix_names = None
+        self.cached_tokens = 0
+        self.named_blocks = 0
         self.first_pass_sent = False
         self.status = Status.WAITING
         self.in_flight = False

@@ -15,8 +15,10 @@ from collections.abc import Sequence
 import numpy as np
 
 
-def block_hashes(token_ids: Sequence[int], block_size: int, *, max_blocks: int | None = None) -> list[int]:
-    """The names of the full blocks of `token_ids`, first block first (at most `max_blocks` of them)."""
+def block_hashes(token_ids: Sequence[int], block_size: int, *, max_blocks: int | None = None,
+                 parent: int | None = None) -> list[int]:
+    """The names of the full blocks of `token_ids`, first block first (at most `max_blocks` of them);
+    `parent`: the name of the block before them (the tokens go on a sequence whose earlier blocks are named)."""
     if block_size < 1:
         raise ValueError(f"block_size must be >= 1, got {block_size}")
     n_blocks = len(token_ids) // block_size
@@ -24,10 +26,10 @@ def block_hashes(token_ids: Sequence[int], block_size: int, *, max_blocks: int |
         n_blocks = min(n_blocks, max(0, max_blocks))
     ids = np.asarray(token_ids[: n_blocks * block_size], dtype="<i8").reshape(n_blocks, block_size)
     out: list[int] = []
-    parent = b""
+    chain = b"" if parent is None else parent.to_bytes(8, "little")
     for row in ids:
-        parent = hashlib.blake2b(parent + row.tobytes(), digest_size=8).digest()
-        out.append(int.from_bytes(parent, "little"))
+        chain = hashlib.blake2b(chain + row.tobytes(), digest_size=8).digest()
+        out.append(int.from_bytes(chain, "little"))
     return out
 
 

@@ -236,11 +236,11 @@ class BlockTables:
         self._tables[seq_id] = blocks
         return len(blocks) * self._block_size
 
-    def name_blocks(self, seq_id: str, names: list[int]) -> None:
-        """Name the sequence's first blocks by their content (their K/V are written and full), so later
-        prompts with the same prefix can take them."""
+    def name_blocks(self, seq_id: str, names: list[int], first_block: int = 0) -> None:
+        """Name the sequence's blocks from `first_block` on by their content (their K/V are written and
+        full), so later prompts with the same prefix can take them."""
         table = self._table(seq_id)
-        for block, name in zip(table, names, strict=False):
+        for block, name in zip(table[first_block:], names, strict=False):
             self._allocator.cache(block, name)
 
     def has_sequence(self, seq_id: str) -> bool:
