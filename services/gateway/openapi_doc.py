@@ -42,9 +42,21 @@ class Usage(_Body):
     energy_j: float | None = None  # AFlex: joules the workers spent on the request
 
 
+class FunctionCallOut(_Body):
+    name: str
+    arguments: str  # a JSON object's text
+
+
+class ToolCallOut(_Body):
+    id: str
+    type: Literal["function"]
+    function: FunctionCallOut
+
+
 class ChatMessageOut(_Body):
     role: Literal["assistant"]
-    content: str
+    content: str | None  # None when the answer is only tool calls
+    tool_calls: list[ToolCallOut] | None = None
 
 
 class TopLogprob(_Body):
@@ -98,6 +110,52 @@ class Completion(_Body):
     model: str
     choices: list[CompletionChoice]
     usage: Usage
+
+
+class OutputText(_Body):
+    type: Literal["output_text"]
+    text: str
+    annotations: list[Any]
+
+
+class ResponseMessage(_Body):
+    type: Literal["message"]
+    id: str
+    status: str
+    role: Literal["assistant"]
+    content: list[OutputText]
+
+
+class ResponseFunctionCall(_Body):
+    type: Literal["function_call"]
+    id: str
+    call_id: str
+    name: str
+    arguments: str
+    status: str
+
+
+class ResponseUsage(_Body):
+    input_tokens: int
+    input_tokens_details: dict[str, int]
+    output_tokens: int
+    output_tokens_details: dict[str, int]
+    total_tokens: int
+    energy_j: float | None = None  # AFlex: joules the workers spent on the request
+
+
+class ResponseObject(_Body):
+    """A `/v1/responses` answer (stateless; the request's settings are echoed in more fields)."""
+
+    id: str
+    object: Literal["response"]
+    created_at: int
+    status: Literal["completed", "incomplete"]
+    model: str
+    output: list[ResponseMessage | ResponseFunctionCall]
+    usage: ResponseUsage | None
+    error: None
+    incomplete_details: dict[str, str] | None
 
 
 class Model(_Body):
@@ -169,6 +227,7 @@ ROUTES: dict[tuple[str, str], tuple[type[BaseModel], tuple[int, ...], bool]] = {
     ("/v1/models/{model}", "get"): (Model, (401, 404), False),
     ("/v1/chat/completions", "post"): (ChatCompletion, GENERATION_ERRORS, True),
     ("/v1/completions", "post"): (Completion, GENERATION_ERRORS, True),
+    ("/v1/responses", "post"): (ResponseObject, GENERATION_ERRORS, True),
     ("/tokenize", "post"): (Tokenized, (400, 401, 404, 413), False),
     ("/detokenize", "post"): (Detokenized, (400, 401, 404, 413), False),
     ("/tokenizer_info", "get"): (TokenizerInfo, (401,), False),
