@@ -13,7 +13,6 @@ from nats.aio.client import Client
 
 from services.gateway.errors import AUTHENTICATION, NOT_FOUND, APIError, invalid
 from services.gateway.liveness import SchedulerWatch
-from services.gateway.openai_schema import ChatMessage
 from shared.errors import InvalidRequestError, TokenizerError
 from shared.model.checkpoint import ModelCard
 from shared.model.tokenizer import Tokenizer
@@ -67,14 +66,6 @@ def check_model(gateway: Gateway, model: str | None) -> None:
     if model is not None and model not in (gateway.served_model, gateway.card.model_id):
         raise APIError(404, f"The model `{model}` does not exist.", type=NOT_FOUND, param="model",
                        code="model_not_found")
-
-
-def chat_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
-    """The messages as the chat template takes them; 400 for content it cannot hold (non-text parts)."""
-    try:
-        return [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})} for m in messages]
-    except ValueError as exc:
-        raise invalid(str(exc), "messages") from None
 
 
 def render_chat(tokenizer: Tokenizer, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True,

@@ -24,7 +24,7 @@ from services.gateway.errors import APIError, invalid
 from services.gateway.openai_schema import Bool, ChatCompletionRequest, _bounds, _Model
 from services.gateway.streaming import ChoiceEvents
 from services.gateway.tools import call_dicts
-from shared.model.tool_calls import Function, ToolCall, ToolCallStream
+from shared.model.tool_calls import Function, ToolCallStream
 
 
 class TextFormat(_Model):
@@ -218,11 +218,8 @@ async def response_events(view: ResponseView, events: ChoiceEvents, first: Any,
         item = first
         while item is not None:
             _, event = item
-            delta = event.text if reader is None else reader.feed(event.text)
-            calls: tuple[ToolCall, ...] = ()
-            if event.finish_reason is not None and reader is not None:
-                rest, calls = reader.finish()
-                delta += rest
+            delta, calls = (event.text, ()) if reader is None else reader.take(event.text,
+                                                                                event.finish_reason is not None)
             if delta and not opened:
                 opened = True
                 yield ev("response.output_item.added", output_index=0, item=view.message("", "in_progress"))

@@ -226,11 +226,7 @@ async def stream(shape: ResponseShape, events: ChoiceEvents, first: tuple[int, T
             if reader is None:
                 yield sse({**shape.chunk(text, event.finish_reason, index=index, logprobs=logprobs), **extra()})
             else:  # content up to where a call may begin; the calls once the answer is whole
-                text = reader.feed(text)
-                found: tuple[ToolCall, ...] = ()
-                if event.finish_reason is not None:
-                    rest, found = reader.finish()
-                    text += rest
+                text, found = reader.take(text, event.finish_reason is not None)
                 if found:
                     if text or logprobs:
                         yield sse({**shape.chunk(text, index=index, logprobs=logprobs), **extra()})

@@ -18,9 +18,10 @@ from pydantic import Field, Strict
 from starlette.concurrency import run_in_threadpool
 from starlette.responses import Response
 
-from services.gateway.context import GatewayDep, chat_messages, check_api_key, check_model, render_chat
+from services.gateway.context import GatewayDep, check_api_key, check_model, render_chat
 from services.gateway.errors import JSONResponse, invalid
 from services.gateway.openai_schema import Bool, ChatMessage, TokenId, _Model
+from services.gateway.tools import template_messages
 
 router = APIRouter(dependencies=[Depends(check_api_key)])
 
@@ -48,7 +49,7 @@ async def tokenize(body: TokenizeRequest, gateway: GatewayDep) -> Response:
         raise invalid("give exactly one of `prompt` and `messages`", "prompt" if body.prompt is None else "messages")
     tokenizer = gateway.tokenizer
     if body.messages is not None:
-        messages = chat_messages(body.messages)
+        messages, _ = template_messages(body.messages, None, tokenizer)
         ids = await run_in_threadpool(lambda: render_chat(tokenizer, messages,
                                                           add_generation_prompt=body.add_generation_prompt,
                                                           add_special_tokens=bool(body.add_special_tokens)))

@@ -62,6 +62,7 @@ class PrefixIndex:
         state.prefix_names = list(names)
         state.num_computed = len(names) * block_size
         state.cached_tokens = state.num_computed
+        state.named_blocks, state.last_block_name = len(names), names[-1] if names else None
 
     def computed(self, worker_id: str, state: RequestState, block_size: int, capacity_blocks: int) -> None:
         """`state`'s worker has computed its first `num_computed` tokens: their full blocks are named there."""
@@ -70,21 +71,21 @@ class PrefixIndex:
         full = state.num_computed // block_size
         if full <= state.named_blocks:
             return
-        tokens = [*state.prompt_ids, *state.output_ids][: full * block_size]
-        names = block_hashes(tokens, block_size)
+        new = state.all_ids[state.named_blocks * block_size: full * block_size]
+        names = block_hashes(new, block_size, parent=state.last_block_name)  # only the blocks new since
         held = self._names.setdefault(worker_id, OrderedDict())
-        for name in names[state.named_blocks:]:
+        for name in names:
             held[name] = None
             held.move_to_end(name)
-        state.named_blocks = full
+        state.named_blocks, state.last_block_name = full, names[-1]
         while capacity_blocks > 0 and len(held) > capacity_blocks:
             held.popitem(last=False)
 
     def missing(self, worker_id: str, names: list[int]) -> None:
         """The worker lacked some of `names`: forget its copy of all of them."""
-        held = self._names.get(worker_id)
-        for name in names if held else ():
-            held.pop(name, None)  # type: ignore[union-attr]
+        held = self._names.get(worker_id, OrderedDict())
+        for name in names:
+            held.pop(name, None)
 
     def lost(self, worker_id: str) -> None:
         """The worker is gone or restarted: its KV with it."""

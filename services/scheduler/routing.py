@@ -29,7 +29,7 @@ class Placement:
         """Queue `state` on the attention worker with its longest cached prefix, or the most free KV
         (estimated), or leave it unplaced."""
         need = len(state.prompt_ids) + state.sampling.max_tokens
-        if not state.first_pass_sent:  # a cached start chosen for another worker is chosen again
+        if state.prefix_names and not state.first_pass_sent:  # a cached start chosen elsewhere is chosen again
             state.prefix_names, state.num_computed, state.cached_tokens = None, 0, 0
         fits = self.registry.attention_fits(need)
         state.status = Status.WAITING
@@ -56,8 +56,11 @@ class Placement:
         least = min(busy.values())
         best: Worker | None = None
         best_names: list[int] = []
+        names_by_size: dict[int, list[int]] = {}  # the prompt's names, hashed once per block size
         for w in fits:
-            names = self.prefixes.prompt_names(state, w.block_size)
+            if w.block_size not in names_by_size:
+                names_by_size[w.block_size] = self.prefixes.prompt_names(state, w.block_size)
+            names = names_by_size[w.block_size]
             held = self.prefixes.match(w.worker_id, names)
             if held > len(best_names) and busy[w.worker_id] <= least + PREFIX_QUEUE_SLACK:
                 best, best_names = w, names[:held]

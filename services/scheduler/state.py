@@ -58,6 +58,7 @@ class RequestState(TokenHistory):
     prefix_names: list[int] | None = None  # its first pass takes these cached KV blocks (prefix_index.py)
     cached_tokens: int = 0  # prompt tokens it took from the prefix cache (not computed for it)
     named_blocks: int = 0  # full blocks of it the prefix index has learned its worker holds
+    last_block_name: int | None = None  # the name of the last of those (the next names chain from it)
 
     @property
     def finished(self) -> bool:
@@ -93,6 +94,7 @@ class RequestState(TokenHistory):
         self.prefix_names = None
         self.cached_tokens = 0
         self.named_blocks = 0
+        self.last_block_name = None
         self.first_pass_sent = False
         self.status = Status.WAITING
         self.in_flight = False

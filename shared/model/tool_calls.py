@@ -137,6 +137,14 @@ class ToolCallStream:
         out, self.sent = self.text[self.sent:end], end
         return out
 
+    def take(self, text: str, final: bool) -> tuple[str, tuple[ToolCall, ...]]:
+        """One event's text as (the content that may go out, the calls): calls only once the answer is `final`."""
+        out = self.feed(text)
+        if not final:
+            return out, ()
+        rest, calls = self.finish()
+        return out + rest, calls
+
     def finish(self) -> tuple[str, tuple[ToolCall, ...]]:
         """(the content not yet let out, the calls), once the answer is whole."""
         parsed = parse_tool_calls(self.text, self.functions)
