@@ -67,8 +67,9 @@ class SchedulerSettings(ServiceSettings):
                                     "alone: the SLO would cost most of the throughput), slo: at any cost, off: "
                                     "max_num_seqs only")
     prefix_caching: bool = Field(
-        default=False, description="a new request starts from the KV blocks of its prompt's longest prefix that an "
-                                   "attention worker already holds (vLLM's automatic prefix caching), routed there")
+        default=True, description="a new request starts from the KV blocks of its prompt's longest prefix that an "
+                                  "attention worker already holds (vLLM's automatic prefix caching), routed there; "
+                                  "false: every prompt is prefilled whole")
     max_batch_tokens: int = Field(
         default=2048, description="tokens per iteration per attention worker (chunked prefill)")
     max_num_seqs: int = Field(default=256, description="running sequences per attention worker")

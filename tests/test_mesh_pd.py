@@ -60,17 +60,21 @@ def test_pd_pools_give_the_engines_tokens_and_a_kill_mid_handoff_loses_nothing(t
         assert "KV handoff" not in mesh.output()  # no failure was logged
 
         baseline = asyncio.run(_run(mesh, sampled=True, count=STREAMS))
+        killed: list[str] = []  # which process each role was (the plan may give a restarted worker either role)
         for victim in ("prefill", "decode", "scheduler"):
             asyncio.run(until_pd_plan(mesh, deadline_s=90.0))
-            after_fault = asyncio.run(_killed_mid_handoff(mesh, victim))
+            after_fault, process = asyncio.run(_killed_mid_handoff(mesh, victim))
             assert after_fault == baseline, victim
+            killed.append(process)
         log = mesh.output()
-    for process in ("attn-0", "attn-1", "scheduler"):
-        assert f"{process} exited with status -9" in log
+    assert killed[0].startswith("attn-") and killed[1].startswith("attn-") and killed[2] == "scheduler"
+    for process in set(killed):  # each kill landed: once per time that process was the victim
+        assert log.count(f"{process} exited with status -9") == killed.count(process), process
 
 
-async def _killed_mid_handoff(mesh: Mesh, victim: str) -> list[tuple[str, int]]:
-    """`_run`'s streams, with `victim` ("prefill", "decode" or "scheduler") SIGKILLed at the first handoff."""
+async def _killed_mid_handoff(mesh: Mesh, victim: str) -> tuple[list[tuple[str, int]], str]:
+    """`_run`'s streams, with `victim` ("prefill", "decode" or "scheduler") SIGKILLed at the first handoff;
+    and the process that was."""
     nc = await bus.connect(f"nats://127.0.0.1:{mesh.nats_port}", "test-kill")
     killed: list[str] = []
 
@@ -88,4 +92,4 @@ async def _killed_mid_handoff(mesh: Mesh, victim: str) -> list[tuple[str, int]]:
     finally:
         await nc.close()
     assert killed, f"no handoff was seen, so no {victim} was killed"
-    return results
+    return results, killed[0]

@@ -1,4 +1,4 @@
-"""Prefix caching through the whole mesh with the official `openai` client (`AFLEX_PREFIX_CACHING=1`): a
+"""Prefix caching through the whole mesh with the official `openai` client (on by default): a
 prompt whose prefix a worker holds starts from those KV blocks, reports them as
 `usage.prompt_tokens_details.cached_tokens` and on /metrics, is charged only the prefill it ran, and
 answers exactly as the uncached run (tokens and logprobs)."""
@@ -23,7 +23,7 @@ TOL = 1e-4
 
 @pytest.fixture(scope="module")
 def mesh(tiny_chat_checkpoint: Path) -> Iterator[Mesh]:
-    with aflex_up(str(tiny_chat_checkpoint), env_extra={"AFLEX_PREFIX_CACHING": "1"}) as running:
+    with aflex_up(str(tiny_chat_checkpoint)) as running:  # the default settings: caching on
         yield running
 
 

@@ -63,6 +63,9 @@ def add_sim_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--duration", type=float, default=600.0, help="synthetic duration in seconds")
     p.add_argument("--prompt-mean", type=float, default=1024.0, help="synthetic mean prompt tokens (lognormal)")
     p.add_argument("--output-mean", type=float, default=256.0, help="synthetic mean output tokens (lognormal)")
+    p.add_argument("--prefix-reuse", type=float, default=None,
+                   help="share of prompt tokens found in a prefix cache (0-1; multi-turn chat ~0.5-0.8); only the "
+                        "rest is prefilled and charged")
     p.add_argument("--gpu", default="a800", choices=available_profiles())
     p.add_argument("--model", default="qwen3-32b", choices=sorted(MODELS))
     p.add_argument("--gpus", type=int, default=16)
@@ -105,7 +108,7 @@ def sim_config(args: argparse.Namespace, record: bool = False) -> SimConfig:
                      link_bytes_s=args.link_gbs * 1e9,
                      switch_delay_s=None if args.switch_delay_ms is None else args.switch_delay_ms / 1e3,
                      window_s=args.window_s, parking=args.parking, accounting=args.accounting, record_power=record,
-                     seed=args.seed)
+                     seed=args.seed, prefix_reuse=getattr(args, "prefix_reuse", None))
 
 
 def sim_profile(args: argparse.Namespace) -> GPUProfile:

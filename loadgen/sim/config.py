@@ -40,3 +40,6 @@ class SimConfig:
     burst_quantile: float = 0.9  # 0.5 ~ the window's mean rate; 1.0 its busiest sub-window
     record_power: bool = False
     seed: int = 0
+    # share of prompt tokens a prefix cache holds (arrivals.with_prefix_reuse); None: the trace's own
+    # CachedTokens, or no reuse. Only the rest is prefilled and charged, as live
+    prefix_reuse: float | None = None

@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from loadgen.sim.arrivals import Arrivals
+from loadgen.sim.arrivals import Arrivals, with_prefix_reuse
 from loadgen.sim.config import ACCOUNTINGS, SimConfig, planner_parked_w
 from loadgen.sim.controller import Controller
 from loadgen.sim.fleet import Fleet, Pool
@@ -58,6 +58,8 @@ DECODE_MODES = ("decode", *MIXED_MODES)
 class Simulation:
     def __init__(self, profile: GPUProfile, args: ModelArgs, arrivals: Arrivals, policy: PolicySpec,
                  config: SimConfig, predictor: Predictor) -> None:
+        if config.prefix_reuse is not None:
+            arrivals = with_prefix_reuse(arrivals, config.prefix_reuse)
         self.p, self.args, self.arr, self.pol, self.cfg = profile, args, arrivals, policy, config
         self._token_costs: dict[tuple[str, str, int, int, float], tuple[float, float]] = {}
         self.pred = predictor
@@ -401,8 +403,8 @@ class Simulation:
                 self._route(DECODE_MODES).waiting.append(rid)
             while i < n and a.time_s[i] <= now:
                 pool = self._route(PROMPT_MODES)
-                pool.queue.append([i, int(a.prompt[i])])
-                pool.queued_tokens += int(a.prompt[i])
+                pool.queue.append([i, a.prefill_tokens(i)])  # a cached prefix counts as computed
+                pool.queued_tokens += a.prefill_tokens(i)
                 i += 1
             for pool in self.pools.values():
                 self.fleet.try_reshape(pool, now)

@@ -78,6 +78,8 @@ def sim_results(sim: FinishedRun) -> dict[str, Any]:
         "tokens": prompt_tokens + output_tokens,
         "prompt_tokens": prompt_tokens,
         "output_tokens": output_tokens,
+        # prompt tokens served from a prefix cache: counted in `tokens`, never prefilled nor charged
+        "cached_tokens": float(a.cached.sum()) if a.cached is not None else 0.0,
         "accounting_reported": cfg.accounting,
         "energy_j": chosen["energy_j"],
         "energy_per_token_j": chosen["energy_per_token_j"],

@@ -59,9 +59,7 @@ class Membership:
         worker, restarted = self.sched.registry.register(reg, time.monotonic())
         log.info("worker %s (%s) registered%s", reg.worker_id, reg.role, " again: restarted" if restarted else "")
         if worker.role == "attention" and restarted:
-            recovery.lose(worker, self.sched.in_flight, restarted=True)  # its KV is empty now: recompute what it held
-            if self.sched.prefixes is not None:
-                self.sched.prefixes.lost(worker.worker_id)
+            self._lose_attention(worker, restarted=True)  # its KV is empty now: recompute what it held
         await msg.respond(self._register_reply(True))
         self.capacity_changed()
         self.sched.governor.worker_restarted(worker.worker_id)
@@ -103,6 +101,13 @@ class Membership:
         if self.sched.settings.freq_window_s > 0:
             self.sched._spawn(self.sched.freq_window(changed))
 
+    def _lose_attention(self, worker: Worker, *, restarted: bool) -> None:
+        """An attention worker's KV is gone (it restarted) or out of reach: what it held is recomputed
+        elsewhere (`recovery.lose`) and no prefix is looked for there."""
+        recovery.lose(worker, self.sched.in_flight, restarted=restarted)
+        if self.sched.prefixes is not None:
+            self.sched.prefixes.lost(worker.worker_id)
+
     async def health_loop(self) -> None:
         timeout = self.sched.settings.heartbeat_timeout_s
         while True:
@@ -111,9 +116,7 @@ class Membership:
                 log.warning("worker %s (%s) missed heartbeats for %.1f s: unhealthy", worker.worker_id,
                             worker.role, timeout)
                 if worker.role == "attention":
-                    recovery.lose(worker, self.sched.in_flight, restarted=False)
-                    if self.sched.prefixes is not None:
-                        self.sched.prefixes.lost(worker.worker_id)
+                    self._lose_attention(worker, restarted=False)
                 if self.sched.provisioning is not None:
                     self.sched.provisioning.lost(worker)
             for state in self.sched.gateways.orphans(time.monotonic(), list(self.sched.requests.values())):
