@@ -47,6 +47,7 @@ from shared.messages import (
     encode,
 )
 from shared.model.attention import AttentionHalf, PagedKVStore
+from shared.model.cpu_kernels import load_kernels
 from shared.model.ffn import FFNHalf
 from shared.model.kv_cache import BlockAllocator, BlockTables
 from shared.settings import AttentionWorkerSettings
@@ -98,6 +99,8 @@ class AttentionWorker:
             self.ffn = ffn
         n_blocks, block_size = self.settings.num_kv_blocks, self.settings.block_size
         weight = module.embed_tokens.weight
+        if weight.device.type == "cpu":  # the attention kernels build on first use (~30 s where no build is cached):
+            load_kernels()  # here, in the load thread, not on the event loop's first forward, where heartbeats stop
         self.kv = PagedKVStore(module.args, n_blocks * block_size, weight.dtype, weight.device)
         tables = BlockTables(BlockAllocator(n_blocks, block_size))
         self.sequences = SequenceTable(tables, eos_token_ids(checkpoint), module.args.vocab_size,
