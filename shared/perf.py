@@ -185,6 +185,13 @@ class Predictor:
         cost = self.cost_fn(self.profile, op_work(self.args, op, phase, n, ctx, pairs, shard), clock)
         return float(cost.time_s), float(cost.time_s * cost.power_w)  # type: ignore[attr-defined]
 
+    def warm(self, shard: int = 1) -> None:
+        """Fit every (op, phase) now (each fit is lazy, and one takes up to ~0.3 s: the scheduler's first
+        decode iteration would wait for it on its event loop)."""
+        for op in OPS:
+            for phase in CLOCK_PHASES:
+                self._fit(op, phase, shard)
+
     def _fit(self, op: str, phase: str, shard: int) -> _Fit:
         key = (op, phase, shard)
         if key in self._fits:

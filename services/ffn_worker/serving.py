@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 from torch import Tensor
 
+from shared.torch_threads import with_torch_threads
 from shared.transport.seam import Frame, Peer
 
 
@@ -55,7 +56,7 @@ class ServingQueue:
         self._stopping = False
         self.idle = threading.Event()  # set while nothing is queued or being served
         self.idle.set()
-        self._server = threading.Thread(target=self._server_loop, name="ffn-server", daemon=True)
+        self._server = threading.Thread(target=with_torch_threads(self._server_loop), name="ffn-server", daemon=True)
         self._server.start()
 
     def __len__(self) -> int:

@@ -303,9 +303,7 @@ def build_commands(args: argparse.Namespace) -> list[ChildSpec]:
     worker = {k: getattr(args, k) for k in WORKER_KNOBS}
     attention = {k: getattr(args, k) for k in ATTENTION_KNOBS}
     n_workers = args.attention_workers + args.ffn_workers
-    # The workers share this machine's cores: give each its share, so that the two halves computing
-    # at once (the ping-pong pipeline) do not oversubscribe them.
-    worker["torch_threads"] = worker["torch_threads"] or max(1, (os.cpu_count() or 1) // n_workers)
+    split_cores = worker["torch_threads"] is None and not os.environ.get("AFLEX_TORCH_THREADS")  # else as given
     real_gpus = worker["gpu_backend"] in (None, "auto", "nvml", "nvml-readonly")
     devices = worker_devices(n_workers) if real_gpus else [None] * n_workers
     scheduler = {k: getattr(args, k) for k in SCHEDULER_KNOBS}
@@ -314,6 +312,8 @@ def build_commands(args: argparse.Namespace) -> list[ChildSpec]:
     for name, device in zip(names, devices, strict=True):
         role: Role = "attention-worker" if name.startswith("attn") else "ffn-worker"
         own = attention if role == "attention-worker" else {}
+        if split_cores:
+            own = {**own, "torch_threads": torch_threads(role, args.attention_workers, args.ffn_workers)}
         env = env_of({**model, **worker, **own, "worker_id": name}) | device_env(device)
         specs.append(ChildSpec(name, role, [*cli, role], env))
     gateway = {k: getattr(args, k) for k in GATEWAY_KNOBS}
@@ -321,6 +321,21 @@ def build_commands(args: argparse.Namespace) -> list[ChildSpec]:
         specs.append(ChildSpec("gateway" if i == 0 else f"gateway-{i}", "gateway", [*cli, "gateway"],
                                env_of({**model, **gateway, "host": args.host, "port": args.port + i})))
     return specs
+
+
+def torch_threads(role: Role, n_attention: int, n_ffn: int, cores: int | None = None) -> int:
+    """Each worker's share of this machine's cores when they share it (`aflex up` on one machine).
+
+    An attention worker gets an even share. An FFN worker gets the cores its FFN workers split among
+    them: its forwards are most of each layer's work (SmolLM2: the FFN's products are 3x attention's),
+    and the attention half waits for them. Measured on 2 cores, 1 + 1, `benchmarks/serve_bench.sh`:
+    FFN 2 and attention 1 thread prefill 1.3x faster than 1 and 1 and decode as fast; 2 and 2 decode
+    1.4x slower (each half's idle OpenMP thread spins on the core the other half computes on).
+    """
+    cores = cores or os.cpu_count() or 1
+    if role == "ffn-worker":
+        return max(1, cores // max(1, n_ffn))
+    return max(1, cores // max(1, n_attention + n_ffn))
 
 
 def local_host(host: str) -> str:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import threading
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -138,6 +139,7 @@ class AflexPlanner:
             base = cached_predictor(profile, self.args)
             pred = dataclasses.replace(base, correction={}, energy_correction={})  # fits shared, not corrections
             self._predictors[profile] = pred
+            threading.Thread(target=base.warm, name="predictor-fits", daemon=True).start()
         return pred
 
     # -- margins -----------------------------------------------------------------------------------

@@ -29,6 +29,7 @@ from torch import Tensor
 from torch.distributed import PrefixStore, TCPStore
 from torch.distributed.distributed_c10d import ProcessGroupGloo
 
+from shared.torch_threads import with_torch_threads
 from shared.transport.header import SeamHeader
 from shared.transport.seam import Frame, OnFrame, OnPeerLost, Peer, SeamError
 from shared.transport.torch_pair import (
@@ -345,7 +346,7 @@ class TorchSeam:
         self._store = None
 
     def _thread(self, target: Any, name: str) -> None:
-        thread = threading.Thread(target=target, name=name, daemon=True)
+        thread = threading.Thread(target=with_torch_threads(target), name=name, daemon=True)  # it may compute
         self._threads = [t for t in self._threads if t.is_alive()]
         self._threads.append(thread)
         thread.start()
