@@ -16,19 +16,14 @@ from typing import Any
 
 import torch
 
-__all__ = ["adopt_torch_threads", "with_torch_threads"]
-
-
-def adopt_torch_threads() -> None:
-    """Apply the process's torch thread count (`torch.set_num_threads`) to the calling thread."""
-    torch.set_num_threads(torch.get_num_threads())
+__all__ = ["with_torch_threads"]
 
 
 def with_torch_threads(target: Callable[[], Any]) -> Callable[[], Any]:
-    """`target`, run by a new thread after `adopt_torch_threads`."""
+    """`target`, run by a new thread once it has applied the process's `torch.set_num_threads` count."""
 
     def run() -> Any:
-        adopt_torch_threads()
+        torch.set_num_threads(torch.get_num_threads())  # the process's count: on this thread too
         return target()
 
     return run
