@@ -148,8 +148,8 @@ class WorkerSettings(ServiceSettings):
     hysteresis_mhz: int = Field(default=30, description="the clock switches only for a change larger than this")
     min_hold_s: float = Field(default=0.2, description="and at most once per this many seconds")
     torch_threads: int | None = Field(
-        default=None, description="CPU threads for torch (default: torch's own; `aflex up` gives each FFN worker "
-                                  "the cores and each attention worker an even share)")
+        default=None, description="CPU threads for torch (default: torch's own; `aflex up` splits the cores among "
+                                  "the workers of each role, and each role gets them all: the halves take turns)")
     seam_transport: Literal["torch", "nats"] = Field(
         default="torch", description="how seam tensors travel: torch.distributed point-to-point (gloo on CPU, NCCL "
                              "between GPUs) or NATS messages (for workers that reach each other only through NATS)")

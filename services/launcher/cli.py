@@ -116,6 +116,10 @@ def _run_service(args: argparse.Namespace) -> int:
     from shared.settings_flags import from_flags
 
     entry: Callable[..., Coroutine[Any, Any, None]]
+    if args.command.endswith("-worker"):
+        from shared.openmp_spin import bound_openmp_spin
+
+        bound_openmp_spin()  # before torch loads: the halves take turns on the same cores
     if args.command == "gateway":
         from services.gateway.app import serve as entry
     elif args.command == "scheduler":

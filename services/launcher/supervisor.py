@@ -326,16 +326,15 @@ def build_commands(args: argparse.Namespace) -> list[ChildSpec]:
 def torch_threads(role: Role, n_attention: int, n_ffn: int, cores: int | None = None) -> int:
     """Each worker's share of this machine's cores when they share it (`aflex up` on one machine).
 
-    An attention worker gets an even share. An FFN worker gets the cores its FFN workers split among
-    them: its forwards are most of each layer's work (SmolLM2: the FFN's products are 3x attention's),
-    and the attention half waits for them. Measured on 2 cores, 1 + 1, `benchmarks/serve_bench.sh`:
-    FFN 2 and attention 1 thread prefill 1.3x faster than 1 and 1 and decode as fast; 2 and 2 decode
-    1.4x slower (each half's idle OpenMP thread spins on the core the other half computes on).
+    The workers of one role split the cores among them, and each role gets them all: at depth 1 the
+    halves take turns, so the attention workers compute while the FFN workers wait, and the other
+    way round. That needs idle OpenMP threads to sleep through the other half's turn rather than
+    spin on its cores, which `shared/openmp_spin.py` sees to in every worker. Measured on 2 cores,
+    1 + 1, `benchmarks/serve_bench.sh` in one sitting: 2 and 2 threads 42.9 tok/s against 34.9 for
+    attention 1 and FFN 2 (TPOT 210 against 275 ms).
     """
     cores = cores or os.cpu_count() or 1
-    if role == "ffn-worker":
-        return max(1, cores // max(1, n_ffn))
-    return max(1, cores // max(1, n_attention + n_ffn))
+    return max(1, cores // max(1, n_ffn if role == "ffn-worker" else n_attention))
 
 
 def local_host(host: str) -> str:

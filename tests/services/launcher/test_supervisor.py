@@ -162,11 +162,11 @@ def test_build_commands_order_names_and_settings_in_the_environment() -> None:
     assert isinstance(gateway, GatewaySettings) and (gateway.host, gateway.port) == ("0.0.0.0", 8123)
 
 
-def test_the_cores_are_split_with_the_ffn_workers_taking_theirs_whole() -> None:
-    assert [sup.torch_threads(role, 1, 1, 2) for role in ("attention-worker", "ffn-worker")] == [1, 2]
+def test_the_cores_are_split_among_the_workers_of_each_role() -> None:
+    assert [sup.torch_threads(role, 1, 1, 2) for role in ("attention-worker", "ffn-worker")] == [2, 2]
     assert [sup.torch_threads(role, 2, 2, 2) for role in ("attention-worker", "ffn-worker")] == [1, 1]
-    assert [sup.torch_threads(role, 1, 1, 16) for role in ("attention-worker", "ffn-worker")] == [8, 16]
-    assert [sup.torch_threads(role, 2, 1, 16) for role in ("attention-worker", "ffn-worker")] == [5, 16]
+    assert [sup.torch_threads(role, 1, 1, 16) for role in ("attention-worker", "ffn-worker")] == [16, 16]
+    assert [sup.torch_threads(role, 3, 1, 16) for role in ("attention-worker", "ffn-worker")] == [5, 16]
 
 
 def test_torch_threads_given_by_flag_or_environment_are_not_split() -> None:
@@ -178,7 +178,7 @@ def test_torch_threads_given_by_flag_or_environment_are_not_split() -> None:
     assert threads(sup.build_commands(up_args("--torch-threads", "3"))) == {"attn-0": "3", "ffn-0": "3"}
     with mock.patch.dict(os.environ), mock.patch.object(os, "cpu_count", return_value=2):
         os.environ.pop("AFLEX_TORCH_THREADS", None)
-        assert threads(sup.build_commands(up_args())) == {"attn-0": "1", "ffn-0": "2"}
+        assert threads(sup.build_commands(up_args())) == {"attn-0": "2", "ffn-0": "2"}
 
 
 def test_build_commands_leaves_unset_options_to_the_services() -> None:
