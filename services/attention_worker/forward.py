@@ -12,7 +12,6 @@ from __future__ import annotations
 import functools
 import logging
 import time
-from collections.abc import Callable
 
 import torch
 from torch import Tensor
@@ -27,7 +26,7 @@ from shared.gpu.workload import attention_work, lm_head_work
 from shared.kinds import ClockPhase, clock_phase
 from shared.messages import MicrobatchDescriptor, SeqResult, TokenLogprob
 from shared.model.attention import AttentionHalf, AttentionMeta, PagedKVStore
-from shared.model.sampling import NoiseAhead, sample_next_tokens
+from shared.model.sampling import sample_next_tokens
 
 log = logging.getLogger("aflex.attention_worker")
 
@@ -49,8 +48,6 @@ async def forward(model: AttentionHalf, kv: PagedKVStore, worker_gpu: WorkerGPU,
         residual = model.embed(token_ids)
     timing.attention_s += time.perf_counter() - t
     layer_work = attention_work(model.args, meta.n_tokens, [a.end for a in admitted], dtype_bytes=dtype_bytes)
-    samplers = [a.state.sampler for a in admitted if a.work.sample]
-    noise = NoiseAhead(samplers, model.args.vocab_size, device)  # drawn while the FFN hops are out
     ffn_out: Tensor | None = None
     block = phase == "decode"  # short waits: on the loop's thread (see the torch seam)
     for layer in range(model.args.n_layers):
@@ -63,8 +60,7 @@ async def forward(model: AttentionHalf, kv: PagedKVStore, worker_gpu: WorkerGPU,
         t = time.perf_counter()
         # the layer's accounting runs once ffn_in is on its way, while the FFN works
         account = functools.partial(_account_attention, worker_gpu, phase, layer_work, attend_s, energy0, timing)
-        ffn_out, ffn_energy, ffn_compute_s = await hops.round_trip(
-            desc, layer, ffn_in, functools.partial(_while_ffn_works, account, noise), block=block)
+        ffn_out, ffn_energy, ffn_compute_s = await hops.round_trip(desc, layer, ffn_in, account, block=block)
         wait_s = time.perf_counter() - t
         timing.attention_s += attend_s
         timing.ffn_wait_s += wait_s
@@ -77,11 +73,12 @@ async def forward(model: AttentionHalf, kv: PagedKVStore, worker_gpu: WorkerGPU,
     energy0 = gpu.total_energy_j()
     t = time.perf_counter()
     with torch.inference_mode():
+        samplers = [a.state.sampler for a in admitted if a.work.sample]
         tokens: list[int] = []
         logprobs: list[TokenLogprob | None] = []
         if samplers:
             logits = model.logits(residual, ffn_out, meta.logits_rows)
-            tokens = sample_next_tokens(logits, samplers, noise)
+            tokens = sample_next_tokens(logits, samplers)
             logprobs = sampled_logprobs(logits, samplers, tokens)
         prompt = prompt_parts(model, residual, ffn_out, admitted)
     logits_s = time.perf_counter() - t
@@ -90,12 +87,6 @@ async def forward(model: AttentionHalf, kv: PagedKVStore, worker_gpu: WorkerGPU,
     timing.attention_energy_j += gpu.total_energy_j() - energy0
     timing.attention_s += logits_s
     return tokens, logprobs, prompt
-
-
-def _while_ffn_works(account: Callable[[], None], noise: NoiseAhead) -> None:
-    """What a layer does once its ffn_in is on its way: its accounting, then one sequence's sampling noise."""
-    account()
-    noise.draw_next()
 
 
 def _account_attention(worker_gpu: WorkerGPU, phase: ClockPhase, work: OperatorWork, attend_s: float,

@@ -10,8 +10,7 @@ from __future__ import annotations
 
 import math
 import secrets
-from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -21,7 +20,6 @@ from shared.model.structured import Constraint
 
 __all__ = [
     "GREEDY_TEMPERATURE_EPS",
-    "NoiseAhead",
     "SamplingParams",
     "SequenceSampler",
     "StopStringMatcher",
@@ -191,49 +189,10 @@ def _top_k_top_p_probs(logits: torch.Tensor, top_k: list[int], top_p: list[float
     return probs, sorted_ids
 
 
-class NoiseAhead:
-    """Each sampling sequence's Exp(1) noise for its next draw, drawn before the logits exist.
-
-    A draw is `argmax(p / q)` with `q` from the sequence's generator for (seed, tokens so far)
-    (`SequenceSampler.generator`): it depends on nothing the layers compute. An attention worker
-    draws it one sequence at a time while each layer's FFN hop is out, instead of after the last
-    layer (SmolLM2's 49,152 tokens: 1.1 ms a sequence, 18 ms of a 16-row step, measured).
-    `sample_next_tokens` uses a noise only if its sequence has not moved on since: bit for bit the
-    draw it would have made.
-    """
-
-    def __init__(self, samplers: Iterable[SequenceSampler], vocab: int, device: torch.device) -> None:
-        self.vocab, self.device = vocab, device
-        self._todo = deque(s for s in samplers if not s.params.is_greedy)
-        self._drawn: dict[int, tuple[SequenceSampler, int, torch.Tensor]] = {}  # id -> (sampler, n, noise [V])
-
-    def draw_next(self) -> bool:
-        """Draw the next sequence's noise; False once every sequence has its own."""
-        if not self._todo:
-            return False
-        sampler = self._todo.popleft()
-        noise = torch.empty(self.vocab, device=self.device)  # [V]
-        noise.exponential_(generator=sampler.generator(self.device))
-        self._drawn[id(sampler)] = (sampler, sampler.num_generated, noise)
-        return True
-
-    def take(self, sampler: SequenceSampler, probs: torch.Tensor) -> torch.Tensor | None:
-        """The noise drawn for `sampler`'s next token, shaped for a row of `probs` ([V]), or None if none
-        was or it no longer applies."""
-        entry = self._drawn.pop(id(sampler), None)
-        if entry is None:
-            return None
-        drawn_for, n, noise = entry
-        fits = noise.shape[0] == probs.shape[1] and noise.device == probs.device and noise.dtype == probs.dtype
-        return noise if fits and drawn_for is sampler and n == sampler.num_generated else None
-
-
-def sample_next_tokens(logits: torch.Tensor, samplers: Sequence[SequenceSampler],
-                       noise: NoiseAhead | None = None) -> list[int]:
+def sample_next_tokens(logits: torch.Tensor, samplers: Sequence[SequenceSampler]) -> list[int]:
     """Sample one token per row of `logits` ([B, V], float) with each row's own sampler.
 
-    Does not record the tokens (call `SequenceSampler.record`) and never modifies `logits`. `noise`:
-    draws made ahead (`NoiseAhead`); the result is the same with or without them.
+    Does not record the tokens (call `SequenceSampler.record`) and never modifies `logits`.
     """
     # logits: [B, V]
     if logits.dim() != 2 or logits.shape[0] != len(samplers):
@@ -269,7 +228,7 @@ def sample_next_tokens(logits: torch.Tensor, samplers: Sequence[SequenceSampler]
         rows = torch.tensor(plain, device=dev)
         temps = torch.tensor([samplers[i].params.temperature for i in plain], device=dev)
         probs = torch.softmax(work.index_select(0, rows) / temps.unsqueeze(1), dim=-1)  # [N, V]
-        out[rows] = _draw_rows(probs, [samplers[i] for i in plain], noise)
+        out[rows] = _draw_rows(probs, [samplers[i] for i in plain])
 
     cut = [i for i, s in enumerate(samplers) if not s.params.is_greedy and s.params.truncates]
     if cut:
@@ -279,12 +238,12 @@ def sample_next_tokens(logits: torch.Tensor, samplers: Sequence[SequenceSampler]
         probs, sorted_ids = _top_k_top_p_probs(
             scaled, [samplers[i].params.top_k for i in cut], [samplers[i].params.top_p for i in cut]
         )
-        picks = _draw_rows(probs, [samplers[i] for i in cut], noise)  # [N], positions in sorted order
+        picks = _draw_rows(probs, [samplers[i] for i in cut])  # [N], positions in sorted order
         out[rows] = sorted_ids.gather(1, picks.unsqueeze(1)).squeeze(1)
     return out.tolist()
 
 
-def _draw_rows(probs: torch.Tensor, samplers: Sequence[SequenceSampler], ahead: NoiseAhead | None) -> torch.Tensor:
+def _draw_rows(probs: torch.Tensor, samplers: Sequence[SequenceSampler]) -> torch.Tensor:
     """One categorical draw per row, each from its own sequence's generator (no shared RNG state).
 
     This is `torch.multinomial(probs[j], 1, generator=g_j)` batched: multinomial draws one sample as
@@ -295,9 +254,5 @@ def _draw_rows(probs: torch.Tensor, samplers: Sequence[SequenceSampler], ahead: 
     noise = torch.empty_like(probs)  # [N, V]
     dev = probs.device
     for j, s in enumerate(samplers):
-        drawn = ahead.take(s, probs) if ahead is not None else None
-        if drawn is None:
-            noise[j].exponential_(generator=s.generator(dev))
-        else:
-            noise[j] = drawn
+        noise[j].exponential_(generator=s.generator(dev))
     return (probs / noise).argmax(dim=-1)

@@ -9,7 +9,6 @@ from hypothesis import strategies as st
 
 from shared.errors import InvalidRequestError
 from shared.model.sampling import (
-    NoiseAhead,
     SamplingParams,
     SequenceSampler,
     StopStringMatcher,
@@ -89,34 +88,6 @@ def test_batched_draw_equals_per_row_torch_multinomial() -> None:
         for i in range(8)
     ]
     assert sample_next_tokens(logits, samplers) == expected
-
-
-def test_noise_drawn_ahead_gives_the_same_tokens_and_stale_noise_is_not_used() -> None:
-    """The attention worker draws each sequence's noise while the FFN hops are out (`NoiseAhead`)."""
-    params = [SamplingParams(seed=40 + i, temperature=0.9, top_k=20 if i % 3 == 0 else 0) for i in range(6)]
-    params[1] = SamplingParams(temperature=0.0)  # greedy: nothing to draw
-    vocab = 4096  # wide enough that a wrong noise would pick other tokens
-    stream = _logits_stream(12, 5, rows=len(params), vocab=vocab)
-    plain = [SequenceSampler(p, eos_token_ids=(EOS,)) for p in params]
-    ahead = [SequenceSampler(p, eos_token_ids=(EOS,)) for p in params]
-    for step, logits in enumerate(stream):
-        noise = NoiseAhead(ahead, vocab, logits.device)
-        drawn = 0
-        while noise.draw_next():
-            drawn += 1
-        assert drawn == len(params) - 1
-        if step == 2:  # one sequence moves on after its noise was drawn: that noise is not its next draw's
-            ahead[3].record(0)
-            plain[3].record(0)
-            assert noise.take(ahead[3], logits) is None
-        want = sample_next_tokens(logits, plain)
-        assert sample_next_tokens(logits, ahead, noise) == want
-        for p_s, a_s, tok in zip(plain, ahead, want, strict=True):
-            p_s.record(tok)
-            a_s.record(tok)
-    taken = NoiseAhead(ahead[:1], vocab, stream[0].device)
-    taken.draw_next()
-    assert taken.take(ahead[0], stream[0][:1]) is not None and taken.take(ahead[0], stream[0][:1]) is None  # once
 
 
 @pytest.mark.parametrize("params", [
