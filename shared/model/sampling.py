@@ -226,8 +226,11 @@ def sample_next_tokens(logits: torch.Tensor, samplers: Sequence[SequenceSampler]
     plain = [i for i, s in enumerate(samplers) if not s.params.is_greedy and not s.params.truncates]
     if plain:
         rows = torch.tensor(plain, device=dev)
-        temps = torch.tensor([samplers[i].params.temperature for i in plain], device=dev)
-        probs = torch.softmax(work.index_select(0, rows) / temps.unsqueeze(1), dim=-1)  # [N, V]
+        picked = work if len(plain) == batch else work.index_select(0, rows)  # [N, V]
+        plain_temps = [samplers[i].params.temperature for i in plain]
+        if any(temp != 1.0 for temp in plain_temps):  # OpenAI's default is 1: no pass over the logits for it
+            picked = picked / torch.tensor(plain_temps, device=dev).unsqueeze(1)
+        probs = torch.softmax(picked, dim=-1)  # [N, V]
         out[rows] = _draw_rows(probs, [samplers[i] for i in plain])
 
     cut = [i for i, s in enumerate(samplers) if not s.params.is_greedy and s.params.truncates]
@@ -244,15 +247,25 @@ def sample_next_tokens(logits: torch.Tensor, samplers: Sequence[SequenceSampler]
 
 
 def _draw_rows(probs: torch.Tensor, samplers: Sequence[SequenceSampler]) -> torch.Tensor:
-    """One categorical draw per row, each from its own sequence's generator (no shared RNG state).
+    """One categorical draw per row, each with one uniform from its own sequence's generator.
 
-    This is `torch.multinomial(probs[j], 1, generator=g_j)` batched: multinomial draws one sample as
-    `argmax(p / q)` with `q ~ Exp(1)` (bit-identical on CPU), so only the noise is made per row and the
-    division and argmax run once for the batch. Tokens with probability 0 can never win.
+    Inverse-CDF sampling: the first token whose cumulative probability exceeds `u` x the row's total,
+    `u ~ U[0, 1)`. One random number a row, where `torch.multinomial`'s `argmax(p / q)`, `q ~ Exp(1)`,
+    needs one per token: SmolLM2's 49,152-token rows took 1.1 ms of `exponential_` each, 16.7 ms for
+    16 rows, against 0.5 ms for the whole batch here (measured). The sum runs in the probabilities'
+    float32, so a token's mass is kept to within float32's resolution of the row total (~1e-7); a
+    float64 sum costs 4 ms more a step. Tokens with probability 0 can never win: their cumulative
+    sum equals their predecessor's, and the search takes the first one above `u`.
     """
-    # probs: [N, V], each row sums to 1 over its kept tokens -> [N] token positions
-    noise = torch.empty_like(probs)  # [N, V]
+    # probs: [N, V], each row's kept tokens carry its mass -> [N] token positions
     dev = probs.device
-    for j, s in enumerate(samplers):
-        noise[j].exponential_(generator=s.generator(dev))
-    return (probs / noise).argmax(dim=-1)
+    cumulative = torch.cumsum(probs, dim=-1)  # [N, V]
+    uniform = torch.cat([torch.rand(1, generator=s.generator(dev), dtype=probs.dtype, device=dev)
+                         for s in samplers])  # [N]
+    target = (uniform * cumulative[:, -1]).unsqueeze(1)  # [N, 1]
+    picks = torch.searchsorted(cumulative, target, right=True).squeeze(1)  # [N]
+    vocab = probs.shape[1]
+    if bool((picks >= vocab).any()):  # `target` rounded up to the total: the last kept token instead
+        last_kept = vocab - 1 - (probs > 0).flip(-1).int().argmax(dim=-1)  # [N]
+        picks = torch.minimum(picks, last_kept)
+    return picks

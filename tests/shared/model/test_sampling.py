@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -79,15 +81,24 @@ def test_a_sequence_samples_the_same_alone_or_in_any_batch() -> None:
         assert got == alone, f"target at row {position}"
 
 
-def test_batched_draw_equals_per_row_torch_multinomial() -> None:
-    logits = _logits_stream(9, 1, rows=8)[0]  # [8, V]
+def test_each_row_draws_by_the_inverse_cdf_of_one_uniform_from_its_own_generator() -> None:
+    logits = _logits_stream(9, 1, rows=8, vocab=4096)[0]  # [8, V]
     samplers = [SequenceSampler(SamplingParams(seed=100 + i, temperature=0.8)) for i in range(8)]
-    expected = [
-        torch.multinomial(torch.softmax(logits[i] / 0.8, dim=-1), 1,
-                          generator=torch.Generator().manual_seed(100 + i)).item()
-        for i in range(8)
-    ]
+    expected = []
+    for i, s in enumerate(samplers):
+        probs = torch.softmax(logits[i] / 0.8, dim=-1)  # [V]
+        u = torch.rand(1, generator=s.generator(torch.device("cpu")))
+        cdf = torch.cumsum(probs, dim=0)
+        expected.append(int((cdf <= u * cdf[-1]).sum()))  # the first token whose cdf exceeds u
     assert sample_next_tokens(logits, samplers) == expected
+
+
+def test_tokens_without_probability_are_never_drawn_even_at_the_edges() -> None:
+    """Masked tokens (probability 0) at the start, between kept ones and at the end of the row."""
+    logits = torch.full((1, 6), -math.inf)
+    logits[0, 1], logits[0, 3] = 0.0, 0.0  # kept: 1 and 3
+    drawn = {sample_next_tokens(logits, [SequenceSampler(SamplingParams(seed=i))])[0] for i in range(400)}
+    assert drawn == {1, 3}
 
 
 @pytest.mark.parametrize("params", [
