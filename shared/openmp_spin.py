@@ -2,13 +2,14 @@
 
 An attention worker and an FFN worker on one machine take turns at every layer, a few milliseconds
 each. libgomp's default (`GOMP_SPINCOUNT` 300000) keeps an idle team thread spinning for about
-9 ms after each parallel region (measured on the 2-core EPYC VM, torch 2.13 CPU), so each half's
-idle threads spin through the other half's whole turn on the cores it computes on. Bounded to
-`WORKER_SPIN_COUNT`, a thread still spins through the gaps between one layer's operators (tens of
-microseconds) but sleeps through the other half's turn, and both halves can use every core.
-Measured, 1 + 1 workers on 2 cores, both at 2 threads, 16 sequences decoding: a step takes 206-218 ms
-with 10000-100000 spins against 350 ms at the default, and 241 ms for attention 1 + FFN 2 threads
-at the default.
+9 ms after each parallel region (measured on the 2-core EPYC VM, torch 2.13 CPU: a 2-thread product
+every 5 ms used 1.08-1.12 CPU seconds a second, against 0.37-0.40 bounded), so each half's idle
+threads spin through the other half's turn on the cores it computes on, and burn the CPU time that
+the gateway, the scheduler and nats-server need. Bounded to `WORKER_SPIN_COUNT`, a thread still
+spins through the gaps between one layer's operators (tens of microseconds) but sleeps through the
+other half's turn. On the 2-core VM the bound does not change the decode step measurably (1 + 1
+workers at 2 threads, one sitting: 146-150 ms at the default, 130-162 ms bounded); no spin at all
+(`OMP_WAIT_POLICY=passive`) was slower, a wake-up per operator.
 
 libgomp reads the variable once, when it loads (with torch), so this runs before `import torch`.
 This module imports nothing that loads torch.
