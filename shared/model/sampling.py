@@ -226,24 +226,30 @@ def sample_next_tokens(logits: torch.Tensor, samplers: Sequence[SequenceSampler]
     plain = [i for i, s in enumerate(samplers) if not s.params.is_greedy and not s.params.truncates]
     if plain:
         rows = torch.tensor(plain, device=dev)
-        picked = work if len(plain) == batch else work.index_select(0, rows)  # [N, V]
-        plain_temps = [samplers[i].params.temperature for i in plain]
-        if any(temp != 1.0 for temp in plain_temps):  # OpenAI's default is 1: no pass over the logits for it
-            picked = picked / torch.tensor(plain_temps, device=dev).unsqueeze(1)
-        probs = torch.softmax(picked, dim=-1)  # [N, V]
+        probs = torch.softmax(_tempered(work, plain, rows, samplers), dim=-1)  # [N, V]
         out[rows] = _draw_rows(probs, [samplers[i] for i in plain])
 
     cut = [i for i, s in enumerate(samplers) if not s.params.is_greedy and s.params.truncates]
     if cut:
         rows = torch.tensor(cut, device=dev)
-        temps = torch.tensor([samplers[i].params.temperature for i in cut], device=dev)
-        scaled = work.index_select(0, rows) / temps.unsqueeze(1)  # [N, V]
+        scaled = _tempered(work, cut, rows, samplers)  # [N, V]
         probs, sorted_ids = _top_k_top_p_probs(
             scaled, [samplers[i].params.top_k for i in cut], [samplers[i].params.top_p for i in cut]
         )
         picks = _draw_rows(probs, [samplers[i] for i in cut])  # [N], positions in sorted order
         out[rows] = sorted_ids.gather(1, picks.unsqueeze(1)).squeeze(1)
     return out.tolist()
+
+
+def _tempered(work: torch.Tensor, picked: list[int], rows: torch.Tensor, samplers: Sequence[SequenceSampler]
+              ) -> torch.Tensor:
+    """The `picked` rows of `work` ([B, V]) over their temperatures: [N, V]. No gather when every row is
+    picked, and no pass over the logits when every temperature is OpenAI's default 1 (dividing by 1 is exact)."""
+    chosen = work if len(picked) == work.shape[0] else work.index_select(0, rows)  # [N, V]
+    temps = [samplers[i].params.temperature for i in picked]
+    if all(temp == 1.0 for temp in temps):
+        return chosen
+    return chosen / torch.tensor(temps, device=work.device).unsqueeze(1)
 
 
 def _draw_rows(probs: torch.Tensor, samplers: Sequence[SequenceSampler]) -> torch.Tensor:
