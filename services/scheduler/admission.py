@@ -4,23 +4,21 @@ The gateway validates too, but the scheduler is the one that knows the workers' 
 (KV blocks x block size, context length from `Register`), and other clients may submit directly.
 `validate_request` raises `InvalidRequestError(message, param)`; `rejection` turns that and the
 scheduler's own state (a bad or duplicate id, no workers ready, a full queue) into the typed
-`ErrorBody` of a refused `SubmitReply`.
+`ErrorBody` of a refused `SubmitReply`; `overdue` and `shed` refuse, later, the admitted requests that
+waited past their queue deadline without starting.
 """
 
 from __future__ import annotations
 
-from collections.abc import Container
+from collections.abc import Container, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from services.scheduler import forks
+from services.scheduler.state import RequestState, Status
 from shared import subjects
 from shared.error_types import ErrorType
 from shared.errors import InvalidRequestError
 from shared.messages import ErrorBody, SubmitRequest
-
-if TYPE_CHECKING:
-    from services.scheduler.state import RequestState
 
 RETRY_AFTER_S = 1.0  # what overloaded / unavailable rejections suggest
 
@@ -76,6 +74,17 @@ def overdue(state: RequestState, now_mono: float, deadline_s: float, *, ready: b
                          f"within queue_deadline_s={deadline_s:g}", code="no_workers_ready")
     return ErrorBody(type=ErrorType.OVERLOADED, message=f"the mesh is overloaded: the request waited {waited_s:.1f} "
                      f"s without starting (queue_deadline_s={deadline_s:g}); retry later", code="queue_deadline")
+
+
+def shed(states: list[RequestState], now_mono: float, deadline_s: float, *,
+         ready: bool) -> Iterator[tuple[RequestState, ErrorBody]]:
+    """The waiting requests past their queue deadline, with the refusal each gets (`overdue`): shedding them
+    lets the served keep their TTFT. Lazily, so one that started or ended while the caller sent the
+    refusal before it is passed over."""
+    for state in [s for s in states if s.status is Status.WAITING]:
+        error = None if state.finished else overdue(state, now_mono, deadline_s, ready=ready)
+        if error is not None:
+            yield state, error
 
 
 def validate_request(req: SubmitRequest, *, context_limit: int, vocab_size: int | None = None) -> None:

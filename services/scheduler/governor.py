@@ -239,6 +239,15 @@ class Governor:
 
     # -- frequency commands ---------------------------------------------------------------------
 
+    def commands(self, now_mono: float, requests: Iterable[RequestState],
+                 only: list[Worker] | None = None) -> list[FrequencyCommand]:
+        """A frequency window's commands (`window`), or with `only`, commands for those workers now (their
+        assignment changed), the window's plans unchanged."""
+        if only is None:
+            return self.window(now_mono, requests)
+        signals = self.signals(now_mono, requests)
+        return [self.command(w, signals) for w in only if w.healthy and w.supported_clocks_mhz]
+
     def window(self, now_mono: float, requests: Iterable[RequestState]) -> list[FrequencyCommand]:
         """One frequency window: a command for every healthy worker with supported clocks."""
         signals = self.signals(now_mono, requests)

@@ -27,10 +27,10 @@ from typing import Any
 
 from nats.aio.client import Client
 
+from services.scheduler.recovery import SeamAvoidance
 from services.scheduler.registry import Registry, Worker
 from services.scheduler.state import RequestState, Status
 from shared import subjects
-from shared.error_types import KV_HANDOFF_UNREACHABLE
 from shared.messages import KVHandoff, KVHandoffReply, decode, encode
 
 log = logging.getLogger("aflex.scheduler")
@@ -38,10 +38,9 @@ log = logging.getLogger("aflex.scheduler")
 
 class Handoffs:
     def __init__(self, nc: Client, registry: Registry, run_token: str, timeout_s: float,
-                 spawn: Callable[[Coroutine[Any, Any, None]], object], avoid_s: float = 5.0) -> None:
+                 spawn: Callable[[Coroutine[Any, Any, None]], object]) -> None:
         self.nc, self.registry, self.run_token, self.timeout_s, self.spawn = nc, registry, run_token, timeout_s, spawn
-        self.avoid_s = avoid_s  # a decode worker whose KV seam could not be reached gets no moves this long
-        self._avoid: dict[str, float] = {}  # worker -> monotonic time it may take moves again
+        self.avoidance = SeamAvoidance()  # recovery.py's rule: which decode workers a move skips for now
         self._ids = itertools.count(1)
         self.moved = self.failed = 0
         self.moved_bytes = 0
@@ -66,7 +65,7 @@ class Handoffs:
         now = time.monotonic()
         fits = [w for w in self.registry.usable_attention()
                 if w.assignment == "decode-attention" and w.kv_address and w.capacity_tokens >= need
-                and self._avoid.get(w.worker_id, 0.0) <= now
+                and not self.avoidance.avoided(w.worker_id, now)
                 and w.lane.est_free_blocks >= w.lane.blocks_for(need)]
         return max(fits, key=lambda w: (w.lane.est_free_blocks, -len(w.lane.running)), default=None)
 
@@ -95,10 +94,9 @@ class Handoffs:
         if state.finished or state.worker_id != source.worker_id or lane.epoch != epoch or state not in lane.running:
             return  # cancelled, or taken back (its worker lost) meanwhile: an arrived KV expires unclaimed
         state.in_flight = False
-        if reply is not None and reply.error is not None and reply.error.code == KV_HANDOFF_UNREACHABLE:
-            self._avoid[target.worker_id] = time.monotonic() + self.avoid_s  # its KV seam is gone: no moves to it
         if reply is None or not reply.ok or not target.healthy or target.parked:
             self.failed += 1
+            self.avoidance.handoff_failed(target.worker_id, reply, time.monotonic())
             log.warning("request %s: KV handoff %s from %s to %s failed, it decodes where it is: %s",
                         state.request_id, handoff_id, source.worker_id, target.worker_id,
                         why or f"{target.worker_id} left decode meanwhile")

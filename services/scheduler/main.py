@@ -22,7 +22,7 @@ async def run(settings: SchedulerSettings, *, stop: asyncio.Event | None = None,
 
     def bus_lost() -> None:
         if scheduler is not None:
-            scheduler.membership.on_bus_lost()
+            scheduler.on_bus_lost()
 
     nc = await bus.connect(settings.nats_url, f"aflex-scheduler-{settings.scheduler_id}", on_disconnect=bus_lost,
                            user=settings.nats_user, password=settings.nats_password)

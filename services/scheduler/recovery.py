@@ -13,7 +13,8 @@ e.g. while the scheduler's NATS connection was down; not the sequences' fault).
 
 Every blame rule lives here: `judge` turns a microbatch's outcome (its Done, the error it failed
 with, or nothing within the timeout) into one `Verdict` per sequence and, where the FFN worker could
-not be reached, the worker to route around. Dispatch only applies the verdicts.
+not be reached, the worker to route around; `SeamAvoidance` says which decode workers a KV handoff
+avoids after one could not reach their KV seam. Dispatch and handoff.py only apply them.
 """
 
 from __future__ import annotations
@@ -29,15 +30,17 @@ from shared.error_types import (
     FFN_UNREACHABLE,
     FORK_PARENT_MISSING,
     KV_HANDOFF_MISSING,
+    KV_HANDOFF_UNREACHABLE,
     PREFIX_MISSING,
     SEQUENCE_BUSY,
     ErrorType,
 )
 from shared.errors import AFlexError
-from shared.messages import ErrorBody, MicrobatchDone, SeqResult
+from shared.messages import ErrorBody, KVHandoffReply, MicrobatchDone, SeqResult
 
 MAX_FAILURES = 3  # errored passes of one request before it ends with finish_reason "error"
 LOST_CONFIRM_S = 0.5  # how long a microbatch missing from a heartbeat has to turn up done before it is lost
+KV_SEAM_AVOID_S = 5.0  # a decode worker whose KV seam could not be reached gets no KV moves this long
 ORDER_MEMORY = 256  # descriptors per worker whose send order is kept, for the heartbeats' `newest_mb_id`
 # Refusals that are no sequence's fault, so not counted against it (shared/error_types.py says what each means).
 BLAMELESS_CODES = frozenset({FFN_UNREACHABLE, SEQUENCE_BUSY, FORK_PARENT_MISSING, KV_HANDOFF_MISSING, PREFIX_MISSING})
@@ -237,3 +240,20 @@ def judge(outcome: MicrobatchDone | BaseException | None, seq_ids: Sequence[str]
     unreachable = error is not None and error.code == FFN_UNREACHABLE
     return Judgement(verdicts, whole=error is None and not done.failed_seq_ids,
                      unreachable_ffn=ffn_worker_id if unreachable else None, why=error.message if error else "")
+
+
+class SeamAvoidance:
+    """Decode workers whose KV seam a prefill worker could not reach. Not `Registry.suspect`: the worker is
+    alive on NATS and serves what it holds; only KV moves to it stop, for `avoid_s`, then are tried again."""
+
+    def __init__(self, avoid_s: float = KV_SEAM_AVOID_S) -> None:
+        self.avoid_s = avoid_s
+        self._until: dict[str, float] = {}  # worker -> monotonic time it may take moves again
+
+    def handoff_failed(self, target_id: str, reply: KVHandoffReply | None, now: float) -> None:
+        """A move to `target_id` failed with `reply` (None: no reply): avoid it if its seam was unreachable."""
+        if reply is not None and reply.error is not None and reply.error.code == KV_HANDOFF_UNREACHABLE:
+            self._until[target_id] = now + self.avoid_s
+
+    def avoided(self, worker_id: str, now: float) -> bool:
+        return self._until.get(worker_id, 0.0) > now

@@ -1,57 +1,46 @@
-"""The scheduler service (dispatch): admission, routing, per-worker iteration loops, streaming.
+"""The scheduler service: the bus's control and request subjects, and who acts on what each answers.
 
-One asyncio task per attention worker runs iterations: plan (`shared.policy.plan_iteration` through
-passes.py, with the governor's iteration policy), publish the microbatch descriptors, wait for every
-`MicrobatchDone`, apply the sampled tokens, stream `OutputDelta`s. Everything runs on one event loop,
-so request state needs no locks; NATS callbacks only mutate state and set events, the loops do the
-waiting. Dispatch owns the per-request state; membership.py keeps the workers (registration, heartbeats,
-losses, capacity and plan changes) in step with it; recovery.py decides what a failure costs (recompute,
-or an error after MAX_FAILURES), governor.py the batching and clock policies, the frequency commands
-and the telemetry figures. A microbatch's energy is shared among its sequences by the tokens each fed.
+`Scheduler` subscribes to registrations, heartbeats, status requests, submissions, cancellations and
+`MicrobatchDone`s, and runs the health loop and the frequency window. It decides nothing itself; it
+applies what the deciding modules answer: membership.py's `Change` for each registration, heartbeat,
+silence and new plan (lanes to start, requests to route again, workers lost, clocks to send);
+admission.py's refusals (at submission, and `shed` past the queue deadline); governor.py's clock
+commands and telemetry figures. dispatch.py runs the per-worker iterations, applies recovery.py's
+verdicts and streams the tokens; its `finish` is the one place a request ends.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 import uuid
-from collections.abc import Coroutine
-from typing import Any
 
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 
-from services.scheduler import beacon, forks, recovery
-from services.scheduler.admission import Mesh, rejection
+from services.scheduler import beacon, recovery
+from services.scheduler.admission import RETRY_AFTER_S, Mesh, rejection, shed
+from services.scheduler.dispatch import Dispatch
 from services.scheduler.gateways import GatewayWatch
 from services.scheduler.governor import Governor
-from services.scheduler.handoff import Handoffs
-from services.scheduler.membership import Membership
+from services.scheduler.membership import Change, Membership
 from services.scheduler.model_info import ModelInfo
-from services.scheduler.outputs import OutputStream, token_delta
-from services.scheduler.passes import Pass, PassPlan, plan_passes, release_only, share_energy
 from services.scheduler.prefix_index import PrefixIndex
 from services.scheduler.provisioning import ProvisioningLoop
-from services.scheduler.recovery import InFlight
 from services.scheduler.registry import Registry, Worker
 from services.scheduler.routing import Placement
-from services.scheduler.state import RequestState, Status
+from services.scheduler.state import RequestState
+from services.scheduler.tasks import TaskSet
 from shared import subjects
-from shared.error_types import PREFIX_MISSING, ErrorType
+from shared.error_types import ErrorType
 from shared.messages import (
     CancelRequest,
     ErrorBody,
-    FinishReason,
-    MicrobatchDescriptor,
-    MicrobatchDone,
-    OutputDelta,
+    Heartbeat,
     ProtocolError,
     SubmitReply,
     SubmitRequest,
-    TokenLogprob,
-    Usage,
     decode,
     encode,
 )
@@ -68,58 +57,42 @@ class Scheduler:
         self.requests: dict[str, RequestState] = {}
         self.prefixes = PrefixIndex() if settings.prefix_caching else None
         self.placement = Placement(self.registry, self.prefixes)
-        self.in_flight = InFlight()
         self.run_token = uuid.uuid4().hex[:8]  # this run: mb ids unique across restarts, the heartbeat's instance
-        self._tasks: set[asyncio.Task[None]] = set()
+        self.tasks = TaskSet()
         self.governor = Governor(settings, model, self.registry)
         self.gateways = GatewayWatch(settings.gateway_silence_s)
-        self.outputs = OutputStream(nc)
-        self.membership = Membership(self)
-        self.provisioning = ProvisioningLoop(settings, nc, self.registry, self.governor, self.membership.plan_changed) \
+        self.membership = Membership(self.registry, settings.scheduler_id, self.run_token)
+        self.provisioning = ProvisioningLoop(settings, nc, self.registry, self.governor, self._plan_changed) \
             if settings.provisioning == "aflex" else None
-        self.handoffs = Handoffs(nc, self.registry, self.run_token, settings.kv_handoff_timeout_s, self._spawn)
+        self.dispatch = Dispatch(settings, nc, model, self.registry, self.requests, self.placement, self.prefixes,
+                                 self.governor, self.provisioning, self.tasks, self.run_token)
 
     # -- lifecycle ------------------------------------------------------------------------------
 
     async def start(self) -> None:
         nc = self.nc
-        await nc.subscribe(subjects.CONTROL_REGISTER, cb=bus.guarded(self.membership.on_register, log))
-        await nc.subscribe(subjects.CONTROL_HEARTBEAT_ALL, cb=bus.guarded(self.membership.on_heartbeat, log))
-        await nc.subscribe(subjects.SCHED_DONE, cb=bus.guarded(self._on_done, log))
-        await nc.subscribe(subjects.SCHED_STATUS, cb=bus.guarded(self.membership.on_status, log))
+        await nc.subscribe(subjects.CONTROL_REGISTER, cb=bus.guarded(self._on_register, log))
+        await nc.subscribe(subjects.CONTROL_HEARTBEAT_ALL, cb=bus.guarded(self._on_heartbeat, log))
+        await nc.subscribe(subjects.SCHED_DONE, cb=bus.guarded(self.dispatch.on_done, log))
+        await nc.subscribe(subjects.SCHED_STATUS, cb=bus.guarded(self._on_status, log))
         await nc.subscribe(subjects.REQ_SUBMIT, queue=subjects.SCHEDULER_QUEUE, cb=bus.guarded(self._on_submit, log))
         await nc.subscribe(subjects.REQ_CANCEL_ALL, cb=bus.guarded(self._on_cancel, log))
         await nc.subscribe(subjects.GATEWAY_HEARTBEAT, cb=bus.guarded(self.gateways.on_heartbeat, log))
         await nc.flush()
-        self._spawn(self.membership.health_loop())
+        self.tasks.spawn(self._health_loop())
         if self.settings.freq_window_s > 0:
-            self._spawn(self._freq_loop())
+            self.tasks.spawn(self._freq_loop())
         if self.provisioning is not None:
-            self._spawn(self.provisioning.run())
+            self.tasks.spawn(self.provisioning.run())
         s = self.settings
-        self._spawn(beacon.heartbeat_loop(nc, s.scheduler_id, self.run_token, s.heartbeat_s))
+        self.tasks.spawn(beacon.heartbeat_loop(nc, s.scheduler_id, self.run_token, s.heartbeat_s))
         if s.telemetry_hz > 0:
-            self._spawn(beacon.telemetry_loop(nc, s.scheduler_id, s.telemetry_hz, lambda: self.governor.telemetry(
+            self.tasks.spawn(beacon.telemetry_loop(nc, s.scheduler_id, s.telemetry_hz, lambda: self.governor.telemetry(
                 self.queue_depth, self.running_count, self.provisioning.plan_id if self.provisioning else 0
-            ).model_copy(update=self.handoffs.figures())))
+            ).model_copy(update=self.dispatch.handoffs.figures())))
 
     async def stop(self) -> None:
-        for task in list(self._tasks):
-            task.cancel()
-        for task in list(self._tasks):
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
-
-    def _spawn(self, coro: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
-        task = asyncio.create_task(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._task_done)
-        return task
-
-    def _task_done(self, task: asyncio.Task[None]) -> None:
-        self._tasks.discard(task)
-        if not task.cancelled() and task.exception() is not None:
-            log.error("scheduler task %s died", task.get_name(), exc_info=task.exception())
+        await self.tasks.cancel_all()
 
     @property
     def queue_depth(self) -> int:
@@ -128,6 +101,79 @@ class Scheduler:
     @property
     def running_count(self) -> int:
         return sum(len(lane.running) for lane in self.registry.lanes())
+
+    # -- membership (membership.py answers, the scheduler applies) -------------------------------
+
+    async def _on_register(self, msg: Msg) -> None:
+        reply, change = self.membership.register(msg.data, time.monotonic())
+        self._apply_change(change)
+        await msg.respond(reply)
+
+    async def _on_heartbeat(self, msg: Msg) -> None:
+        hb = decode(Heartbeat, msg.data)
+        now = time.monotonic()
+        reply, change = self.membership.heartbeat(hb, now)
+        if reply is not None and msg.reply:
+            await msg.respond(reply)
+        self._apply_change(change)
+        if hb.active_mb_ids is not None:
+            self.dispatch.in_flight.check_heartbeat(hb.worker_id, set(hb.active_mb_ids), now,
+                                                    self.settings.microbatch_lost_after_s, hb.newest_mb_id)
+
+    async def _on_status(self, msg: Msg) -> None:
+        status = self.membership.status(self.model.model_id, self.queue_depth, self.running_count, time.monotonic())
+        await msg.respond(encode(status))
+
+    def _plan_changed(self, changed: list[Worker]) -> None:
+        self._apply_change(self.membership.plan_changed(changed))
+
+    def on_bus_lost(self) -> None:
+        """The NATS connection dropped: every in-flight microbatch is a suspect the next heartbeat settles."""
+        self.dispatch.in_flight.bus_lost()
+
+    def _apply_change(self, change: Change) -> None:
+        """Act on membership's answer: take back what lost or restarted workers held (their KV is gone or out of
+        reach; no prefix is looked for there), route requests around workers that take none, start lanes."""
+        for worker, restarted in [*((w, False) for w in change.lost), *((w, True) for w in change.restarted)]:
+            if worker.role == "attention":
+                recovery.lose(worker, self.dispatch.in_flight, restarted=restarted)
+                if self.prefixes is not None:
+                    self.prefixes.lost(worker.worker_id)
+        for worker in change.lost:
+            if self.provisioning is not None:
+                self.provisioning.lost(worker)
+        for worker in change.joined:
+            self.governor.worker_restarted(worker.worker_id)
+        for worker in change.reroute:
+            assert worker.attention_lane is not None  # membership reroutes attention workers only
+            self.placement.reroute_unstarted(worker.attention_lane)
+        for worker in change.start:
+            self.dispatch.start_lane(worker)
+        if change.capacity:
+            unplaced, self.placement.unplaced = self.placement.unplaced, []
+            for state in unplaced:
+                self.placement.route(state)
+            for worker in self.registry.healthy("attention"):
+                worker.lane.wake.set()
+        if change.clocks and self.settings.freq_window_s > 0:
+            self.tasks.spawn(self.freq_window(change.clocks))
+
+    async def _health_loop(self) -> None:
+        """Every moment: lose the silent workers, abort the requests of silent gateways, shed the overdue."""
+        timeout_s = self.settings.heartbeat_timeout_s
+        while True:
+            await asyncio.sleep(min(0.5, timeout_s / 4))
+            self._apply_change(self.membership.expire(time.monotonic(), timeout_s))
+            for state in self.gateways.orphans(time.monotonic(), list(self.requests.values())):
+                if not state.finished:  # (finished meanwhile, while a delta was published)
+                    await self.dispatch.finish(state, "abort")
+            for state, error in shed(list(self.requests.values()), time.monotonic(), self.settings.queue_deadline_s,
+                                     ready=self.registry.ready):
+                log.info("request %s shed: %s", state.request_id, error.message)
+                try:
+                    await self.dispatch.finish(state, "error", error, retry_after_s=RETRY_AFTER_S)
+                except Exception as exc:  # a publish into a closed connection: the health loop must go on
+                    log.warning("request %s: its refusal could not be sent: %s", state.request_id, exc)
 
     # -- admission ------------------------------------------------------------------------------
 
@@ -138,9 +184,10 @@ class Scheduler:
             await msg.respond(encode(SubmitReply(request_id="", accepted=False, error=ErrorBody(
                 type=ErrorType.INVALID_REQUEST, message=str(exc), code="invalid_message"))))
             return
-        known = (self.requests.get(req.request_id) or self.outputs.finished(req.request_id)) if req.resync else None
+        outputs = self.dispatch.outputs
+        known = (self.requests.get(req.request_id) or outputs.finished(req.request_id)) if req.resync else None
         if known is not None:  # its gateway may have missed deltas: send them again
-            sent = await self.outputs.resend(known, req.first_index)
+            sent = await outputs.resend(known, req.first_index)
             log.info("request %s: sent %d deltas again from index %d", req.request_id, sent, req.first_index)
             self.gateways.heard(req.gateway_id, time.monotonic())
             reply = SubmitReply(request_id=req.request_id, accepted=True, scheduler_instance=self.run_token)
@@ -174,184 +221,7 @@ class Scheduler:
         if state is None or state.finished or cancel.arrival_ts not in (None, state.arrival_ts):
             return  # unknown, done, or another submission under the same id
         log.info("request %s cancelled: %s", state.request_id, cancel.reason)
-        await self._finish(state, "abort")
-
-    # -- the per-worker loop --------------------------------------------------------------------
-
-    async def _worker_loop(self, worker: Worker) -> None:
-        lane = worker.lane
-        epoch = lane.epoch
-        while True:
-            lane.wake.clear()
-            if lane.epoch != epoch or not worker.healthy:
-                for state in recovery.evacuate(worker):
-                    self.placement.route(state, front=True)
-                if not worker.healthy:
-                    return
-                epoch = lane.epoch
-            now = time.monotonic()
-            plan = plan_passes(lane.running, lane.waiting, self.governor.iteration_policy(worker, now),
-                               lane.kv_room())
-            if not plan.groups or not self.registry.has_ffn(worker):
-                if lane.pending_release and self.registry.has_ffn(worker):
-                    await self._publish_release_only(worker)
-                await lane.wake.wait()
-                continue
-            for state in plan.admitted:
-                lane.waiting.remove(state)
-                lane.running.append(state)
-                state.status = Status.RUNNING
-                state.started = True
-            if await self._run_iteration(worker, plan):  # a failed one says nothing of a step's cost
-                self.governor.iteration_done(worker, plan.passes, time.monotonic() - now)
-
-    async def _run_iteration(self, worker: Worker, plan: PassPlan) -> bool:
-        """Run one iteration; True when every microbatch came back whole (no error, nothing refused)."""
-        lane = worker.lane
-        lane.iteration += 1
-        self.governor.iteration_sent(worker, plan.passes, len(plan.groups), time.monotonic())
-        sent: list[tuple[str, list[Pass], asyncio.Future[MicrobatchDone]]] = []
-        ffn_of: dict[str, str] = {}
-        for k, group in enumerate(plan.groups):
-            ffn = self.registry.ffn_for(worker)
-            assert ffn is not None  # checked by the caller, nothing awaited since
-            mb_id = f"{self.run_token}-{worker.worker_id}-{lane.iteration}-{k}"
-            release, lane.pending_release = forks.split_releases(
-                lane.pending_release, ([p.state for p in g] for g in plan.groups[k + 1:]))
-            desc = MicrobatchDescriptor(mb_id=mb_id, iteration=lane.iteration, phase=plan.phases[k],
-                                        ffn_worker=ffn.worker_id, seqs=[p.seq_work() for p in group],
-                                        release=release)
-            for p in group:
-                p.state.in_flight = True
-                p.state.first_pass_sent = True
-            fut = self.in_flight.track(mb_id, worker.worker_id, time.monotonic())
-            ffn_of[mb_id] = ffn.worker_id
-            sent.append((mb_id, group, fut))
-            await self.nc.publish(subjects.attn_mb(worker.worker_id), encode(desc))
-        timeout_s = self.settings.microbatch_timeout_s
-        await asyncio.wait([f for _, _, f in sent], timeout=timeout_s)
-        whole = True
-        for mb_id, group, fut in sent:
-            self.in_flight.forget(mb_id)
-            outcome = (fut.exception() or fut.result()) if fut.done() else None
-            if not fut.done():
-                fut.cancel()
-            judgement = recovery.judge(outcome, [p.state.request_id for p in group], [p.samples for p in group],
-                                       ffn_of[mb_id], timeout_s, mb_id)
-            whole = whole and judgement.whole
-            if judgement.unreachable_ffn is not None:
-                self.registry.suspect(judgement.unreachable_ffn, judgement.why)
-            if isinstance(outcome, MicrobatchDone):
-                self.governor.microbatch_done(worker, group, outcome, ffn_of[mb_id], lone=len(sent) == 1)
-                if outcome.energy_j is not None:
-                    share_energy(group, outcome.energy_j, set(outcome.failed_seq_ids))
-            else:
-                log.warning("microbatch %s failed: %s", mb_id, judgement.verdicts[0].reason if group else outcome)
-            await self._apply(worker, group, judgement.verdicts, returned=isinstance(outcome, MicrobatchDone))
-        return whole
-
-    async def _on_done(self, msg: Msg) -> None:
-        done = decode(MicrobatchDone, msg.data)
-        worker = self.registry.workers.get(done.worker_id)
-        if worker is not None:
-            worker.last_seen = time.monotonic()  # a done is as good as a heartbeat
-            worker.report_kv(done.kv_free_blocks, done.kv_total_blocks)
-        self.in_flight.settle(done)
-
-    async def _apply(self, worker: Worker, group: list[Pass], verdicts: list[recovery.Verdict], *,
-                     returned: bool) -> None:
-        """Apply recovery's verdicts: a result stands and streams, a failed pass is taken back and routed again."""
-        for p, verdict in zip(group, verdicts, strict=True):
-            state = p.state
-            if returned:  # (a microbatch that never came back leaves its reservations to take_back)
-                state.in_flight = False
-                worker.lane.reserved_blocks.pop(state.request_id, None)  # the worker's report now counts it
-            if state.finished or state.worker_id != worker.worker_id:
-                continue  # cancelled, or moved elsewhere, while in flight
-            if not verdict.ok:
-                if verdict.code == PREFIX_MISSING and self.prefixes is not None:
-                    self.prefixes.missing(worker.worker_id, state.prefix_names or [])
-                if verdict.code is not None and not verdict.blamed:
-                    log.info("request %s sent again (%s): %s", state.request_id, verdict.code, verdict.reason)
-                await self._requeue(worker, state, failure=verdict.blamed, reason=verdict.reason)
-                continue
-            state.num_computed += p.n_new
-            if self.prefixes is not None:
-                self.prefixes.computed(worker.worker_id, state, worker.block_size, worker.kv_total_blocks)
-            self.placement.prompt_in(state)
-            result = verdict.result
-            if result is not None and result.prompt_logprobs:
-                state.note_prompt_logprobs(result.prompt_logprobs_start, result.prompt_logprobs)
-            if p.samples:
-                assert result is not None and result.token_id is not None  # judged so
-                await self._append(state, result.token_id, result.logprob)
-                if self.handoffs.wanted(worker, state):  # a P/D plan's prefill worker: on to a decode worker
-                    self.handoffs.start(worker, state)
-
-    async def _requeue(self, worker: Worker, state: RequestState, *, failure: bool, reason: str) -> None:
-        """Take `state` off `worker` and route it again for recomputation (or fail it for good)."""
-        if state.finished or state.worker_id != worker.worker_id:
-            return  # cancelled, or already moved elsewhere
-        error = recovery.take_back(worker, state, failure=failure, reason=reason)
-        if error is not None:
-            await self._finish(state, "error", error)
-        else:
-            self.placement.route(state, front=True)
-
-    async def _publish_release_only(self, worker: Worker) -> None:
-        """Free KV of finished/cancelled sequences now, without waiting for more work.
-
-        No `MicrobatchDone` is awaited for it; if the worker sends one, it only updates KV counts.
-        """
-        ffn = worker if worker.assignment == "colocated" else self.registry.healthy("ffn")[0]
-        desc = release_only(worker, ffn.worker_id, self.run_token)
-        self.in_flight.note_sent(desc.mb_id, worker.worker_id)
-        await self.nc.publish(subjects.attn_mb(worker.worker_id), encode(desc))
-
-    # -- streaming ------------------------------------------------------------------------------
-
-    async def _append(self, state: RequestState, token: int, logprob: TokenLogprob | None = None) -> None:
-        reason = state.finish_reason_after(token, self.model.eos_token_ids)
-        state.output_ids.append(token)
-        state.logprobs.append(logprob)
-        now = time.time()
-        state.last_token_ts = now
-        if state.first_token_ts is None:
-            state.first_token_ts = now
-            ttft = state.ttft_s
-            assert ttft is not None
-            self.governor.first_token(time.monotonic(), ttft * 1000.0)
-            if self.provisioning is not None:
-                self.provisioning.first_token(time.monotonic(), ttft * 1000.0)
-        if reason is not None:
-            await self._finish(state, reason, last_token=True)
-            return
-        await self.outputs.token(state)
-
-    async def _finish(self, state: RequestState, reason: FinishReason, error: ErrorBody | None = None,
-                      last_token: bool = False, retry_after_s: float | None = None) -> None:
-        """End a request: free its place (KV released with the worker's next descriptor), send the final delta."""
-        state.status = Status.FINISHED
-        state.finish_reason = reason
-        self.requests.pop(state.request_id, None)
-        self.placement.finished(state)
-        worker = self.registry.workers.get(state.worker_id or "")
-        if worker is not None and worker.attention_lane is not None:
-            lane = worker.attention_lane
-            had_kv = state in lane.running or state.first_pass_sent
-            lane.detach(state)
-            if had_kv:
-                lane.pending_release.append(state.request_id)
-                lane.wake.set()
-        self.governor.finished(state, reason, time.monotonic())
-        if self.provisioning is not None:
-            self.provisioning.finished(state)
-        usage = Usage(prompt_tokens=len(state.prompt_ids), completion_tokens=len(state.output_ids),
-                      total_tokens=state.num_tokens, energy_j=state.energy_j, cached_tokens=state.cached_tokens)
-        delta = (token_delta(state, state.next_index, finish_reason=reason, usage=usage, error=error) if last_token
-                 else OutputDelta(request_id=state.request_id, index=state.next_index, token_ids=[],
-                                  finish_reason=reason, usage=usage, error=error, retry_after_s=retry_after_s))
-        await self.outputs.final(state, delta)
+        await self.dispatch.finish(state, "abort")
 
     # -- frequency commands and telemetry (governor.py decides, dispatch publishes) -----------------
 
@@ -363,12 +233,6 @@ class Scheduler:
     async def freq_window(self, only: list[Worker] | None = None) -> None:
         """One frequency window: the governor's command for every healthy worker with supported clocks; with
         `only`, a command for those workers now (their assignment changed), the window's plans unchanged."""
-        now = time.monotonic()
-        if only is None:
-            commands = self.governor.window(now, self.requests.values())
-        else:
-            signals = self.governor.signals(now, self.requests.values())
-            commands = [self.governor.command(w, signals) for w in only if w.healthy and w.supported_clocks_mhz]
-        for cmd in commands:
+        for cmd in self.governor.commands(time.monotonic(), self.requests.values(), only):
             await self.nc.publish(subjects.freq(cmd.worker_id), encode(cmd))
 

@@ -373,7 +373,7 @@ def test_pd_pools_park_at_low_load_wake_under_a_burst_and_hand_every_sequence_ov
             asked = {f"q{i}" for i in range(3)} | {f"b{i}" for i in range(40)}
             assert moved == asked and adopted == asked  # every one prefilled on one worker, decoded on another
             # (a sequence moves again only when its decode worker became a prefill worker, which `assign` avoids)
-            assert lv.sched.handoffs.moved == len(asked) and lv.sched.handoffs.failed == 0
+            assert lv.sched.dispatch.handoffs.moved == len(asked) and lv.sched.dispatch.handoffs.failed == 0
             assert all(s.start_pos in (50, 200) and s.sampling is not None for w in workers for s in w.adopted())
             assert any(p.changed for p in plans[1:]) and {p.kind for p in plans} == {"pd"}
             for w in others:
