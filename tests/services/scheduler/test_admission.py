@@ -7,9 +7,9 @@ from __future__ import annotations
 import statistics
 from collections.abc import Callable
 
-from services.scheduler.admission import overdue
+from services.scheduler.admission import overdue, shed
 from services.scheduler.running_bound import RECENT_STEPS, RunningBound
-from services.scheduler.state import RequestState
+from services.scheduler.state import RequestState, Status
 from shared.messages import SamplingSpec
 
 
@@ -33,6 +33,16 @@ def test_a_request_that_started_or_streamed_is_never_shed() -> None:
     assert overdue(waiting(100.0, output_ids=[7]), 200.0, 10.0) is None
     assert overdue(waiting(100.0), 1e9, float("inf")) is None  # inf: never
     assert overdue(waiting(100.0, choice_of="r0"), 200.0, 10.0) is None  # choice 1 of n goes with choice 0
+
+
+def test_shed_refuses_only_the_overdue_waiting_and_passes_over_one_that_started_meanwhile() -> None:
+    due, fresh, running, later = waiting(100.0), waiting(109.0), waiting(100.0, status=Status.RUNNING), waiting(100.0)
+    refusals = shed([due, fresh, running, later], 110.5, 10.0, ready=True)
+    first = next(refusals)
+    assert first[0] is due and first[1].code == "queue_deadline"
+    later.started = True  # taken into a running set while the first refusal was sent
+    assert list(refusals) == []
+    assert [s for s, _ in shed([due], 110.5, 10.0, ready=False)] == [due]
 
 
 def test_while_no_workers_are_ready_an_overdue_request_is_a_503() -> None:
