@@ -29,7 +29,7 @@ from services.attention_worker.sequences import Admitted, SequenceRefused, Seque
 from services.worker_base.gpu import WorkerGPU
 from services.worker_base.loading import eos_token_ids, load_half, parameter_bytes
 from services.worker_base.parking import ColdParking
-from services.worker_base.presence import Presence, registration
+from services.worker_base.presence import Presence, RoleFollower, registration
 from shared import subjects
 from shared.error_types import KV_HANDOFF_MISSING, ErrorType
 from shared.errors import AFlexError
@@ -126,9 +126,11 @@ class AttentionWorker:
                 gpu.meter.kv(0, self.sequences.total_blocks)
                 self.parking = ColdParking(self.worker_id, gpu.gpu, release=self._release_weights, load=self.load,
                                            idle=self._holds_nothing, weight_bytes=lambda: self.weight_bytes)
-                gpu.on_assignment = self.parking.assigned
                 stack.push_async_callback(self.parking.stop)
                 await gpu.start(nc)
+                roles = RoleFollower(self.worker_id, gpu.meter, self.parking.assigned)
+                stack.push_async_callback(roles.stop)
+                await roles.start(nc)
                 seam = make_seam(s.seam_transport, self.worker_id, nc, self._stray_frame, self.hops.peer_lost,
                                  listen=False, nats_url=s.nats_url, device=s.device, host=s.seam_host)
                 stack.push_async_callback(seam.close)

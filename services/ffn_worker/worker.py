@@ -23,7 +23,7 @@ from services.worker_base.ffn_forward import ffn_forward
 from services.worker_base.gpu import WorkerGPU
 from services.worker_base.loading import load_half, parameter_bytes
 from services.worker_base.parking import ColdParking
-from services.worker_base.presence import Presence, registration
+from services.worker_base.presence import Presence, RoleFollower, registration
 from shared import subjects
 from shared.errors import AFlexError
 from shared.gpu.base import GPU
@@ -92,9 +92,11 @@ class FFNWorker:
                 stack.callback(self.queue.stop)
                 self.parking = ColdParking(self.worker_id, gpu.gpu, release=self._release_weights, load=self.load,
                                            idle=self.queue.idle.is_set, weight_bytes=lambda: self.weight_bytes)
-                gpu.on_assignment = self.parking.assigned
                 stack.push_async_callback(self.parking.stop)
                 await gpu.start(nc)
+                roles = RoleFollower(self.worker_id, gpu.meter, self.parking.assigned)
+                stack.push_async_callback(roles.stop)
+                await roles.start(nc)
                 self.seam = seam = make_seam(s.seam_transport, self.worker_id, nc, self._on_frame, self._peer_lost,
                                              listen=True, nats_url=s.nats_url, device=s.device, host=s.seam_host)
                 stack.push_async_callback(self._close_seam, seam)

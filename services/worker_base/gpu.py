@@ -1,10 +1,10 @@
 """A worker's GPU: the backend from the settings, its DVFS controller, a meter of its work, telemetry.
 
 The controller follows the scheduler's `FrequencyCommand`s on `freq.<wid>`; a task publishes
-`WorkerTelemetry` on `telemetry.<role>.<wid>`, with the assignment the global scheduler last gave on
-`control.role.<wid>` (a warm-parked worker's lowest clock comes as a frequency command like any
-other). The clock is reset when the worker starts (one before it may have died with it locked) and
-when it stops.
+`WorkerTelemetry` on `telemetry.<role>.<wid>`, with the assignment the global scheduler last gave
+(the meter's, set by presence.py's `RoleFollower`; a warm-parked worker's lowest clock comes as a
+frequency command like any other). The clock is reset when the worker starts (one before it may
+have died with it locked) and when it stops.
 """
 
 from __future__ import annotations
@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -22,8 +21,8 @@ from nats.aio.msg import Msg
 from shared import subjects
 from shared.gpu.controller import DVFSController
 from shared.gpu.telemetry import WorkerMeter, publish_loop
-from shared.kinds import Assignment, Role
-from shared.messages import FrequencyCommand, ProtocolError, RoleAssignment, decode
+from shared.kinds import Role
+from shared.messages import FrequencyCommand, ProtocolError, decode
 
 if TYPE_CHECKING:
     from nats.aio.subscription import Subscription
@@ -54,9 +53,7 @@ class WorkerGPU:
                                          hysteresis_mhz=settings.hysteresis_mhz, min_hold_s=settings.min_hold_s)
         self.meter = WorkerMeter(worker_id, role)
         self.commands_ignored = 0
-        self.on_assignment: Callable[[Assignment | None], None] | None = None  # the worker's (cold parking)
         self._sub: Subscription | None = None
-        self._role_sub: Subscription | None = None
         self._task: asyncio.Task[None] | None = None
         self._stop = asyncio.Event()
 
@@ -73,7 +70,6 @@ class WorkerGPU:
         self.controller.poll()  # the default clock from the start
         self._stop.clear()
         self._sub = await nc.subscribe(subjects.freq(self.worker_id), cb=self._on_command)
-        self._role_sub = await nc.subscribe(subjects.role(self.worker_id), cb=self._on_role)
         self._task = asyncio.create_task(
             publish_loop(nc, subjects.telemetry(self.role, self.worker_id), self.meter, self.gpu, self.controller,
                          self.settings.telemetry_hz, self._stop), name=f"telemetry-{self.worker_id}")
@@ -93,21 +89,6 @@ class WorkerGPU:
         log.debug("%s: frequency command %s until %.3f (%s)", self.worker_id, clocks, cmd.valid_until_ts,
                   cmd.reason)
 
-    async def _on_role(self, msg: Msg) -> None:
-        try:
-            role = decode(RoleAssignment, msg.data)
-        except ProtocolError as exc:
-            log.warning("%s: ignored a malformed role assignment: %s", self.worker_id, exc)
-            return
-        if role.worker_id != self.worker_id:
-            log.warning("%s: ignored a role assignment for worker %s", self.worker_id, role.worker_id)
-            return
-        if role.assignment != self.meter.assignment:
-            log.info("%s: %s (plan %d: %s)", self.worker_id, role.assignment, role.plan_id, role.reason)
-        self.meter.assignment = role.assignment
-        if self.on_assignment is not None:
-            self.on_assignment(role.assignment)
-
     async def stop(self) -> None:
         """Stop telemetry and commands, reset the clock, close the GPU if this worker opened it."""
         self._stop.set()
@@ -115,11 +96,10 @@ class WorkerGPU:
             if self._task is not None:
                 await asyncio.gather(self._task, return_exceptions=True)
                 self._task = None
-            for sub in (self._sub, self._role_sub):
-                if sub is not None:
-                    with contextlib.suppress(Exception):  # connection already gone
-                        await sub.unsubscribe()
-            self._sub = self._role_sub = None
+            if self._sub is not None:
+                with contextlib.suppress(Exception):  # connection already gone
+                    await self._sub.unsubscribe()
+            self._sub = None
         finally:
             self.controller.reset()
             if self._owns_gpu:

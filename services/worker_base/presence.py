@@ -1,4 +1,4 @@
-"""A worker's presence: registration with the scheduler, then heartbeats.
+"""A worker's presence: registration with the scheduler, then heartbeats; and the role it is assigned.
 
 A worker is useless until the scheduler knows it, so it registers (request/reply on
 `control.register`) right after it subscribes to its microbatch subject, retrying until a scheduler
@@ -6,6 +6,8 @@ answers or the registration timeout passes. Heartbeats are sent as requests: NAT
 nobody subscribes to with "no responders" at once, which is how a worker notices that the
 scheduler is gone (restarted) and registers again. A scheduler may reply to a heartbeat with a
 `RegisterReply(ok=False)` to ask an unknown worker to register again; it need not reply at all.
+The global scheduler's `RoleAssignment`s come on `control.role.<wid>`: `RoleFollower` takes them
+(the telemetry's assignment, and the worker's cold parking).
 """
 
 from __future__ import annotations
@@ -19,14 +21,18 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from nats.aio.client import Client
+from nats.aio.msg import Msg
 
 from shared import subjects
 from shared.errors import AFlexError
-from shared.kinds import Role
-from shared.messages import Heartbeat, ProtocolError, Register, RegisterReply, decode, encode
+from shared.gpu.telemetry import WorkerMeter
+from shared.kinds import Assignment, Role
+from shared.messages import Heartbeat, ProtocolError, Register, RegisterReply, RoleAssignment, decode, encode
 from shared.transport import bus
 
 if TYPE_CHECKING:
+    from nats.aio.subscription import Subscription
+
     from shared.gpu.base import GPU
 
 log = logging.getLogger("aflex.worker")
@@ -166,3 +172,36 @@ class Presence:
                 log.error("%s", exc)
             except Exception:  # the heartbeat must never die
                 log.exception("%s: heartbeat failed", self.message.worker_id)
+
+
+class RoleFollower:
+    """The worker's end of `control.role.<wid>`: each assignment goes to the meter (telemetry carries it)
+    and to `on_assignment` (cold parking releases or loads the weights)."""
+
+    def __init__(self, worker_id: str, meter: WorkerMeter, on_assignment: Callable[[Assignment | None], None]) -> None:
+        self.worker_id, self.meter, self.on_assignment = worker_id, meter, on_assignment
+        self._sub: Subscription | None = None
+
+    async def start(self, nc: Client) -> None:
+        """Follow assignments from now on: before registering, so the first plan that names us is heard."""
+        self._sub = await nc.subscribe(subjects.role(self.worker_id), cb=self._on_role)
+
+    async def _on_role(self, msg: Msg) -> None:
+        try:
+            role = decode(RoleAssignment, msg.data)
+        except ProtocolError as exc:
+            log.warning("%s: ignored a malformed role assignment: %s", self.worker_id, exc)
+            return
+        if role.worker_id != self.worker_id:
+            log.warning("%s: ignored a role assignment for worker %s", self.worker_id, role.worker_id)
+            return
+        if role.assignment != self.meter.assignment:
+            log.info("%s: %s (plan %d: %s)", self.worker_id, role.assignment, role.plan_id, role.reason)
+        self.meter.assignment = role.assignment
+        self.on_assignment(role.assignment)
+
+    async def stop(self) -> None:
+        sub, self._sub = self._sub, None
+        if sub is not None:
+            with contextlib.suppress(Exception):  # connection already gone
+                await sub.unsubscribe()
