@@ -25,6 +25,7 @@ from shared.model.attention import AttentionHalf, AttentionMeta, PagedKVStore, S
 from shared.model.checkpoint import Checkpoint
 from shared.model.config import ModelArgs
 from shared.model.ffn import FFNHalf
+from shared.model.finish_rule import finish_reason
 from shared.model.kv_cache import BlockAllocator, BlockTables
 from shared.model.sampling import SamplingParams, SequenceSampler, StopStringMatcher, sample_next_tokens
 from shared.model.weights import load_attention_half, load_ffn_half
@@ -230,8 +231,9 @@ class Engine:
         return events
 
     def _append(self, seq: Sequence, token_id: int) -> TokenEvent:
+        seq.finish_reason = _finish_reason(seq, token_id)
         seq.output_ids.append(token_id)
-        seq.finish_reason = seq.sampler.record(token_id)
+        seq.sampler.record(token_id)
         delta = ""
         if seq.detokenizer is not None:
             delta = seq.detokenizer.push(token_id)
@@ -262,6 +264,13 @@ class Engine:
             self.step()
         return [Completion(s.seq_id, s.prompt_ids, s.output_ids, s.text, s.finish_reason or "stop")
                 for s in (sequences[i] for i in ids)]
+
+
+def _finish_reason(seq: Sequence, token_id: int) -> str | None:
+    """Why `seq` ends if `token_id` is appended now (call before appending): the finish rule, decided here as
+    the scheduler decides it in the mesh (no worker's sampler decides it), over the tokens generated so far."""
+    return finish_reason(seq.params, len(seq.output_ids), token_id, seq.sampler.eos_token_ids,
+                         constrained=seq.sampler.constraint is not None)
 
 
 def _item(seq: Sequence, waiting: bool) -> WorkItem[Sequence]:

@@ -1,4 +1,4 @@
-"""The mesh's closed vocabularies, declared once: phases, roles and finish reasons.
+"""The mesh's closed vocabularies, declared once: phases, roles, finish reasons, plan kinds and parking.
 
 Pure typing, no imports of the project: every layer (messages, the seam's frame header, the GPU
 controller, the predictors, the policy) names a phase or a role from here, so a new word is added
@@ -14,13 +14,23 @@ ClockPhase = Literal["prefill", "decode"]  # a phase with a clock of its own (mi
 CLOCK_PHASES: tuple[ClockPhase, ...] = ("prefill", "decode")
 Role = Literal["attention", "ffn"]  # the half of the model a worker serves
 FinishReason = Literal["stop", "length", "abort", "error"]
+# the shapes a provisioning plan takes (shared/policy/footprint.py): P/D pools, one mixed A/F pool, or
+# whole-model replicas; the simulator's planner and the live scheduler weigh the same kinds
+PlanKind = Literal["pd", "mixed", "colocated"]
+PLAN_KINDS: tuple[PlanKind, ...] = ("pd", "mixed", "colocated")
+# where a GPU out of the plan waits (warm: model kept, lowest clock; cold: weights released), and what an
+# operator may ask for: one of them, or "auto" (the break-even rule, `baseline_placement.parking_state`)
+ParkedState = Literal["warm", "cold"]
+ParkingChoice = Literal["auto", "warm", "cold"]
+PARKING_CHOICES: tuple[ParkingChoice, ...] = ("auto", "warm", "cold")
 # what the global scheduler assigns a worker each provisioning window (issue 26): the pool it serves in,
-# or where it waits while parked (warm: model kept, lowest clock; cold: weights released)
+# or where it waits while parked (`PARKED_ASSIGNMENT`: its parking state's)
 Assignment = Literal["prefill-attention", "decode-attention", "mixed-attention", "ffn", "colocated",
                      "parked-warm", "parked-cold"]
 ASSIGNMENTS: tuple[Assignment, ...] = ("prefill-attention", "decode-attention", "mixed-attention", "ffn",
                                        "colocated", "parked-warm", "parked-cold")
-PARKED: tuple[Assignment, ...] = ("parked-warm", "parked-cold")
+PARKED_ASSIGNMENT: dict[ParkedState, Assignment] = {"warm": "parked-warm", "cold": "parked-cold"}
+PARKED: tuple[Assignment, ...] = tuple(PARKED_ASSIGNMENT.values())
 
 
 def clock_phase(phase: str) -> ClockPhase:

@@ -24,6 +24,7 @@ from loadgen.sim.policies import ORACLES, PAPER_POLICIES, policy_spec
 from loadgen.workloads import WorkloadError
 from shared.gpu.base import GPUError
 from shared.gpu.emulated import GPUProfile, available_profiles, load_profile
+from shared.kinds import PARKING_CHOICES
 from shared.perf import cached_predictor
 
 
@@ -76,7 +77,7 @@ def add_sim_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--link-gbs", type=float, default=400.0, help="A/F, TP and KV link bandwidth, GB/s")
     p.add_argument("--switch-delay-ms", type=float, default=None, help="clock-switch delay (default: profile's)")
     p.add_argument("--window-s", type=float, default=300.0, help="provisioning window")
-    p.add_argument("--parking", choices=["auto", "warm", "cold"], default="auto",
+    p.add_argument("--parking", choices=list(PARKING_CHOICES), default="auto",
                    help="where GPUs outside a scaling policy's plan wait: warm (context kept, lowest clock), "
                         "cold (context released, bare idle; rejoin after a model load), auto (break-even)")
     p.add_argument("--accounting", choices=list(ACCOUNTINGS), default="cluster",

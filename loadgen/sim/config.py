@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from shared.kinds import ParkingChoice
+
 ACCOUNTINGS = ("cluster", "active", "fixed-pool")
 
 
@@ -31,7 +33,7 @@ class SimConfig:
     window_s: float = 300.0
     tick_s: float = 30.0
     headroom: float = 1.3
-    parking: str = "auto"  # GPUs outside a scaling policy's plan: "warm", "cold", or "auto" (break-even)
+    parking: ParkingChoice = "auto"  # GPUs outside a scaling policy's plan: "warm", "cold", or "auto" (break-even)
     # which accounting the top-level energy fields report (cluster and active are always in; fixed-pool
     # forces warm parking, and is in when asked for)
     accounting: str = "cluster"

@@ -25,6 +25,7 @@ from loadgen.sim.planning import SimPlanner
 from loadgen.sim.policies import PolicySpec
 from loadgen.sim.results import sim_results
 from shared.gpu.emulated import GPUProfile, operator_cost
+from shared.kinds import ParkedState
 from shared.model.config import ModelArgs
 from shared.perf import Predictor, attention_core_work, attention_projections, causal_pairs, op_work, shard_work
 from shared.policy import (
@@ -81,7 +82,7 @@ class Simulation:
         # parking: one rule for every policy; a GPU out of the plan is expected to stay out a window
         cold_j = profile.context_idle_power_w * profile.cold_rejoin_s(sum(self.weights.values()) / 2)
         # fixed-pool accounting: no GPU leaves its context, so parked GPUs idle warm at the lowest clock
-        self.parking = "warm" if config.accounting == "fixed-pool" else parking_state(
+        self.parking: ParkedState = "warm" if config.accounting == "fixed-pool" else parking_state(
             config.parking, config.window_s, profile.warm_parked_power_w, profile.idle_power_w, cold_j)
         self.parked_w = profile.warm_parked_power_w if self.parking == "warm" else profile.idle_power_w
         self.spec = ClusterSpec.for_model(

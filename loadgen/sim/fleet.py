@@ -24,8 +24,12 @@ from dataclasses import dataclass, field, replace
 
 from loadgen.sim.ledger import EnergyLedger
 from shared.gpu.emulated import GPUProfile
+from shared.kinds import PARKED_ASSIGNMENT, ParkedState
 from shared.policy import ClockRule, OperatingPoint, PoolShape
 from shared.policy.provision import idle_power_w
+
+# the ledger's groups of parked GPUs, named as the live scheduler's assignments of a parking state
+WARM, COLD = PARKED_ASSIGNMENT["warm"], PARKED_ASSIGNMENT["cold"]
 
 
 @dataclass
@@ -59,7 +63,7 @@ def empty_like(shape: PoolShape) -> PoolShape:
 
 class Fleet:
     def __init__(self, profile: GPUProfile, gpus: int, switch_delay_s: float, weights: dict[str, float],
-                 parking: str, ledger: EnergyLedger) -> None:
+                 parking: ParkedState, ledger: EnergyLedger) -> None:
         self.profile, self.gpus, self.switch_delay = profile, gpus, switch_delay_s
         self.weights, self.parking, self.ledger = weights, parking, ledger
         self.pools: dict[str, Pool] = {}
@@ -84,12 +88,12 @@ class Fleet:
 
     def parked(self, now: float, warm: int, cold: int) -> None:
         led = self.ledger
-        led.set_group("parked-warm", now, warm, self.profile.warm_parked_power_w, in_plan=False)
-        led.set_group("parked-cold", now, cold, self.profile.idle_power_w, in_plan=False)
+        led.set_group(WARM, now, warm, self.profile.warm_parked_power_w, in_plan=False)
+        led.set_group(COLD, now, cold, self.profile.idle_power_w, in_plan=False)
 
     def park(self, now: float, count: int) -> None:
         """`count` more GPUs leave the plan, into the policy's parking state."""
-        warm, cold = self.ledger.group_count("parked-warm"), self.ledger.group_count("parked-cold")
+        warm, cold = self.ledger.group_count(WARM), self.ledger.group_count(COLD)
         to_warm = count if self.parking == "warm" else 0
         self.parked(now, warm + to_warm, cold + count - to_warm)
 
@@ -115,7 +119,7 @@ class Fleet:
                 self.pools[name] = Pool(mode=name, shape=shape, idle_since=now)
             self.park(now, self.gpus - sum(sh.gpus for sh in shapes.values()))
         else:
-            warm, cold = led.group_count("parked-warm"), led.group_count("parked-cold")
+            warm, cold = led.group_count(WARM), led.group_count(COLD)
             for name, pool in self.pools.items():
                 if name not in shapes and (pool.shape.gpus or pool.joining or pool.next_shape is not None):
                     pool.retiring, pool.next_shape, pool.deficit = True, empty_like(pool.shape), 0

@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     from loadgen.sim.fleet import Pool
     from loadgen.sim.ledger import EnergyLedger
     from loadgen.sim.planning import SimPlanner
+    from shared.kinds import ParkedState
     from shared.policy import SloMargin
 
 
@@ -33,7 +34,7 @@ class FinishedRun(Protocol):
     clock_time: dict[str, float]  # GPU-seconds busy per operator
     clock_weighted: dict[str, float]  # the same weighted by clock (MHz·s)
     pools: dict[str, Pool]
-    parking: str
+    parking: ParkedState
     rejoins: list[tuple[float, int, str, float]]
     planner: SimPlanner
     plans: list[tuple[float, dict[str, Any]]]

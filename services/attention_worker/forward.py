@@ -99,7 +99,8 @@ def _account_attention(worker_gpu: WorkerGPU, phase: ClockPhase, work: OperatorW
 
 def commit(admitted: list[Admitted], tokens: list[int], logprobs: list[TokenLogprob | None],
            prompt: dict[int, PromptPart]) -> list[SeqResult]:
-    """Advance the sequences' computed counts and record the sampled tokens in their samplers."""
+    """Advance the sequences' computed counts and record the sampled tokens in their samplers (penalties,
+    `min_tokens`, the grammar); whether a token ends its request is the scheduler's to decide (finish_rule.py)."""
     results = []
     sampled = iter(zip(tokens, logprobs, strict=True))
     for index, item in enumerate(admitted):

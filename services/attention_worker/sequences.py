@@ -21,7 +21,7 @@ from shared.error_types import PREFIX_MISSING, ErrorType
 from shared.errors import AFlexError, KVCacheExhaustedError
 from shared.messages import SeqWork
 from shared.model.attention import SequencePass
-from shared.model.block_hash import block_hashes
+from shared.model.block_hash import name_new_blocks
 from shared.model.kv_cache import BlockTables
 from shared.model.sampling import SequenceSampler
 from shared.model.structured import Constraint, llg_tokenizer
@@ -168,13 +168,12 @@ class SequenceTable:
             if state.unnamed is None or not self.block_tables.has_sequence(seq_id):
                 continue
             state.unnamed += item.work.token_ids
-            full = len(state.unnamed) // bs
-            if full == 0:
+            names, used = name_new_blocks(state.unnamed, bs, state.last_name)
+            if not names:
                 continue
-            names = block_hashes(state.unnamed[: full * bs], bs, parent=state.last_name)
             self.block_tables.name_blocks(seq_id, names, first_block=state.named_blocks)
-            state.last_name, state.named_blocks = names[-1], state.named_blocks + full
-            del state.unnamed[: full * bs]
+            state.last_name, state.named_blocks = names[-1], state.named_blocks + len(names)
+            del state.unnamed[:used]
 
     def _new_state(self, work: SeqWork) -> SequenceState:
         """A sequence's first pass here: its sampler, from `sampling` and the tokens generated before."""

@@ -57,7 +57,7 @@ from services.gateway.streaming import (
     collect,
     stream,
 )
-from services.gateway.tools import ToolRequest, template_messages, tool_request
+from services.gateway.tool_calling import ToolRequest, template_messages, tool_request
 from shared import subjects
 from shared.errors import InvalidRequestError, TokenizerError
 from shared.lifecycle import stop_on_signals
@@ -210,9 +210,7 @@ async def _generate(request: Request, gateway: Gateway, body: _GenerationRequest
                     responses: ResponsesRequest | None = None) -> Response:
     """Submit the request's choices and answer as a chat completion, a completion, or (`responses`) a Response."""
     max_tokens = _max_tokens(gateway, body, len(prompt_ids), param, chat)
-    sampling = dataclasses.replace(body.sampling(max_tokens), grammar=await _grammar(gateway, body, tools))
-    if body.min_tokens > max_tokens:
-        raise invalid(f"min_tokens must be at most max_tokens={max_tokens}, got {body.min_tokens}", "min_tokens")
+    sampling = _checked(dataclasses.replace(body.sampling(max_tokens), grammar=await _grammar(gateway, body, tools)))
     client_id = request.headers.get("x-request-id")  # vLLM's: the request's id, echoed back
     kind = "resp" if responses is not None else "chatcmpl" if chat else "cmpl"
     request_id = f"{kind}-{client_id or uuid.uuid4().hex}"
@@ -270,6 +268,15 @@ async def _generate(request: Request, gateway: Gateway, body: _GenerationRequest
         for generation in generations:
             await asyncio.shield(generation.release("client_disconnected"))
     return JSONResponse(result if view is None else view.from_chat(result), headers=headers)
+
+
+def _checked(sampling: SamplingSpec) -> SamplingSpec:
+    """`SamplingParams.validate` over the effective max_tokens (`_max_tokens`): the schema bounds each field,
+    the rules across fields (min_tokens <= max_tokens) are the spec's, the same the scheduler applies."""
+    try:
+        return sampling.validate()
+    except InvalidRequestError as exc:
+        raise invalid(str(exc), exc.param) from None
 
 
 async def _grammar(gateway: Gateway, body: _GenerationRequest, tools: ToolRequest | None) -> str | None:

@@ -23,8 +23,8 @@ from pydantic import Field, Strict
 from services.gateway.errors import APIError, invalid
 from services.gateway.openai_schema import Bool, ChatCompletionRequest, _bounds, _Model
 from services.gateway.streaming import ChoiceEvents
-from services.gateway.tools import call_dicts
-from shared.model.tool_calls import Function, ToolCallStream
+from services.gateway.tool_call_syntax import Function, ToolCallStream
+from services.gateway.tool_calling import call_dicts
 
 
 class TextFormat(_Model):

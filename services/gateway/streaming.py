@@ -23,8 +23,8 @@ from starlette.types import Receive, Scope, Send
 from services.gateway.errors import SERVER_ERROR, APIError
 from services.gateway.generation import Generation, TextEvent, usage_dict
 from services.gateway.logprobs import Entry, LogprobFormat, prompt_entries
-from services.gateway.tools import call_dicts
-from shared.model.tool_calls import Function, ToolCall, ToolCallStream, parse_tool_calls
+from services.gateway.tool_call_syntax import Function, ToolCall, ToolCallStream, parse_tool_calls
+from services.gateway.tool_calling import call_dicts
 
 DONE = b"data: [DONE]\n\n"
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}

@@ -21,7 +21,7 @@ from starlette.responses import Response
 from services.gateway.context import GatewayDep, check_api_key, check_model, render_chat
 from services.gateway.errors import JSONResponse, invalid
 from services.gateway.openai_schema import Bool, ChatMessage, TokenId, _Model
-from services.gateway.tools import template_messages
+from services.gateway.tool_calling import template_messages
 
 router = APIRouter(dependencies=[Depends(check_api_key)])
 

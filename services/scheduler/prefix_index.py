@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections import OrderedDict
 
 from services.scheduler.state import RequestState
-from shared.model.block_hash import block_hashes, reusable_blocks
+from shared.model.block_hash import block_hashes, name_new_blocks, reusable_blocks
 
 
 def eligible(state: RequestState) -> bool:
@@ -68,16 +68,15 @@ class PrefixIndex:
         """`state`'s worker has computed its first `num_computed` tokens: their full blocks are named there."""
         if block_size < 1 or state.kv_from is not None or state.fork_from is not None:
             return  # a handed-off or forked KV: the worker did not see its first tokens, and names none
-        full = state.num_computed // block_size
-        if full <= state.named_blocks:
+        unnamed = state.all_ids[state.named_blocks * block_size: state.num_computed]  # only the blocks new since
+        names, _ = name_new_blocks(unnamed, block_size, state.last_block_name)
+        if not names:
             return
-        new = state.all_ids[state.named_blocks * block_size: full * block_size]
-        names = block_hashes(new, block_size, parent=state.last_block_name)  # only the blocks new since
         held = self._names.setdefault(worker_id, OrderedDict())
         for name in names:
             held[name] = None
             held.move_to_end(name)
-        state.named_blocks, state.last_block_name = full, names[-1]
+        state.named_blocks, state.last_block_name = state.named_blocks + len(names), names[-1]
         while capacity_blocks > 0 and len(held) > capacity_blocks:
             held.popitem(last=False)
 

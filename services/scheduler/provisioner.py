@@ -27,7 +27,7 @@ import numpy as np
 
 from services.scheduler.power_books import LivePowerCorrection
 from shared.gpu.emulated import GPUProfile
-from shared.kinds import Assignment
+from shared.kinds import PARKED, PARKED_ASSIGNMENT, PLAN_KINDS, Assignment, ParkingChoice
 from shared.model.config import ModelArgs
 from shared.model.sizes import attention_weight_bytes, ffn_weight_bytes
 from shared.perf import Predictor
@@ -37,7 +37,6 @@ from shared.policy.footprint import elastic_plan
 from shared.policy.headroom import AdaptiveHeadroom
 from shared.policy.window_load import window_load
 
-LIVE_KINDS: tuple[str, ...] = ("mixed", "pd", "colocated")
 POOL_ASSIGNMENT: dict[str, Assignment] = {"prefill": "prefill-attention", "decode": "decode-attention",
                                           "mixed": "mixed-attention", "colocated": "colocated"}
 
@@ -109,7 +108,7 @@ class Observed:
 
 
 def assign(plan: Plan, attention_ids: list[str], ffn_ids: list[str], previous: dict[str, Assignment],
-           parked: Assignment = "parked-warm", previous_pool: dict[str, str] | None = None,
+           parked: Assignment = PARKED_ASSIGNMENT["warm"], previous_pool: dict[str, str] | None = None,
            colocate_ids: list[str] | None = None) -> tuple[dict[str, Assignment], dict[str, str]]:
     """Name the workers of each pool of `plan`, moving as few as it can: first every worker keeps its place
     where the plan still has one (its role, and an FFN worker its pool); then the places left take the
@@ -138,8 +137,8 @@ def assign(plan: Plan, attention_ids: list[str], ffn_ids: list[str], previous: d
         left.append(count - len(stay))
 
     def rank(wid: str) -> tuple[bool, bool, str]:
-        was = previous.get(wid, "parked-warm")
-        return was.startswith("parked"), was == "parked-cold", wid
+        was = previous.get(wid, PARKED_ASSIGNMENT["warm"])
+        return was in PARKED, was == PARKED_ASSIGNMENT["cold"], wid
 
     for (pool, role, _, free), count in zip(places, left, strict=True):
         for wid in sorted(free, key=rank)[:count]:
@@ -156,7 +155,7 @@ class Provisioner:
 
     def __init__(self, *, window_s: float, ttft_slo_ms: float, tpot_slo_ms: float, link_bytes_s: float,
                  headroom: float = 1.3, min_attention: int = 1, min_ffn: int = 1, subwindow_s: float = 30.0,
-                 quantile: float = 0.9, kinds: tuple[str, ...] = LIVE_KINDS, parking: str = "auto") -> None:
+                 quantile: float = 0.9, kinds: tuple[str, ...] = PLAN_KINDS, parking: ParkingChoice = "auto") -> None:
         if window_s <= 0:
             raise ValueError(f"provision_window_s must be > 0, got {window_s}")
         if min_attention < 1 or min_ffn < 1:
@@ -196,14 +195,14 @@ class Provisioner:
         cold_j = profile.context_idle_power_w * profile.cold_rejoin_s(
             (attention_weight_bytes(args) + ffn_weight_bytes(args)) / 2)
         state = parking_state(self.parking, self.window_s, profile.warm_parked_power_w, profile.idle_power_w, cold_j)
-        return "parked-cold" if state == "cold" else "parked-warm"
+        return PARKED_ASSIGNMENT[state]
 
     def spec(self, args: ModelArgs, profile: GPUProfile, n_attention: int, n_ffn: int,
              n_colocate: int = 0, gpu_memory_bytes: float = 0.0) -> ClusterSpec:
         """The live cluster: its workers as GPUs of `gpu_memory_bytes` (0: the profile's), each able to serve
         the half it loaded (`n_colocate` of the attention workers both: one GPU each, no TP group across
         workers), a parked one priced at its parking state's power."""
-        parked_w = profile.idle_power_w if self.parked_state(args, profile) == "parked-cold" \
+        parked_w = profile.idle_power_w if self.parked_state(args, profile) == PARKED_ASSIGNMENT["cold"] \
             else profile.warm_parked_power_w
         return ClusterSpec.for_model(args, n_attention + n_ffn, ttft_slo_s=self.ttft_slo_s,
                                      tpot_slo_s=self.tpot_slo_s, link_bytes_s=self.link_bytes_s,

@@ -102,7 +102,7 @@ class RequestState(TokenHistory):
     def finish_reason_after(self, token_id: int, eos_token_ids: frozenset[int]) -> FinishReason | None:
         """Why the request ends if `token_id` is appended now (call before appending), or None.
 
-        The shared finish rule (`shared.model.finish_rule`), so the scheduler and the attention worker's sampler agree.
+        The mesh's one decision of the finish rule (`shared.model.finish_rule`): the workers only sample.
         """
         return finish_reason(self.sampling, len(self.output_ids), token_id, eos_token_ids,
                              constrained=self.sampling.grammar is not None)

@@ -33,6 +33,17 @@ def block_hashes(token_ids: Sequence[int], block_size: int, *, max_blocks: int |
     return out
 
 
+def name_new_blocks(unnamed: Sequence[int], block_size: int, parent: int | None) -> tuple[list[int], int]:
+    """The names of the blocks that `unnamed` fills, and how many of its tokens they take (the rest wait for
+    their block to fill). `unnamed`: a sequence's tokens after its last named block, whose name is `parent`.
+
+    The one naming step of both sides of prefix caching (the attention worker's, over the tokens each pass
+    commits; the scheduler's index, over the tokens it knows computed): a name that drifts between them
+    costs a recompute no one sees."""
+    names = block_hashes(unnamed, block_size, parent=parent)
+    return names, len(names) * block_size
+
+
 def reusable_blocks(prompt_len: int, block_size: int) -> int:
     """How many of a prompt's full blocks a new request may take from the cache: never the block of the
     prompt's last token, whose logits the request must compute itself (so a cached block is never written)."""

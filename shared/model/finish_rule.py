@@ -1,7 +1,11 @@
-"""When a request's generation ends: the one finish rule the scheduler and the worker's sampler share.
+"""When a request's generation ends: the one finish rule, applied by one process per deployment.
 
-Pure Python (no torch): the scheduler decides a request's end from the tokens it streams, the attention
-worker's sampler from the tokens it draws, and both must agree token for token.
+In the mesh the scheduler applies it (`RequestState.finish_reason_after`), to each token a worker sends
+back: it owns the request's token history and ends the request (the stream, a cancellation, a recompute
+elsewhere), so a second decision on the attention worker could only disagree with it. The worker's
+sampler draws and counts tokens and masks EOS and stop ids under `min_tokens`, and never decides an end.
+The in-process engine (`shared.engine`) has no scheduler and applies the rule itself. Pure Python (no
+torch): the scheduler imports it without the model's dependencies.
 """
 
 from __future__ import annotations

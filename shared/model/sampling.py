@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 import torch
 
-from shared.model.finish_rule import finish_reason, stop_token_ids
+from shared.model.finish_rule import stop_token_ids
 from shared.model.params import GREEDY_TEMPERATURE_EPS, SamplingParams, StopStringMatcher
 from shared.model.structured import Constraint
 
@@ -31,10 +31,12 @@ _SEED_STRIDE = 0x9E3779B97F4A7C15  # the n-th token's seed: seed + n * stride (g
 
 
 class SequenceSampler:
-    """Per-sequence sampling state: its own RNG, the counts of its generated tokens, its finish rule.
+    """Per-sequence sampling state: its own RNG, the counts of its generated tokens, its grammar.
 
-    Protocol per step: `token = sample_next_tokens(...)[i]`, then `reason = sampler.record(token)`
-    (or, equivalently, `reason = sampler.finish_reason_after(token)` *before* `sampler.record(token)`).
+    Protocol per step: `token = sample_next_tokens(...)[i]`, then `sampler.record(token)`. Whether the token
+    ends the sequence is not the sampler's to say: the scheduler decides it in the mesh, the engine in
+    process (`shared.model.finish_rule`); the sampler only keeps EOS and stop ids out of the draws that
+    `min_tokens` forbids them (`banned_token_ids`).
     """
 
     def __init__(self, params: SamplingParams, eos_token_ids: tuple[int, ...] = (),
@@ -47,7 +49,6 @@ class SequenceSampler:
         self.num_generated = 0
         self.token_counts: dict[int, int] = {}
         self.seen_ids: set[int] = set()  # prompt and output tokens, for `repetition_penalty` (kept only then)
-        self.finish_reason: str | None = None
         self._stop_ids = stop_token_ids(params, self.eos_token_ids)
         self._generator: torch.Generator | None = None
 
@@ -73,31 +74,19 @@ class SequenceSampler:
     def banned_token_ids(self) -> frozenset[int]:
         return self._stop_ids if self.masks_stop_tokens else frozenset()
 
-    def finish_reason_after(self, token_id: int) -> str | None:
-        """Why the sequence finishes if `token_id` is its next token (call before `record`), or None.
-
-        The shared finish rule (`shared.model.finish_rule`), so the sampler and the scheduler agree.
-        """
-        return finish_reason(self.params, self.num_generated, token_id, self.eos_token_ids,
-                             constrained=self.constraint is not None)
-
     def saw(self, token_ids: Sequence[int]) -> None:
         """Tokens fed to the sequence (its prompt, in one piece or chunk by chunk): `repetition_penalty` counts them."""
         if self.params.has_repetition_penalty:
             self.seen_ids.update(token_ids)
 
-    def record(self, token_id: int) -> str | None:
-        """Count `token_id` as generated (for penalties and limits); return the finish reason, if any."""
-        reason = self.finish_reason_after(token_id)
+    def record(self, token_id: int) -> None:
+        """Count `token_id` as generated: the penalties, the `min_tokens` mask and the grammar see it."""
         self.num_generated += 1
         self.token_counts[token_id] = self.token_counts.get(token_id, 0) + 1
         if self.params.has_repetition_penalty:
             self.seen_ids.add(token_id)
         if self.constraint is not None:
             self.constraint.consume(token_id)
-        if reason is not None and self.finish_reason is None:
-            self.finish_reason = reason
-        return reason
 
 
 def apply_penalties_(logits: torch.Tensor, rows: Sequence[int], samplers: Sequence[SequenceSampler]) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from shared.kinds import PARKING_CHOICES, ParkedState, ParkingChoice
 from shared.perf import Predictor
 from shared.policy.operating_point import ClockRule, PoolShape
 from shared.policy.provision import (
@@ -24,7 +25,6 @@ from shared.policy.provision import (
 )
 
 TP_DEGREES = (1, 2, 4, 8)
-PARKING_STATES = ("warm", "cold", "auto")
 
 
 def instance_tps(spec: ClusterSpec, max_gpus: int, weight_fraction: float = 0.75) -> list[int]:
@@ -169,12 +169,13 @@ def distserve_placement(pred: Predictor, load: WindowLoad, spec: ClusterSpec, ru
     return best
 
 
-def parking_state(choice: str, expected_parked_s: float, warm_w: float, cold_w: float,
-                  cold_rejoin_j: float) -> str:
+def parking_state(choice: ParkingChoice, expected_parked_s: float, warm_w: float, cold_w: float,
+                  cold_rejoin_j: float) -> ParkedState:
     """Where a GPU leaving the plan waits: `choice` if "warm" or "cold"; "auto" parks cold when the power
-    saved over the time it is expected to stay out pays for the model load that brings it back."""
-    if choice not in PARKING_STATES:
-        raise ValueError(f"unknown parking state {choice!r}; known: {', '.join(PARKING_STATES)}")
+    saved over the time it is expected to stay out pays for the model load that brings it back. Checked at
+    run time too: a choice may come from an untyped config."""
+    if choice not in PARKING_CHOICES:
+        raise ValueError(f"unknown parking state {choice!r}; known: {', '.join(PARKING_CHOICES)}")
     if choice != "auto":
         return choice
     return "cold" if expected_parked_s * (warm_w - cold_w) > cold_rejoin_j else "warm"

@@ -29,6 +29,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import replace
 
+from shared.kinds import PLAN_KINDS, PlanKind
 from shared.perf import Predictor
 from shared.policy.baseline_placement import colocated_options, provision_colocated
 from shared.policy.operating_point import ClockRule
@@ -44,12 +45,12 @@ from shared.policy.provision import (
     provision_mixed,
 )
 
-KINDS = ("pd", "mixed", "colocated")
-AFLEX_KINDS = ("pd", "colocated")  # what AFlex weighs by default (why not "mixed": docs/evaluation.md)
+# what AFlex weighs by default (why not "mixed": docs/evaluation.md); every kind: `shared.kinds.PLAN_KINDS`
+AFLEX_KINDS: tuple[PlanKind, ...] = ("pd", "colocated")
 
 
 def candidate_plans(pred: Predictor, load: WindowLoad, spec: ClusterSpec, rule: ClockRule,
-                    headroom: float = 1.3, kinds: tuple[str, ...] = KINDS) -> dict[str, Plan]:
+                    headroom: float = 1.3, kinds: tuple[str, ...] = PLAN_KINDS) -> dict[str, Plan]:
     """The least-power plan of each kind that fits the cluster (a kind that cannot hold the model is left out)."""
     plans: dict[str, Plan] = {}
     if "pd" in kinds and spec.gpus >= smallest_pd_gpus(spec):
@@ -68,7 +69,7 @@ def smallest_pd_gpus(spec: ClusterSpec) -> int:
 
 def elastic_plan(pred: Predictor, load: WindowLoad, spec: ClusterSpec, rule: ClockRule, headroom: float = 1.3,
                  current_kind: str | None = None, switch_saving: float = 0.05,
-                 kinds: tuple[str, ...] = KINDS, power_factor: Mapping[str, float] | None = None) -> Plan:
+                 kinds: tuple[str, ...] = PLAN_KINDS, power_factor: Mapping[str, float] | None = None) -> Plan:
     """The plan with the least predicted power among `candidate_plans` (feasible ones first); the current
     kind's plan is kept unless the best saves more than `switch_saving` of its power. Each kind's power is
     ranked times `power_factor[kind]` (1.0 if absent); the plan returned keeps the model's prediction."""

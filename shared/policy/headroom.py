@@ -13,6 +13,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+# a P90 under this fraction of its SLO is comfortably inside: the SLO feedback loops (this headroom, and
+# `operating_point.SloMargin`'s margin) give back what they hold in reserve only then
+RELAX_BELOW_SLO = 0.7
+
+
+def comfortably_inside(p90_ms: float, slo_ms: float, fraction: float = RELAX_BELOW_SLO) -> bool:
+    """Whether a P90 lies far enough under its SLO for a feedback loop to loosen."""
+    return p90_ms < fraction * slo_ms
+
 
 @dataclass
 class AdaptiveHeadroom:
@@ -21,14 +30,14 @@ class AdaptiveHeadroom:
     up: float = 1.15
     down: float = 0.97
     max_factor: float = 2.0
-    relax_below: float = 0.7
+    relax_below: float = RELAX_BELOW_SLO
 
     def update(self, p90_ttft_ms: float | None, ttft_slo_ms: float) -> float:
         """Fold one provisioning window's P90 TTFT (None: nothing started in it) in; returns the headroom."""
         if p90_ttft_ms is not None:
             if p90_ttft_ms > ttft_slo_ms:
                 self.factor = min(self.max_factor, self.factor * self.up)
-            elif p90_ttft_ms < self.relax_below * ttft_slo_ms:
+            elif comfortably_inside(p90_ttft_ms, ttft_slo_ms, self.relax_below):
                 self.factor = max(1.0, self.factor * self.down)
         return self.headroom
 

@@ -26,6 +26,7 @@ import numpy as np
 
 from shared.gpu.snap import snap_clock
 from shared.perf import Predictor
+from shared.policy.headroom import comfortably_inside
 from shared.policy.pipeline import iteration_cost, megascale_depth, seam_transfer_s
 
 
@@ -315,12 +316,13 @@ class SloMargin:
     down: float = 0.02
 
     def update(self, p90_ms: float | None, slo_ms: float, miss_fraction: float) -> float:
-        """Widen on misses beyond 5% of requests (or p90 over the SLO); narrow when comfortably inside."""
+        """Widen on misses beyond 5% of requests (or p90 over the SLO); narrow when comfortably inside (the
+        headroom's rule, `headroom.comfortably_inside`) with under 2% missed (a rate the headroom does not see)."""
         if p90_ms is None:
             return self.margin
         if miss_fraction > 0.05 or p90_ms > slo_ms:
             self.margin = min(self.hi, self.margin + self.up)
-        elif p90_ms < 0.7 * slo_ms and miss_fraction < 0.02:
+        elif comfortably_inside(p90_ms, slo_ms) and miss_fraction < 0.02:
             self.margin = max(self.lo, self.margin - self.down)
         return self.margin
 

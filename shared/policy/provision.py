@@ -23,6 +23,7 @@ import math
 from dataclasses import dataclass, replace
 
 from shared.gpu.emulated import GPUProfile
+from shared.kinds import PlanKind
 from shared.model.config import ModelArgs
 from shared.model.sizes import attention_weight_bytes, ffn_weight_bytes, kv_bytes_per_token
 from shared.perf import Predictor
@@ -109,7 +110,7 @@ class Plan:
         return sum(p.gpus for p in (self.prefill, self.decode, self.mixed) if p is not None)
 
     @property
-    def kind(self) -> str:
+    def kind(self) -> PlanKind:
         """"pd" (prefill and decode pools), "mixed" (one A/F split pool) or "colocated" (whole-model replicas)."""
         if self.mixed is None:
             return "pd"

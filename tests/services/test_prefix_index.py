@@ -4,6 +4,8 @@ routes a prompt to its longest cached prefix, and forgets a worker's copy when t
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 
 from services.attention_worker.sequences import Admitted, SequenceRefused, SequenceTable
@@ -70,3 +72,25 @@ def test_the_index_routes_by_longest_prefix_and_forgets_what_was_missing() -> No
     assert index.match("w3", names) == 0 and index.match("w3", names[1:]) == 2
     assert not eligible(RequestState("p", PROMPT, SamplingSpec(max_tokens=4, prompt_logprobs=1), 0.0))
     assert not eligible(RequestState("r", PROMPT, SamplingSpec(max_tokens=4, repetition_penalty=1.2), 0.0))
+
+
+@pytest.mark.parametrize("cuts", [[], [1], [BS], [BS - 1, BS + 1], list(range(1, len(PROMPT)))])
+def test_the_worker_and_the_index_name_the_same_blocks_however_the_passes_chunk(cuts: list[int]) -> None:
+    """The worker names blocks from the tokens each pass commits, the scheduler from the whole history it keeps:
+    the same names for every chunking of the prompt and the decode after it (a drift is a silent recompute)."""
+    decode = [21, 22, 23, 24, 25]  # the prompt's tail and these fill blocks 3 and 4
+    table, index = _table(), PrefixIndex()
+    req = RequestState("s", PROMPT, SamplingSpec(max_tokens=8), 0.0)
+    bounds = [0, *cuts, len(PROMPT)]
+    passes = [(PROMPT[a:b], a, b == len(PROMPT)) for a, b in itertools.pairwise(bounds) if b > a]
+    passes += [([tok], len(PROMPT) + i, True) for i, tok in enumerate(decode)]
+    for n, (tokens, start, sample) in enumerate(passes):
+        item = _run(table, SeqWork(seq_id="s", token_ids=tokens, start_pos=start, sample=sample,
+                                   sampling=req.sampling if n == 0 else None))
+        req.output_ids = decode[: max(0, start + len(tokens) - len(PROMPT))]
+        req.num_computed = start + len(tokens)
+        index.computed("w", req, BS, capacity_blocks=64)
+        assert (item.state.named_blocks, item.state.last_name) == (req.named_blocks, req.last_block_name)
+    names = block_hashes([*PROMPT, *decode], BS)
+    assert len(names) == 4 and req.named_blocks == 4 and index.match("w", names) == 4
+    assert table.block_tables.allocator.lookup(names) == table.block_tables.block_table("s")[:4]

@@ -393,6 +393,7 @@ LONG = "hello " * 9000
     ({"model": MODEL, "messages": MESSAGES, "stop": [""]}, 400, "stop"),
     ({"model": MODEL, "messages": MESSAGES, "stream_options": {"include_usage": True}}, 400, "stream_options"),
     ({"model": MODEL, "messages": MESSAGES, "min_tokens": 5, "max_tokens": 2}, 400, "min_tokens"),
+    ({"model": MODEL, "messages": MESSAGES, "min_tokens": 10**6}, 400, "min_tokens"),  # over the default max
     ({"model": "gpt-4", "messages": MESSAGES}, 404, "model"),
     ({"model": MODEL, "messages": [{"role": "user", "content": LONG}]}, 400, "messages"),
     ({"model": MODEL, "messages": MESSAGES, "max_tokens": 8192}, 400, "messages"),
@@ -412,6 +413,16 @@ def test_bad_chat_requests(h: Harness, body: dict[str, Any], status: int, param:
     assert error["type"] == ("not_found_error" if status == 404 else "invalid_request_error")
     if status == 404:
         assert error["code"] == "model_not_found"
+
+
+def test_min_tokens_is_checked_against_the_effective_max_tokens(h: Harness) -> None:
+    """The spec's own rule (`SamplingParams.validate`), over the max_tokens the gateway settled on."""
+    for extra, limit in (({"max_tokens": 2}, 2), ({}, 1024)):  # none asked: the chat default
+        r = httpx.post(f"{h.base}/v1/chat/completions", json={"model": MODEL, "messages": MESSAGES,
+                                                              "min_tokens": 2000, **extra})
+        assert r.status_code == 400, r.text
+        error = r.json()["error"]
+        assert error["param"] == "min_tokens" and f"max_tokens={limit}" in error["message"], error
 
 
 @pytest.mark.parametrize(("body", "param"), [

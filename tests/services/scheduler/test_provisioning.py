@@ -19,9 +19,10 @@ import pytest
 from nats.aio.msg import Msg
 
 from loadgen.sim.models import get_model
-from services.scheduler.provisioner import LIVE_KINDS, LoadLog, Provisioner, assign
+from services.scheduler.provisioner import LoadLog, Provisioner, assign
 from shared import subjects
 from shared.gpu.emulated import load_profile
+from shared.kinds import PLAN_KINDS
 from shared.messages import (
     KVHandoff,
     KVHandoffReply,
@@ -79,7 +80,7 @@ def test_the_live_plan_is_the_simulators_call_over_the_live_workers() -> None:
     attention, ffn = ["a0", "a1", "a2", "a3"], ["f0", "f1"]
     decision = pv.plan(160.0, pred, RULE, attention, ffn)
     spec = pv.spec(QWEN, A800, 4, 2)
-    want = elastic_plan(pred, decision.load, spec, RULE, 1.3, None, kinds=LIVE_KINDS)
+    want = elastic_plan(pred, decision.load, spec, RULE, 1.3, None, kinds=PLAN_KINDS)
     assert decision.plan == want and decision.plan.kind == "mixed" and decision.plan.gpus == 2
     assert spec.max_attention == 4 and spec.max_ffn == 2 and spec.parked_power_w == A800.warm_parked_power_w
     assert decision.assignments == {"a0": "mixed-attention", "a1": "parked-warm", "a2": "parked-warm",

@@ -4,6 +4,7 @@ while a sequence holds them; checked against a model of the rule over random ope
 
 from __future__ import annotations
 
+import itertools
 import random
 import subprocess
 import sys
@@ -11,7 +12,7 @@ import sys
 import pytest
 
 from shared.errors import KVCacheExhaustedError
-from shared.model.block_hash import block_hashes, reusable_blocks
+from shared.model.block_hash import block_hashes, name_new_blocks, reusable_blocks
 from shared.model.kv_cache import BlockAllocator, BlockTables
 from tests.conftest import REPO_ROOT
 
@@ -29,6 +30,48 @@ def test_names_chain_the_prefix_and_agree_across_processes() -> None:
     assert [reusable_blocks(n, 4) for n in (1, 4, 5, 8, 9)] == [0, 0, 1, 1, 2]  # never the last token's block
     with pytest.raises(ValueError):
         block_hashes([1, 2], 0)
+
+
+def _worker_names(chunks: list[list[int]], block_size: int) -> list[int]:
+    """The attention worker's path: each committed pass's tokens join an unnamed tail, its full blocks named."""
+    names: list[int] = []
+    unnamed: list[int] = []
+    for chunk in chunks:
+        unnamed += chunk
+        new, used = name_new_blocks(unnamed, block_size, names[-1] if names else None)
+        names += new
+        del unnamed[:used]
+    return names
+
+
+def _scheduler_names(chunks: list[list[int]], block_size: int) -> list[int]:
+    """The scheduler's path: after each pass, the tokens computed past its last named block, sliced from the
+    whole history."""
+    names: list[int] = []
+    history: list[int] = []
+    for chunk in chunks:
+        history += chunk
+        new, _ = name_new_blocks(history[len(names) * block_size:], block_size, names[-1] if names else None)
+        names += new
+    return names
+
+
+@pytest.mark.parametrize("block_size", [1, 4, 16])
+def test_both_sides_name_the_same_blocks_however_the_tokens_are_chunked(block_size: int) -> None:
+    """The worker and the scheduler name a sequence's blocks from differently kept tokens; any drift between
+    them is a recompute no one sees, so every chunking must give both the names of the whole sequence."""
+    rng = random.Random(block_size)
+    tokens = [rng.randrange(1000) for _ in range(5 * block_size + 3)]
+    whole = block_hashes(tokens, block_size)
+    cuts_by_case = [[], [1], [block_size], [block_size - 1, block_size + 1], list(range(1, len(tokens))),
+                    sorted(rng.sample(range(1, len(tokens)), 4))]
+    for cuts in cuts_by_case:
+        bounds = [0, *cuts, len(tokens)]
+        chunks = [tokens[a:b] for a, b in itertools.pairwise(bounds) if b > a]
+        assert _worker_names(chunks, block_size) == _scheduler_names(chunks, block_size) == whole, cuts
+    names, used = name_new_blocks(tokens[: 2 * block_size + block_size // 2], block_size, None)
+    assert names == whole[:2] and used == 2 * block_size  # the partial block's tokens wait
+    assert name_new_blocks(tokens[: block_size - 1], block_size, whole[0]) == ([], 0)  # no block full yet
 
 
 def test_a_later_prompt_takes_the_cached_blocks_and_eviction_is_lru() -> None:

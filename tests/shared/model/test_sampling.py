@@ -10,6 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from shared.errors import InvalidRequestError
+from shared.kinds import FinishReason
+from shared.model.finish_rule import finish_reason
 from shared.model.sampling import (
     SamplingParams,
     SequenceSampler,
@@ -252,6 +254,20 @@ def test_penalties_change_greedy_choice_and_caller_logits_are_untouched() -> Non
 
 # ---------------------------------------------------------------- finish rules
 
+def _reason(sampler: SequenceSampler, tok: int) -> FinishReason | None:
+    """Why the sequence ends if `tok` is its next token: the one finish rule, over the sampler's count (as the
+    scheduler and the engine apply it); the sampler itself decides no end."""
+    return finish_reason(sampler.params, sampler.num_generated, tok, sampler.eos_token_ids,
+                         constrained=sampler.constraint is not None)
+
+
+def _record(sampler: SequenceSampler, tok: int) -> FinishReason | None:
+    """`tok`'s finish reason (decided before it is recorded, as the scheduler does), then record it."""
+    reason = _reason(sampler, tok)
+    sampler.record(tok)
+    return reason
+
+
 def _eos_heavy_logits(rows: int = 1) -> torch.Tensor:
     logits = torch.zeros(rows, VOCAB)  # [rows, V]
     logits[:, EOS] = 100.0
@@ -267,9 +283,10 @@ def test_min_tokens_blocks_eos_and_stop_ids_then_stops() -> None:
     reasons = []
     for _ in range(4):
         tok = sample_next_tokens(logits, [sampler])[0]
-        reasons.append((tok, sampler.record(tok)))
+        reasons.append((tok, _record(sampler, tok)))
     assert reasons == [(6, None), (6, None), (6, None), (EOS, "stop")]
-    assert sampler.finish_reason == "stop"
+    assert next(r for _, r in reasons if r is not None) == "stop"
+    assert not hasattr(sampler, "finish_reason")  # the scheduler's to decide, not the sampler's
 
 
 def test_min_tokens_mask_applies_to_sampled_rows_too() -> None:
@@ -284,18 +301,18 @@ def test_ignore_eos_keeps_going_until_length() -> None:
     out = []
     for _ in range(3):
         tok = sample_next_tokens(logits, [sampler])[0]
-        out.append((tok, sampler.record(tok)))
+        out.append((tok, _record(sampler, tok)))
     assert out == [(EOS, None), (EOS, None), (EOS, "length")]
 
 
 def test_max_tokens_gives_length_and_stop_ids_give_stop() -> None:
     s = SequenceSampler(SamplingParams(max_tokens=2, stop_token_ids=(9,)), eos_token_ids=(EOS,))
-    assert s.finish_reason_after(4) is None
-    assert s.record(4) is None
-    assert s.finish_reason_after(4) == "length"
-    assert s.finish_reason_after(9) == "stop"  # stop wins over length on the same token
-    assert s.finish_reason_after(EOS) == "stop"
-    assert s.record(9) == "stop"
+    assert _reason(s, 4) is None
+    assert _record(s, 4) is None
+    assert _reason(s, 4) == "length"
+    assert _reason(s, 9) == "stop"  # stop wins over length on the same token
+    assert _reason(s, EOS) == "stop"
+    assert _record(s, 9) == "stop"
     assert s.num_generated == 2 and s.token_counts == {4: 1, 9: 1}
 
 

@@ -11,6 +11,7 @@ import torch
 from shared.errors import InvalidRequestError
 from shared.model import structured
 from shared.model.checkpoint import open_model_card
+from shared.model.finish_rule import finish_reason
 from shared.model.sampling import SamplingParams, SequenceSampler, sample_next_tokens
 from shared.model.tokenizer import Tokenizer
 
@@ -31,9 +32,11 @@ def _run(tokenizer: Tokenizer, grammar: str, seed: int, params: SamplingParams) 
     sampler = SequenceSampler(params, tokenizer.eos_token_ids, constraint)
     noise = torch.Generator().manual_seed(seed)
     out: list[int] = []
-    while sampler.finish_reason is None:
+    reason = None
+    while reason is None:  # the finish rule as the scheduler applies it: before the token is recorded
         logits = torch.randn(1, 49152, generator=noise) * 4  # [1, V]: a model with no idea of JSON
         token = sample_next_tokens(logits, [sampler])[0]
+        reason = finish_reason(params, sampler.num_generated, token, sampler.eos_token_ids, constrained=True)
         sampler.record(token)
         out.append(token)
     return out

@@ -10,10 +10,11 @@ import pytest
 
 from loadgen.sim.models import attention_weight_bytes, ffn_weight_bytes, get_model, kv_bytes_per_token
 from shared.gpu.emulated import load_profile
+from shared.kinds import PLAN_KINDS
 from shared.perf import Predictor, cached_predictor
 from shared.policy import ClockRule, ClusterSpec, PoolShape, WindowLoad
 from shared.policy.baseline_placement import instance_tps
-from shared.policy.footprint import AFLEX_KINDS, KINDS, candidate_plans, elastic_plan, smallest_pd_gpus
+from shared.policy.footprint import AFLEX_KINDS, candidate_plans, elastic_plan, smallest_pd_gpus
 from shared.policy.provision import INFEASIBLE, decode_power, mixed_power, prefill_power
 
 RULE = ClockRule()  # plans are priced on whole-iteration energy whatever the clock objective
@@ -55,7 +56,7 @@ def test_each_kind_is_the_least_of_its_shapes_checked_exhaustively(mixtral: Pred
     spec = _spec("mixtral-8x7b", 7, mixtral)
     load = WindowLoad(0.3, 600, 150, 1500)
     plans = candidate_plans(mixtral, load, spec, RULE, headroom=1.3)
-    assert set(plans) == set(KINDS)
+    assert set(plans) == set(PLAN_KINDS)
     exhaustive = _exhaustive(mixtral, load, spec, 1.3)
     for kind, plan in plans.items():
         assert plan.kind == kind and plan.predicted_power_w == pytest.approx(exhaustive[kind], rel=1e-9), kind
@@ -69,13 +70,23 @@ def test_a_shared_pool_wins_where_the_split_cannot_shrink(mixtral: Predictor) ->
     spec = _spec("mixtral-8x7b", 7, mixtral)
     load = WindowLoad(0.3, 600, 150, 1500)
     exhaustive = _exhaustive(mixtral, load, spec, 1.3)
-    for kinds in (KINDS, AFLEX_KINDS):
+    for kinds in (PLAN_KINDS, AFLEX_KINDS):
         plan = elastic_plan(mixtral, load, spec, RULE, kinds=kinds)
         least = min(exhaustive[k] for k in kinds)
         assert plan.kind != "pd" and plan.feasible, kinds
         assert plan.predicted_power_w == pytest.approx(least, rel=1e-9) and least < exhaustive["pd"] < INFEASIBLE
     colocated = elastic_plan(mixtral, load, spec, RULE, kinds=AFLEX_KINDS)
     assert colocated.kind == "colocated" and colocated.mixed is not None and colocated.mixed.gpus == 2  # one TP2
+
+
+def test_the_order_of_the_kinds_weighed_does_not_change_the_plan(mixtral: Predictor) -> None:
+    """The live scheduler once listed the kinds mixed first: the candidates are built and ranked in one order
+    whatever order they are asked in, so any order gives the same plan."""
+    for gpus, load in ((7, WindowLoad(0.3, 600, 150, 1500)), (16, WindowLoad(10.0, 1000, 250, 2500))):
+        spec = _spec("mixtral-8x7b", gpus, mixtral)
+        want = elastic_plan(mixtral, load, spec, RULE, kinds=PLAN_KINDS)
+        for kinds in (("mixed", "pd", "colocated"), tuple(reversed(PLAN_KINDS))):
+            assert elastic_plan(mixtral, load, spec, RULE, kinds=kinds) == want, kinds
 
 
 def test_grown_split_pools_are_kept_and_a_kind_change_must_pay(mixtral: Predictor) -> None:

@@ -11,7 +11,7 @@ import pytest
 
 from services.gateway.errors import APIError
 from services.gateway.openai_schema import ChatCompletionRequest
-from services.gateway.tools import template_messages, tool_request
+from services.gateway.tool_calling import template_messages, tool_request
 from shared.model.checkpoint import open_model_card
 from shared.model.tokenizer import Tokenizer
 

@@ -5,7 +5,7 @@ Rendering: a chat template that reads `tools` (Qwen, Llama 3.x, Hermes, ...) get
 with their arguments as objects, as transformers passes them. A template that does not (SmolLM2's) gets
 AFlex's tool prompt instead: Hermes's system instructions with the functions' JSON, earlier calls as
 `<tool_call>` blocks and results as `<tool_response>` turns (as Hermes-2-Pro writes them), so a model is
-never offered tools it cannot see. `auto` parses the answer (shared.model.tool_calls); `required` and a
+never offered tools it cannot see. `auto` parses the answer (services.gateway.tool_call_syntax); `required` and a
 named function are enforced by an llguidance grammar built from the functions' JSON Schemas.
 """
 
@@ -19,8 +19,8 @@ from typing import Any
 
 from services.gateway.errors import invalid
 from services.gateway.openai_schema import ChatCompletionRequest, ChatMessage, NamedToolChoice
+from services.gateway.tool_call_syntax import Function, ToolCall, call_grammar, hermes_block
 from shared.model.tokenizer import Tokenizer
-from shared.model.tool_calls import Function, ToolCall, call_grammar, hermes_block
 
 TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for function names
 TOOL_PROMPT = (

@@ -8,10 +8,17 @@ import json
 import llguidance
 import pytest
 
+from services.gateway.tool_call_syntax import (
+    Function,
+    ToolCall,
+    ToolCallStream,
+    call_grammar,
+    hermes_block,
+    parse_tool_calls,
+)
 from shared.model import structured
 from shared.model.checkpoint import open_model_card
 from shared.model.tokenizer import Tokenizer
-from shared.model.tool_calls import Function, ToolCall, ToolCallStream, call_grammar, hermes_block, parse_tool_calls
 
 WEATHER = Function("get_weather", {"type": "object", "properties": {"city": {"type": "string"}},
                                    "required": ["city"]})
