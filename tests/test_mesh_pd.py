@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import httpx
+import openai
 from nats.aio.msg import Msg
 
 from shared import subjects
@@ -62,7 +63,7 @@ def test_pd_pools_give_the_engines_tokens_and_a_kill_mid_handoff_loses_nothing(t
         baseline = asyncio.run(_run(mesh, sampled=True, count=STREAMS))
         killed: list[str] = []  # which process each role was (the plan may give a restarted worker either role)
         for victim in ("prefill", "decode", "scheduler"):
-            asyncio.run(until_pd_plan(mesh, deadline_s=90.0))
+            asyncio.run(_until_kv_moves(mesh, metrics_url))
             after_fault, process = asyncio.run(_killed_mid_handoff(mesh, victim))
             assert after_fault == baseline, victim
             killed.append(process)
@@ -70,6 +71,26 @@ def test_pd_pools_give_the_engines_tokens_and_a_kill_mid_handoff_loses_nothing(t
     assert killed[0].startswith("attn-") and killed[1].startswith("attn-") and killed[2] == "scheduler"
     for process in set(killed):  # each kill landed: once per time that process was the victim
         assert log.count(f"{process} exited with status -9") == killed.count(process), process
+
+
+async def _until_kv_moves(mesh: Mesh, metrics_url: str, deadline_s: float = 90.0) -> None:
+    """Until a P/D plan stands and a probe request's KV moves: after a kill, the plan may name a decode worker
+    that is still restarting, or whose KV seam a failed move has it avoid for `KV_SEAM_AVOID_S`, and then the
+    next streams decode where they were prefilled, with no handoff for the fault to land in."""
+    await until_pd_plan(mesh, deadline_s=deadline_s)
+    client = openai.AsyncOpenAI(base_url=mesh.base_url, api_key="unused", max_retries=0, timeout=60)
+    model = (await client.models.list()).data[0].id
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + deadline_s
+    async with httpx.AsyncClient() as http:
+        moved = _metric((await http.get(metrics_url)).text, "aflex_kv_handoffs_total")
+        while loop.time() < deadline:
+            await client.completions.create(model=model, prompt="probe", max_tokens=4, temperature=0.0)
+            for _ in range(10):  # the scheduler's counters reach /metrics with its next telemetry
+                if _metric((await http.get(metrics_url)).text, "aflex_kv_handoffs_total") > moved:
+                    return
+                await asyncio.sleep(0.2)
+    raise AssertionError(f"no KV moved within {deadline_s} s of a P/D plan:\n{mesh.output()[-3000:]}")
 
 
 async def _killed_mid_handoff(mesh: Mesh, victim: str) -> tuple[list[tuple[str, int]], str]:

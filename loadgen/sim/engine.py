@@ -40,15 +40,13 @@ from shared.policy import (
     prefill_order,
     seq_chunk_cap,
 )
-from shared.policy.baseline_placement import (
-    parking_state,
-)
 from shared.policy.footprint import plan_power_w
 from shared.policy.headroom import AdaptiveHeadroom
+from shared.policy.parking import parking_state
 from shared.policy.pipeline import iteration_cost
+from shared.policy.pool_sizing import Plan
 from shared.policy.power_correction import PowerCorrection
 from shared.policy.prefill_cap import AT_MAX, prefill_cap, queue_ttft_budget
-from shared.policy.provision import Plan
 
 OPERATOR_KEYS = ("prefill-attention", "prefill-ffn", "decode-attention", "decode-ffn")
 MIXED_MODES = ("mixed", "colocated")  # pools that serve prefill and decode

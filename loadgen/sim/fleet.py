@@ -26,7 +26,7 @@ from loadgen.sim.ledger import EnergyLedger
 from shared.gpu.emulated import GPUProfile
 from shared.kinds import PARKED_ASSIGNMENT, ParkedState
 from shared.policy import ClockRule, OperatingPoint, PoolShape
-from shared.policy.provision import idle_power_w
+from shared.policy.pool_sizing import idle_power_w
 
 # the ledger's groups of parked GPUs, named as the live scheduler's assignments of a parking state
 WARM, COLD = PARKED_ASSIGNMENT["warm"], PARKED_ASSIGNMENT["cold"]

@@ -29,7 +29,8 @@ from shared.gpu.snap import snap_clock
 from shared.model.config import ModelArgs
 from shared.perf import Predictor, cached_predictor
 from shared.policy import PoolShape, provision
-from shared.policy.baseline_placement import provision_colocated, provision_pd
+from shared.policy.baseline_placement import provision_pd
+from shared.policy.colocated import provision_colocated
 
 HEADROOMS = (1.0, 1.5, 2.0)
 Clocks = tuple[tuple[float, float], tuple[float, float]]

@@ -17,10 +17,11 @@ from loadgen.sim.arrivals import Arrivals
 from loadgen.sim.policies import PolicySpec
 from shared.perf import Predictor
 from shared.policy import ClockRule, ClusterSpec, PoolShape, WindowLoad, provision
-from shared.policy.baseline_placement import colocated_tp, distserve_placement, provision_colocated, provision_pd
+from shared.policy.baseline_placement import distserve_placement, provision_pd
+from shared.policy.colocated import colocated_tp, provision_colocated
 from shared.policy.footprint import elastic_plan, smallest_pd_gpus
+from shared.policy.pool_sizing import Plan, decode_point, prefill_point
 from shared.policy.power_correction import PowerCorrection
-from shared.policy.provision import Plan, decode_point, prefill_point
 from shared.policy.window_load import window_load
 
 Shapes = dict[str, PoolShape]

@@ -24,8 +24,8 @@ from services.scheduler.handoff import Handoffs
 from services.scheduler.model_info import ModelInfo
 from services.scheduler.outputs import OutputStream, token_delta
 from services.scheduler.passes import Pass, PassPlan, plan_passes, release_only, share_energy
+from services.scheduler.plan_loop import ProvisioningLoop
 from services.scheduler.prefix_index import PrefixIndex
-from services.scheduler.provisioning import ProvisioningLoop
 from services.scheduler.recovery import InFlight
 from services.scheduler.registry import Registry, Worker
 from services.scheduler.routing import Placement

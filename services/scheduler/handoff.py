@@ -1,6 +1,6 @@
 """P/D pools, live: once a prefill attention worker has sampled a sequence's token, its KV moves to a decode one.
 
-The global scheduler's "pd" plan names prefill and decode attention workers (provisioner.py). New
+The global scheduler's "pd" plan names prefill and decode attention workers (fleet_plan.py). New
 requests go to the prefill ones (`Registry.best_attention`); each time a pass on a prefill worker
 samples a token of a sequence that is not finished, dispatch asks `Handoffs.wanted`, and the move
 runs as a task of its own: a `KVHandoff` request to the prefill worker on NATS, which sends the KV

@@ -26,8 +26,8 @@ from services.scheduler.gateways import GatewayWatch
 from services.scheduler.governor import Governor
 from services.scheduler.membership import Change, Membership
 from services.scheduler.model_info import ModelInfo
+from services.scheduler.plan_loop import ProvisioningLoop
 from services.scheduler.prefix_index import PrefixIndex
-from services.scheduler.provisioning import ProvisioningLoop
 from services.scheduler.registry import Registry, Worker
 from services.scheduler.routing import Placement
 from services.scheduler.state import RequestState

@@ -35,7 +35,7 @@ from shared.policy.operating_point import (
     choose_operating_point,
 )
 from shared.policy.pipeline import af_iteration, colocated_iteration, iteration_cost, megascale_depth, overlap_floor
-from shared.policy.provision import ClusterSpec, Plan, WindowLoad, provision
+from shared.policy.pool_sizing import ClusterSpec, Plan, WindowLoad, provision
 from shared.policy.specs import AFLEX_BATCHING, AFLEX_CLOCK_OBJECTIVE
 
 __all__ = [

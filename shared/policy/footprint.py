@@ -1,10 +1,10 @@
 """AFlex's elastic footprint: one planning call weighs every shape a live mesh can serve, keeps the cheapest.
 
 The shapes (`Plan.kind`):
-- "pd": a prefill pool and a decode pool, each with attention and FFN GPUs (`provision.provision`);
-- "mixed": one A/F split pool whose attention GPUs run prefill and decode (`provision.provision_mixed`);
+- "pd": a prefill pool and a decode pool, each with attention and FFN GPUs (`pool_sizing.provision`);
+- "mixed": one A/F split pool whose attention GPUs run prefill and decode (`pool_sizing.provision_mixed`);
 - "colocated": whole-model replicas, both halves on one GPU or TP group, a clock per phase
-  (`baseline_placement.provision_colocated`, the search DynamoLLM's planner makes).
+  (`colocated.provision_colocated`, the search DynamoLLM's planner makes).
 
 Why all three: the split pays its seam hop and the idle power of two GPU roles per pool; a P/D plan
 needs at least 2 × (1 + the FFN's GPUs) GPUs, and a prefill pool whose long prompts need attention
@@ -21,7 +21,7 @@ was fixed, and they have not been measured since (docs/evaluation.md). A change
 of kind drains pools (requests finish where they are, their GPUs then move), so the current kind is
 kept unless another saves more than `switch_saving` of its predicted power. `power_factor` scales each
 kind's predicted power in that ranking: the correction from observed energy (`power_correction.py`).
-The simulator's AFlex planner calls `elastic_plan`; so does the live scheduler (services/scheduler/provisioner.py).
+The simulator's AFlex planner calls `elastic_plan`; so does the live scheduler (services/scheduler/fleet_plan.py).
 """
 
 from __future__ import annotations
@@ -31,9 +31,9 @@ from dataclasses import replace
 
 from shared.kinds import PLAN_KINDS, PlanKind
 from shared.perf import Predictor
-from shared.policy.baseline_placement import colocated_options, provision_colocated
+from shared.policy.colocated import colocated_options, provision_colocated
 from shared.policy.operating_point import ClockRule
-from shared.policy.provision import (
+from shared.policy.pool_sizing import (
     INFEASIBLE,
     ClusterSpec,
     Plan,

@@ -3,7 +3,7 @@
 The global controller provisions for the bursts it saw, not their average: with `burst` the rate is
 the `quantile` of the window's `subwindow_s` sub-window rates (when the window holds at least 1.5 of
 them), never below its mean. The simulator reads a trace's arrays (`loadgen.sim.planning`); the live
-scheduler the requests it admitted (`services.scheduler.provisioner`). Same arrivals, same load.
+scheduler the requests it admitted (`services.scheduler.fleet_plan`). Same arrivals, same load.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from shared.policy.provision import WindowLoad
+from shared.policy.pool_sizing import WindowLoad
 
 IDLE_RATE_RPS = 0.05  # the rate a window with no arrivals is planned for (the smallest plan serves it)
 

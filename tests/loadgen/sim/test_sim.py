@@ -127,7 +127,7 @@ def _cluster(args: object, gpus: int = 16) -> object:
 
 
 def test_colocated_tp_follows_the_long_prompts() -> None:
-    from shared.policy.baseline_placement import colocated_tp
+    from shared.policy.colocated import colocated_tp
 
     args = get_model("qwen3-32b")
     pred = cached_predictor(PROFILE, args)

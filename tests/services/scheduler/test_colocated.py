@@ -15,8 +15,8 @@ from dataclasses import dataclass
 import pytest
 
 from loadgen.sim.models import get_model
+from services.scheduler.fleet_plan import Provisioner, assign
 from services.scheduler.model_info import ModelInfo
-from services.scheduler.provisioner import Provisioner, assign
 from services.scheduler.registry import Registry
 from shared import subjects
 from shared.gpu.emulated import EmulatedGPU, load_profile
@@ -24,7 +24,7 @@ from shared.messages import Register, RegisterReply, decode, encode
 from shared.perf import cached_predictor
 from shared.policy import AFLEX_CLOCK_OBJECTIVE, ClockRule, Plan, PoolShape, WindowLoad
 from shared.policy.footprint import candidate_plans, elastic_plan
-from shared.policy.provision import mixed_power
+from shared.policy.pool_sizing import mixed_power
 from tests.services.scheduler.test_scheduler import heartbeat, wait_for
 from tests.services.scheduler.test_scheduler_policy import A800_CLOCKS, ProfiledAttention, live
 

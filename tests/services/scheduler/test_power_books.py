@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from loadgen.sim.models import get_model
+from services.scheduler.fleet_plan import Provisioner
 from services.scheduler.power_books import MeshEnergy
-from services.scheduler.provisioner import Provisioner
 from services.scheduler.registry import Registry
 from shared.gpu.emulated import load_profile
 from shared.messages import Heartbeat

@@ -1,6 +1,6 @@
 """The global scheduler, live (issue 26): every provisioning window, the simulator's plan over the live workers.
 
-Pure tests of services/scheduler/provisioner.py first: the load is the simulator's rule on the same
+Pure tests of services/scheduler/fleet_plan.py first: the load is the simulator's rule on the same
 arrivals, the plan is `elastic_plan`'s on the same load and cluster, the workers' assignments are
 stable. Then the scheduler on a real nats-server with fake workers registered as emulated A800s,
 serving a model with the shape of Qwen3-32B (the plans come from the predictors and the load the
@@ -19,7 +19,7 @@ import pytest
 from nats.aio.msg import Msg
 
 from loadgen.sim.models import get_model
-from services.scheduler.provisioner import LoadLog, Provisioner, assign
+from services.scheduler.fleet_plan import LoadLog, Provisioner, assign
 from shared import subjects
 from shared.gpu.emulated import load_profile
 from shared.kinds import PLAN_KINDS
@@ -131,7 +131,7 @@ def test_a_pd_plan_that_overflows_its_ffn_workers_gives_way_to_a_mixed_pool_that
 
 
 def test_pd_pools_are_weighed_only_where_the_mesh_holds_them() -> None:
-    from services.scheduler.provisioning import ProvisioningLoop
+    from services.scheduler.plan_loop import ProvisioningLoop
     from services.scheduler.registry import Worker
     from shared.settings import SchedulerSettings
 
@@ -152,7 +152,7 @@ def test_workers_out_of_the_plan_park_cold_where_the_window_pays_for_the_reload(
     """The simulator's rule (`parking_state`): cold when the window's saving (warm-parked less bare idle
     power) pays for the model load that brings it back (context-idle power over `cold_rejoin_s`)."""
     from shared.model.sizes import attention_weight_bytes, ffn_weight_bytes
-    from shared.policy.baseline_placement import parking_state
+    from shared.policy.parking import parking_state
 
     cold_j = A800.context_idle_power_w * A800.cold_rejoin_s((attention_weight_bytes(QWEN) + ffn_weight_bytes(QWEN)) / 2)
     break_even_s = cold_j / (A800.warm_parked_power_w - A800.idle_power_w)

@@ -13,9 +13,9 @@ from shared.gpu.emulated import load_profile
 from shared.kinds import PLAN_KINDS
 from shared.perf import Predictor, cached_predictor
 from shared.policy import ClockRule, ClusterSpec, PoolShape, WindowLoad
-from shared.policy.baseline_placement import instance_tps
+from shared.policy.colocated import instance_tps
 from shared.policy.footprint import AFLEX_KINDS, candidate_plans, elastic_plan, smallest_pd_gpus
-from shared.policy.provision import INFEASIBLE, decode_power, mixed_power, prefill_power
+from shared.policy.pool_sizing import INFEASIBLE, decode_power, mixed_power, prefill_power
 
 RULE = ClockRule()  # plans are priced on whole-iteration energy whatever the clock objective
 

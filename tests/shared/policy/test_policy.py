@@ -95,7 +95,7 @@ def test_margin_adapts() -> None:
 
 
 def test_one_long_prompt_is_bounded_by_its_group_and_tp_shortens_it(pred: Predictor) -> None:
-    from shared.policy.provision import long_prompt_time
+    from shared.policy.pool_sizing import long_prompt_time
 
     p = 5000.0
     spread = BatchStats("prefill", p, p, p * p / 2, 1)  # no seq_*: the work would spread over all groups

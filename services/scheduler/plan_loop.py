@@ -1,6 +1,6 @@
 """The global scheduler's loop in the live mesh: every provisioning window, plan, assign, publish.
 
-provisioner.py decides (the simulator's planning call over the live workers); this module feeds it
+fleet_plan.py decides (the simulator's planning call over the live workers); this module feeds it
 what dispatch admitted and finished, applies its answer to the registry, and publishes it: a
 `RoleAssignment` to every worker on `control.role.<wid>`, the plan as `PlanTelemetry` on
 `telemetry.plan`. Dispatch is told which workers changed (`on_change`), so it re-routes the requests
@@ -19,8 +19,8 @@ from collections.abc import Callable
 
 from nats.aio.client import Client
 
+from services.scheduler.fleet_plan import PlanDecision, Provisioner
 from services.scheduler.governor import Governor
-from services.scheduler.provisioner import PlanDecision, Provisioner
 from services.scheduler.registry import Registry, Worker
 from services.scheduler.state import RequestState
 from shared import subjects

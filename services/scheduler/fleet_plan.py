@@ -32,9 +32,9 @@ from shared.model.config import ModelArgs
 from shared.model.sizes import attention_weight_bytes, ffn_weight_bytes
 from shared.perf import Predictor
 from shared.policy import ClockRule, ClusterSpec, Plan, WindowLoad
-from shared.policy.baseline_placement import parking_state
 from shared.policy.footprint import elastic_plan
 from shared.policy.headroom import AdaptiveHeadroom
+from shared.policy.parking import parking_state
 from shared.policy.window_load import window_load
 
 POOL_ASSIGNMENT: dict[str, Assignment] = {"prefill": "prefill-attention", "decode": "decode-attention",

@@ -1,0 +1,81 @@
+"""Whole-model replicas (attention and FFN colocated, `tp` GPUs each, one clock): the pools AFlex's elastic
+planner weighs beside its split pools (`footprint.py`), DynamoLLM's per-window pool and SGLang's static TP.
+
+The instance helpers here (which TPs hold the model, a pool of instances, the sizing objective and headroom)
+serve the baselines' P/D instance pools too (`baseline_placement.py`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from shared.perf import Predictor
+from shared.policy.operating_point import ClockRule, PoolShape
+from shared.policy.pool_sizing import INFEASIBLE, ClusterSpec, Plan, WindowLoad, long_prompt_time, mixed_power
+
+TP_DEGREES = (1, 2, 4, 8)
+
+
+def instance_tps(spec: ClusterSpec, max_gpus: int, weight_fraction: float = 0.75) -> list[int]:
+    """TP degrees whose instance holds the whole model in `weight_fraction` of its memory."""
+    weights = spec.attention_weight_bytes + spec.ffn_weight_bytes
+    return [tp for tp in TP_DEGREES if weights <= weight_fraction * tp * spec.gpu_memory_bytes and tp <= max_gpus]
+
+
+def colocated_options(spec: ClusterSpec) -> list[tuple[int, int]]:
+    """(TP, most replicas) of the colocated pools the cluster can run: any TP that holds the model, or on a
+    live mesh (`spec.colocated_workers`) TP 1 on the workers that loaded both halves."""
+    fits = instance_tps(spec, spec.gpus)
+    if spec.colocated_workers is not None:
+        return [(1, spec.colocated_workers)] if 1 in fits and spec.colocated_workers > 0 else []
+    return [(tp, spec.gpus // tp) for tp in fits]
+
+
+def colocated_tp(pred: Predictor | None, spec: ClusterSpec, p90_prompt: float = 0.0) -> int:
+    """TP of a static colocated replica: the smallest that holds the model and, given a predictor and a
+    p90 prompt, runs that prompt alone within the TTFT budget at the top clock (else the fastest)."""
+    fits = instance_tps(spec, spec.gpus)
+    if not fits:
+        raise ValueError(f"{spec.gpus} GPUs cannot hold the model colocated")
+    if pred is None or p90_prompt <= 0:
+        return fits[0]
+    times = {}
+    for tp in fits:
+        shape = PoolShape(split=False, replicas=spec.gpus // tp, tp=tp, link_bytes_s=spec.link_bytes_s)
+        times[tp] = long_prompt_time(pred, shape, p90_prompt)
+        if times[tp] <= spec.ttft_budget_s:
+            return tp
+    return min(times, key=lambda k: times[k])
+
+
+def instance_pool(replicas: int, tp: int, spec: ClusterSpec) -> PoolShape:
+    return PoolShape(split=False, replicas=replicas, tp=tp, link_bytes_s=spec.link_bytes_s)
+
+
+def sized_on_total(rule: ClockRule) -> ClockRule:
+    """`rule` with the whole-iteration energy objective: pools are sized on it (as `pool_sizing.provision`),
+    a conservative, stable fixed point."""
+    return rule if rule.objective == "total" else replace(rule, objective="total")
+
+
+def with_headroom(load: WindowLoad, headroom: float) -> WindowLoad:
+    """`load` with its arrival rate times `headroom` (the lengths stay)."""
+    return WindowLoad(load.rate_rps * headroom, load.mean_prompt, load.mean_output, load.p90_prompt)
+
+
+def provision_colocated(pred: Predictor, load: WindowLoad, spec: ClusterSpec, rule: ClockRule,
+                        headroom: float = 1.3) -> Plan:
+    """DynamoLLM: the instance count and TP of one colocated pool with the least predicted power for
+    `load` × `headroom`; GPUs left out are parked. Falls back to every GPU when nothing is feasible."""
+    hl, rule = with_headroom(load, headroom), sized_on_total(rule)
+    best: tuple[float, PoolShape] | None = None
+    for tp, most in colocated_options(spec):
+        for replicas in range(1, most + 1):
+            shape = instance_pool(replicas, tp, spec)
+            p = mixed_power(pred, shape, hl, spec, rule) + (spec.gpus - shape.gpus) * spec.parked_power_w
+            if best is None or p < best[0]:
+                best = (p, shape)
+    if best is None:
+        raise ValueError(f"{spec.gpus} GPUs cannot hold the model colocated")
+    p, shape = best
+    return Plan(None, None, shape, spec.gpus - shape.gpus, p, p < INFEASIBLE)
