@@ -19,7 +19,7 @@ FinishReason = Literal["stop", "length", "abort", "error"]
 PlanKind = Literal["pd", "mixed", "colocated"]
 PLAN_KINDS: tuple[PlanKind, ...] = ("pd", "mixed", "colocated")
 # where a GPU out of the plan waits (warm: model kept, lowest clock; cold: weights released), and what an
-# operator may ask for: one of them, or "auto" (the break-even rule, `shared.policy.parking.parking_state`)
+# operator may ask for: one of them, or "auto" (the break-even rule, `shared.policy.parking_rule.parking_state`)
 ParkedState = Literal["warm", "cold"]
 ParkingChoice = Literal["auto", "warm", "cold"]
 PARKING_CHOICES: tuple[ParkingChoice, ...] = ("auto", "warm", "cold")

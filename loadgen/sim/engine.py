@@ -42,7 +42,7 @@ from shared.policy import (
 )
 from shared.policy.footprint import plan_power_w
 from shared.policy.headroom import AdaptiveHeadroom
-from shared.policy.parking import parking_state
+from shared.policy.parking_rule import parking_state
 from shared.policy.pipeline import iteration_cost
 from shared.policy.pool_sizing import Plan
 from shared.policy.power_correction import PowerCorrection

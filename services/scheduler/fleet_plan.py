@@ -34,7 +34,7 @@ from shared.perf import Predictor
 from shared.policy import ClockRule, ClusterSpec, Plan, WindowLoad
 from shared.policy.footprint import elastic_plan
 from shared.policy.headroom import AdaptiveHeadroom
-from shared.policy.parking import parking_state
+from shared.policy.parking_rule import parking_state
 from shared.policy.window_load import window_load
 
 POOL_ASSIGNMENT: dict[str, Assignment] = {"prefill": "prefill-attention", "decode": "decode-attention",

@@ -3,7 +3,7 @@
 Their instances are whole-model replicas (`tp` GPUs running both halves at one clock), built with
 `colocated.py`'s helpers; the colocated pools themselves (DynamoLLM's, SGLang's static TP, and the
 replicas AFlex weighs) are there, AFlex's split pools in `pool_sizing.py`, and where a GPU outside a plan
-waits in `parking.py`. Each placement in full: docs/architecture.md, "Baseline placements".
+waits in `parking_rule.py`. Each placement in full: docs/architecture.md, "Baseline placements".
 """
 
 from __future__ import annotations
