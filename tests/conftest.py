@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import pytest
 import torch
@@ -69,6 +69,28 @@ def smollm2_path() -> Path:
     return default_model_path()
 
 
+@pytest.fixture(scope="session")
+def smollm2_hf_tokenizer(smollm2_path: Path) -> Any:
+    """transformers' own reading of the default model's tokenizer (the reference ours is checked against):
+    once per session, it takes seconds (transformers parses the GGUF's 49,152 tokens itself)."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(smollm2_path.parent, gguf_file=smollm2_path.name)
+
+
+@pytest.fixture(scope="session")
+def smollm2_hf_model(smollm2_path: Path) -> Any:
+    """transformers' `from_pretrained(dir, gguf_file=...)` of the default model in float32, eval mode: an
+    independent reading of the same file (transformers dequantizes with gguf and undoes the Q/K
+    permutation itself). Once per session: it takes about 13 s. Tests only read it."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from transformers import AutoModelForCausalLM  # it needs `accelerate` (a dev dependency) to read GGUF files
+
+    return AutoModelForCausalLM.from_pretrained(smollm2_path.parent, gguf_file=smollm2_path.name,
+                                                dtype=torch.float32).eval()
+
+
 def make_tiny_checkpoint(arch: str, directory: Path, seed: int = 0) -> Path:
     """A random `arch` model saved with `save_pretrained`; weights large enough for sharp logits."""
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -89,15 +111,12 @@ def tiny_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path
 
 
 @pytest.fixture(scope="session")
-def tiny_chat_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def tiny_chat_checkpoint(tmp_path_factory: pytest.TempPathFactory, smollm2_hf_tokenizer: Any) -> Path:
     """A tiny random llama with SmolLM2's real tokenizer and chat template (vocab 49152)."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-
-    from shared.model.checkpoint import default_model_path
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     directory = tmp_path_factory.mktemp("tiny-chat") / "tiny-chat"
-    gguf = default_model_path()
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    tokenizer = smollm2_hf_tokenizer
     config = AutoConfig.for_model(
         "llama", vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024, tie_word_embeddings=True,

@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass
+from functools import lru_cache
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -112,16 +113,49 @@ def unpermute_qk(weights: np.ndarray, n_heads: int) -> np.ndarray:
     return weights.reshape(n_heads, shape[0] // n_heads // 2, 2, *shape[1:]).swapaxes(1, 2).reshape(shape)
 
 
+class _PlainViewReader(gguf.GGUFReader):
+    """gguf's reader over a plain ndarray view of its memory map: the same fields and tensors, parsed
+    3.5x faster (SmolLM2's 49,152 tokens and merges: 2.44 s -> 0.70 s on this 2-core VM).
+
+    The stock reader slices an `np.memmap` once per metadata element, and every slice of that
+    subclass runs its Python-level `__array_finalize__`; a plain view of the same mapping slices in C.
+    Upstream's own fix (llama.cpp PR 13378) is unreleased. The view keeps the mapping alive and the
+    reads lazy; `tests/shared/model/test_gguf.py` checks every field and tensor against the stock reader.
+    """
+
+    @property  # type: ignore[override]
+    def data(self) -> np.ndarray:
+        return self._plain_data
+
+    @data.setter
+    def data(self, mapped: np.ndarray) -> None:  # the stock __init__ assigns its np.memmap here
+        self._plain_data = mapped.view(np.ndarray)
+
+
+def _open_reader(path: Path, source: str) -> gguf.GGUFReader:
+    """The file's reader, parsed once per process for as long as the file is unchanged: a colocated
+    worker opens the file for both halves, a cold-parked one again when it wakes, a test process in
+    many modules. The reader is read-only (mode "r"), so sharing it is safe."""
+    try:
+        stat = path.stat()
+        return _parsed_reader(str(path.resolve()), stat.st_size, stat.st_mtime_ns)
+    except Exception as exc:  # the reader raises anything from OSError to struct/index errors
+        raise CheckpointError(f"cannot read GGUF file {source}: {exc}") from None
+
+
+@lru_cache(maxsize=4)
+def _parsed_reader(path: str, size_bytes: int, mtime_ns: int) -> gguf.GGUFReader:
+    """Keyed by size and modification time too: a file rewritten in place is parsed again."""
+    return _PlainViewReader(path, "r")
+
+
 class GGUFCheckpoint:
     """A `TensorSource` over one GGUF file; see the module docstring for what it translates."""
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
         self.source = str(path)
-        try:
-            self._reader = gguf.GGUFReader(self.path, "r")
-        except Exception as exc:  # the reader raises anything from OSError to struct/index errors
-            raise CheckpointError(f"cannot read GGUF file {self.source}: {exc}") from None
+        self._reader = _open_reader(self.path, self.source)
         arch = self.metadata("general.architecture")
         if arch not in GGUF_ARCHITECTURES:
             raise UnknownArchitectureError(str(arch or "<missing general.architecture>"), self.source,

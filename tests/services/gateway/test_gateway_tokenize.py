@@ -12,18 +12,15 @@ import pytest
 from nats.aio.client import Client
 
 from services.gateway.app import create_app
-from shared.model.checkpoint import default_model_path, open_model_card
+from shared.model.checkpoint import open_model_card
 from shared.settings import GatewaySettings
 
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is the capital of France?"}]
 
 
 @pytest.fixture(scope="module")
-def hf_tokenizer() -> Any:
-    from transformers import AutoTokenizer
-
-    gguf = default_model_path()
-    return AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+def hf_tokenizer(smollm2_hf_tokenizer: Any) -> Any:
+    return smollm2_hf_tokenizer
 
 
 @pytest.fixture(scope="module")

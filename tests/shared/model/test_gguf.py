@@ -8,7 +8,6 @@ that every quantized type stores them exactly.
 from __future__ import annotations
 
 import math
-import os
 from pathlib import Path
 
 import gguf
@@ -18,7 +17,13 @@ import torch
 
 from shared.errors import CheckpointError, MissingTensorError, UnknownArchitectureError
 from shared.model.config import ModelArgs
-from shared.model.gguf_file import GGUFCheckpoint, llama3_rope_factors, permute_qk, unpermute_qk
+from shared.model.gguf_file import (
+    GGUFCheckpoint,
+    _PlainViewReader,
+    llama3_rope_factors,
+    permute_qk,
+    unpermute_qk,
+)
 
 Q = gguf.GGMLQuantizationType
 RNG = np.random.default_rng(1234)
@@ -32,18 +37,13 @@ def smollm2(smollm2_path: Path) -> GGUFCheckpoint:
 
 
 @pytest.fixture(scope="module")
-def transformers_reference(smollm2_path: Path) -> tuple[dict[str, torch.Tensor], dict]:
+def transformers_reference(smollm2_hf_model) -> tuple[dict[str, torch.Tensor], dict]:
     """(state dict, config dict) of transformers' `from_pretrained(dir, gguf_file=...)`, in float32.
 
     For the llama architecture transformers dequantizes with gguf and undoes the Q/K permutation
     itself, so this is an independent reading of the same file.
     """
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    import transformers  # it needs `accelerate` (a dev dependency) to read GGUF files
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        smollm2_path.parent, gguf_file=smollm2_path.name, dtype=torch.float32
-    )
-    return model.state_dict(), model.config.to_dict()
+    return smollm2_hf_model.state_dict(), smollm2_hf_model.config.to_dict()
 
 
 def test_every_tensor_equals_transformers(smollm2: GGUFCheckpoint, transformers_reference) -> None:
@@ -257,6 +257,39 @@ def test_unreadable_file_names_it(tmp_path: Path, content: bytes) -> None:
         GGUFCheckpoint(path)
     with pytest.raises(CheckpointError, match=r"absent\.gguf"):
         GGUFCheckpoint(tmp_path / "absent.gguf")
+
+
+def test_the_plain_view_reader_reads_what_gguf_reads(smollm2_path: Path, tiny_llama) -> None:
+    """The faster reader (`_PlainViewReader`) against gguf's own, on the real model and a small file:
+    every field's types and contents, every tensor's name, type, shape, offset and bytes."""
+    for path in (smollm2_path, tiny_llama[0]):
+        stock, fast = gguf.GGUFReader(path, "r"), _PlainViewReader(path, "r")
+        assert type(fast.data) is np.ndarray and type(stock.data) is np.memmap
+        assert list(fast.fields) == list(stock.fields)
+        for key, field in stock.fields.items():
+            assert fast.fields[key].types == field.types, key
+            assert fast.fields[key].contents() == field.contents(), key
+        assert len(fast.tensors) == len(stock.tensors)
+        for mine, theirs in zip(fast.tensors, stock.tensors, strict=True):
+            assert (mine.name, mine.tensor_type, list(mine.shape), mine.data_offset) == (
+                theirs.name, theirs.tensor_type, list(theirs.shape), theirs.data_offset)
+            assert np.array_equal(mine.data, theirs.data), mine.name
+
+
+def test_a_file_rewritten_in_place_is_read_again(tmp_path: Path) -> None:
+    """The reader is kept per process, keyed by the file's size and modification time."""
+    path = tmp_path / "model.gguf"
+    writer = gguf.GGUFWriter(path, "llama")
+    hyperparameters(writer, dim=DIM, ffn=FFN, heads=HEADS, kv_heads=KV_HEADS, layers=1, vocab=VOCAB)
+    add(writer, "token_embd.weight", exact_f16(VOCAB, DIM), Q.F16)
+    finish(writer)
+    assert GGUFCheckpoint(path).architecture == "llama"
+    assert GGUFCheckpoint(path)._reader is GGUFCheckpoint(path)._reader  # parsed once
+    writer = gguf.GGUFWriter(path, "gpt2")
+    writer.add_tensor("token_embd.weight", np.zeros((4, 32), dtype=np.float32))
+    finish(writer)
+    with pytest.raises(UnknownArchitectureError):
+        GGUFCheckpoint(path)
 
 
 # --- mixture of experts ---------------------------------------------------------------------------

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from shared.engine import Engine, forward_unsplit
-from shared.model.checkpoint import default_model_path, open_checkpoint
+from shared.model.checkpoint import open_checkpoint
 from shared.model.sampling import SamplingParams
 
 QUESTION = "What is the capital of France?"
@@ -32,16 +32,16 @@ def chat_prompt_ids(engine: Engine) -> list[int]:
     return engine.tokenizer.encode(text)
 
 
-def test_greedy_tokens_match_transformers_gguf(engine: Engine, chat_prompt_ids: list[int]) -> None:
-    from transformers import AutoModelForCausalLM
-
-    path = default_model_path()
-    hf = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
-    hf.generation_config.eos_token_id = None
+def test_greedy_tokens_match_transformers_gguf(engine: Engine, chat_prompt_ids: list[int], smollm2_hf_model) -> None:
+    hf = smollm2_hf_model
     new_tokens = 24
-    with torch.no_grad():
-        expected = hf.generate(torch.tensor([chat_prompt_ids]), max_new_tokens=new_tokens,
-                               do_sample=False)[0, len(chat_prompt_ids):].tolist()
+    eos, hf.generation_config.eos_token_id = hf.generation_config.eos_token_id, None  # no early end
+    try:
+        with torch.no_grad():
+            expected = hf.generate(torch.tensor([chat_prompt_ids]), max_new_tokens=new_tokens,
+                                   do_sample=False)[0, len(chat_prompt_ids):].tolist()
+    finally:  # the model is shared by the session
+        hf.generation_config.eos_token_id = eos
         reference_logits = hf(torch.tensor([chat_prompt_ids + expected])).logits[0]
     params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
     # with two other sequences sharing the batch and its microbatches

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import gguf
@@ -48,10 +47,8 @@ def ours(smollm2_path: Path) -> Tokenizer:
 
 
 @pytest.fixture(scope="module")
-def theirs(smollm2_path: Path):
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    import transformers
-    return transformers.AutoTokenizer.from_pretrained(smollm2_path.parent, gguf_file=smollm2_path.name)
+def theirs(smollm2_hf_tokenizer):
+    return smollm2_hf_tokenizer
 
 
 @pytest.mark.parametrize("text", TEXTS)
