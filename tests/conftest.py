@@ -128,6 +128,18 @@ def tiny_chat_checkpoint(tmp_path_factory: pytest.TempPathFactory, smollm2_hf_to
     return directory
 
 
+@pytest.fixture(scope="session")
+def plain_mesh(tiny_chat_checkpoint: Path) -> Iterator[Mesh]:
+    """One `aflex up` of the tiny chat checkpoint with the default settings, shared by the modules that
+    need only a served model and assert nothing about its history (the fuzzer, the client formats,
+    lm-eval, loadgen): a mesh takes seconds to start. Prefix caching counts hits from a fresh mesh and
+    starts its own."""
+    from tools.launch import aflex_up
+
+    with aflex_up(str(tiny_chat_checkpoint)) as running:
+        yield running
+
+
 CHAT_CHUNK_TOKENS = 16  # the chat mesh's max_batch_tokens: a 40-token prompt is prefilled in three chunks
 
 

@@ -10,8 +10,6 @@ longer than the context is schema-valid and rightly refused.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx2 as httpx
@@ -28,7 +26,7 @@ from schemathesis.checks import (
     status_code_conformance,
 )
 
-from tools.launch import Mesh, aflex_up
+from tools.launch import Mesh
 
 EXAMPLES = 25  # per operation and mode
 MAX_TOKENS = 4
@@ -37,9 +35,8 @@ CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance,
 
 
 @pytest.fixture(scope="module")
-def mesh(tiny_chat_checkpoint: Path) -> Iterator[Mesh]:
-    with aflex_up(str(tiny_chat_checkpoint)) as running:
-        yield running
+def mesh(plain_mesh: Mesh) -> Mesh:
+    return plain_mesh
 
 
 def narrowed(spec: dict[str, Any], model: str) -> dict[str, Any]:

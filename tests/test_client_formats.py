@@ -8,24 +8,21 @@ from __future__ import annotations
 import json
 import subprocess
 import uuid
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
 import openai
 import pytest
 
-from tools.launch import Mesh, aflex_up
+from tools.launch import Mesh
 
 PROMPT = "The history of the lighthouse"
 OUTPUT_LEN = 24
 
 
 @pytest.fixture(scope="module")
-def mesh(tiny_chat_checkpoint: Path) -> Iterator[Mesh]:
-    with aflex_up(str(tiny_chat_checkpoint)) as running:
-        yield running
+def mesh(plain_mesh: Mesh) -> Mesh:
+    return plain_mesh
 
 
 def _vllm_bench(url: str, payload: dict[str, Any], request_id: str, chat: bool) -> tuple[str, int, str]:

@@ -10,7 +10,6 @@ and the accuracy equal the same task scored directly with transformers on the sa
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -18,15 +17,14 @@ import pytest
 import torch
 
 from tests.conftest import REPO_ROOT, TEST_DATA
-from tools.launch import Mesh, aflex_up
+from tools.launch import Mesh
 
 TASK = "aflex_tiny_mc"
 
 
 @pytest.fixture(scope="module")
-def mesh(tiny_chat_checkpoint: Path) -> Iterator[Mesh]:
-    with aflex_up(str(tiny_chat_checkpoint)) as running:
-        yield running
+def mesh(plain_mesh: Mesh) -> Mesh:
+    return plain_mesh
 
 
 def _reference(checkpoint: Path) -> tuple[list[list[float]], float]:

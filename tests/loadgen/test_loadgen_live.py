@@ -9,30 +9,30 @@ import sys
 from pathlib import Path
 
 from tests.conftest import REPO_ROOT, TEST_DATA
-from tools.launch import aflex_up
+from tools.launch import Mesh
 
 SLICE = TEST_DATA / "azure_conv_slice.csv"
 N = 6
 
 
-def test_trace_replay_against_aflex_up(tiny_chat_checkpoint: Path, tmp_path: Path) -> None:
+def test_trace_replay_against_aflex_up(tiny_chat_checkpoint: Path, plain_mesh: Mesh, tmp_path: Path) -> None:
     out = tmp_path / "result.json"
     plots = importlib.util.find_spec("matplotlib") is not None
-    with aflex_up(str(tiny_chat_checkpoint)) as mesh:  # telemetry: the read-only user aflex up printed
-        cmd = [sys.executable, "-m", "loadgen", "--base-url", mesh.base_url, "--tokenizer", str(tiny_chat_checkpoint),
-               "--trace", str(SLICE), "--num-prompts", str(N), "--time-scale", "20", "--max-input-len", "24",
-               "--max-output-len", "6", "--max-concurrency", "4", "--goodput", "ttft:60000", "tpot:60000",
-               "--nats", mesh.telemetry_url, "--json", str(out), "--save-detailed", "--no-progress",
-               *(["--plots", str(tmp_path / "plots")] if plots else [])]
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=REPO_ROOT)
-        assert proc.returncode == 0, proc.stdout + proc.stderr + mesh.output()
-        # any OpenAI server: the chat endpoint with text prompts calibrated against the server's token counts
-        chat_out = tmp_path / "chat.json"
-        chat = [sys.executable, "-m", "loadgen", "--url", f"http://127.0.0.1:{mesh.port}", "--endpoint", "chat",
-                "--input-len", "80", "--output-len", "4", "--num-prompts", "3", "--rate", "50", "--json", str(chat_out),
-                "--no-progress", "--quiet"]
-        proc = subprocess.run(chat, capture_output=True, text=True, timeout=120, cwd=REPO_ROOT)
-        assert proc.returncode == 0, proc.stdout + proc.stderr + mesh.output()
+    mesh = plain_mesh  # telemetry: the read-only user aflex up printed
+    cmd = [sys.executable, "-m", "loadgen", "--base-url", mesh.base_url, "--tokenizer", str(tiny_chat_checkpoint),
+           "--trace", str(SLICE), "--num-prompts", str(N), "--time-scale", "20", "--max-input-len", "24",
+           "--max-output-len", "6", "--max-concurrency", "4", "--goodput", "ttft:60000", "tpot:60000",
+           "--nats", mesh.telemetry_url, "--json", str(out), "--save-detailed", "--no-progress",
+           *(["--plots", str(tmp_path / "plots")] if plots else [])]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=REPO_ROOT)
+    assert proc.returncode == 0, proc.stdout + proc.stderr + mesh.output()
+    # any OpenAI server: the chat endpoint with text prompts calibrated against the server's token counts
+    chat_out = tmp_path / "chat.json"
+    chat = [sys.executable, "-m", "loadgen", "--url", f"http://127.0.0.1:{mesh.port}", "--endpoint", "chat",
+            "--input-len", "80", "--output-len", "4", "--num-prompts", "3", "--rate", "50", "--json", str(chat_out),
+            "--no-progress", "--quiet"]
+    proc = subprocess.run(chat, capture_output=True, text=True, timeout=120, cwd=REPO_ROOT)
+    assert proc.returncode == 0, proc.stdout + proc.stderr + mesh.output()
     result = json.loads(out.read_text())
     assert result["completed"] == N and result["failed"] == 0, result["errors_sample"]
     rows = SLICE.read_text().splitlines()[1:N + 1]
