@@ -42,7 +42,7 @@ from shared.policy import (
 )
 from shared.policy.footprint import plan_power_w
 from shared.policy.headroom import AdaptiveHeadroom
-from shared.policy.parking_rule import parking_state
+from shared.policy.parking_rule import model_parking_state, parked_power_w
 from shared.policy.pipeline import iteration_cost
 from shared.policy.pool_sizing import Plan
 from shared.policy.power_correction import PowerCorrection
@@ -77,12 +77,11 @@ class Simulation:
         self.clock_trace: list[tuple[float, str, float, float, int]] = []
         self.plans: list[tuple[float, dict[str, Any]]] = []
         self.weights = {"attention": attention_weight_bytes(args), "ffn": ffn_weight_bytes(args)}
-        # parking: one rule for every policy; a GPU out of the plan is expected to stay out a window
-        cold_j = profile.context_idle_power_w * profile.cold_rejoin_s(sum(self.weights.values()) / 2)
+        # parking: one rule for every policy; a GPU out of the plan is expected to stay out a window.
         # fixed-pool accounting: no GPU leaves its context, so parked GPUs idle warm at the lowest clock
-        self.parking: ParkedState = "warm" if config.accounting == "fixed-pool" else parking_state(
-            config.parking, config.window_s, profile.warm_parked_power_w, profile.idle_power_w, cold_j)
-        self.parked_w = profile.warm_parked_power_w if self.parking == "warm" else profile.idle_power_w
+        self.parking: ParkedState = "warm" if config.accounting == "fixed-pool" else model_parking_state(
+            config.parking, profile, args, config.window_s)
+        self.parked_w = parked_power_w(self.parking, profile)
         self.spec = ClusterSpec.for_model(
             args, config.gpus, ttft_slo_s=config.ttft_slo_s, tpot_slo_s=config.tpot_slo_s,
             link_bytes_s=config.link_bytes_s, parked_power_w=planner_parked_w(config.accounting, self.parked_w),

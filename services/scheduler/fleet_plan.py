@@ -29,12 +29,11 @@ from services.scheduler.power_books import LivePowerCorrection
 from shared.gpu.emulated import GPUProfile
 from shared.kinds import PARKED, PARKED_ASSIGNMENT, PLAN_KINDS, Assignment, ParkingChoice
 from shared.model.config import ModelArgs
-from shared.model.sizes import attention_weight_bytes, ffn_weight_bytes
 from shared.perf import Predictor
 from shared.policy import ClockRule, ClusterSpec, Plan, WindowLoad
 from shared.policy.footprint import elastic_plan
 from shared.policy.headroom import AdaptiveHeadroom
-from shared.policy.parking_rule import parking_state
+from shared.policy.parking_rule import model_parking_state, parked_power_w, parking_state
 from shared.policy.window_load import window_load
 
 POOL_ASSIGNMENT: dict[str, Assignment] = {"prefill": "prefill-attention", "decode": "decode-attention",
@@ -192,18 +191,14 @@ class Provisioner:
         """Where a worker out of the plan waits, by the simulator's rule (`parking_state`): cold when the power
         it saves over the window it is expected out pays for the model load (context-idle power over
         `cold_rejoin_s` of one role's weights) that brings it back."""
-        cold_j = profile.context_idle_power_w * profile.cold_rejoin_s(
-            (attention_weight_bytes(args) + ffn_weight_bytes(args)) / 2)
-        state = parking_state(self.parking, self.window_s, profile.warm_parked_power_w, profile.idle_power_w, cold_j)
-        return PARKED_ASSIGNMENT[state]
+        return PARKED_ASSIGNMENT[model_parking_state(self.parking, profile, args, self.window_s)]
 
     def spec(self, args: ModelArgs, profile: GPUProfile, n_attention: int, n_ffn: int,
              n_colocate: int = 0, gpu_memory_bytes: float = 0.0) -> ClusterSpec:
         """The live cluster: its workers as GPUs of `gpu_memory_bytes` (0: the profile's), each able to serve
         the half it loaded (`n_colocate` of the attention workers both: one GPU each, no TP group across
         workers), a parked one priced at its parking state's power."""
-        parked_w = profile.idle_power_w if self.parked_state(args, profile) == PARKED_ASSIGNMENT["cold"] \
-            else profile.warm_parked_power_w
+        parked_w = parked_power_w(model_parking_state(self.parking, profile, args, self.window_s), profile)
         return ClusterSpec.for_model(args, n_attention + n_ffn, ttft_slo_s=self.ttft_slo_s,
                                      tpot_slo_s=self.tpot_slo_s, link_bytes_s=self.link_bytes_s,
                                      parked_power_w=parked_w, max_attention=n_attention, max_ffn=n_ffn,

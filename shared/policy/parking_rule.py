@@ -7,7 +7,14 @@ model load to come back (docs/architecture.md, "Parking").
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from shared.kinds import PARKING_CHOICES, ParkedState, ParkingChoice
+from shared.model.sizes import attention_weight_bytes, ffn_weight_bytes
+
+if TYPE_CHECKING:
+    from shared.gpu.emulated import GPUProfile
+    from shared.model.config import ModelArgs
 
 
 def parking_state(choice: ParkingChoice, expected_parked_s: float, warm_w: float, cold_w: float,
@@ -20,3 +27,17 @@ def parking_state(choice: ParkingChoice, expected_parked_s: float, warm_w: float
     if choice != "auto":
         return choice
     return "cold" if expected_parked_s * (warm_w - cold_w) > cold_rejoin_j else "warm"
+
+
+def model_parking_state(choice: ParkingChoice, profile: GPUProfile, args: ModelArgs,
+                        expected_parked_s: float) -> ParkedState:
+    """`parking_state` for a GPU of `profile` serving `args`: coming back cold costs the context-idle
+    power over `cold_rejoin_s` of one role's weights (the mean of the two halves')."""
+    rejoin_j = profile.context_idle_power_w * profile.cold_rejoin_s(
+        (attention_weight_bytes(args) + ffn_weight_bytes(args)) / 2)
+    return parking_state(choice, expected_parked_s, profile.warm_parked_power_w, profile.idle_power_w, rejoin_j)
+
+
+def parked_power_w(state: ParkedState, profile: GPUProfile) -> float:
+    """What a parked GPU draws: warm, the clock locked at its minimum; cold, bare idle."""
+    return profile.idle_power_w if state == "cold" else profile.warm_parked_power_w

@@ -152,7 +152,7 @@ def test_workers_out_of_the_plan_park_cold_where_the_window_pays_for_the_reload(
     """The simulator's rule (`parking_state`): cold when the window's saving (warm-parked less bare idle
     power) pays for the model load that brings it back (context-idle power over `cold_rejoin_s`)."""
     from shared.model.sizes import attention_weight_bytes, ffn_weight_bytes
-    from shared.policy.parking_rule import parking_state
+    from shared.policy.parking_rule import model_parking_state, parked_power_w, parking_state
 
     cold_j = A800.context_idle_power_w * A800.cold_rejoin_s((attention_weight_bytes(QWEN) + ffn_weight_bytes(QWEN)) / 2)
     break_even_s = cold_j / (A800.warm_parked_power_w - A800.idle_power_w)
@@ -162,6 +162,9 @@ def test_workers_out_of_the_plan_park_cold_where_the_window_pays_for_the_reload(
         assert pv.parked_state(QWEN, A800) == f"parked-{want}"
         assert pv.spec(QWEN, A800, 4, 2).parked_power_w == (A800.idle_power_w if want == "cold"
                                                                else A800.warm_parked_power_w)
+        # the one rule the simulator's engine calls too
+        assert model_parking_state("auto", A800, QWEN, window_s) == want
+        assert parked_power_w(want, A800) == pv.spec(QWEN, A800, 4, 2).parked_power_w
     assert _provisioner(300.0, parking="auto").parked_state(QWEN, A800) == "parked-cold"
     assert _provisioner(1.0, parking="auto").parked_state(QWEN, A800) == "parked-warm"
     pv = _provisioner(300.0, parking="cold")
