@@ -16,7 +16,10 @@ from typing import Any
 
 from shared.perf import Predictor
 from shared.policy import BatchStats, ClockRule, OperatingPoint, PoolShape
+from shared.policy.iteration import AUTO_PLANNER_DEPTHS
 from shared.policy.operating_point import PointTables, point_tables, select_point
+
+MAX_DEPTH = max(AUTO_PLANNER_DEPTHS)  # the deepest cut a planner considers
 
 TABLES_KEPT = 1024  # a scanning rule's tables are ~80 KB (4 depths x 28 x 28 clocks); ~55% of misses hit
 
@@ -42,20 +45,22 @@ class Controller:
              rule: ClockRule | None = None, next_prompt_rate_hz: float = 0.0) -> OperatingPoint:
         qn, qc = self._q(s.n_tokens, 16), self._q(s.ctx_tokens, 12)
         qp, qs = self._q(s.pairs, 8), self._q(s.n_sample, 16)
-        # the single-sequence bound only matters when that sequence is more than one group's share
-        big = s.seq_tokens > s.n_tokens / max(1, shape.units)
+        # the single-sequence bounds only matter when that sequence is more than an even microbatch's share
+        big = s.seq_tokens > s.n_tokens / (max(1, shape.units) * MAX_DEPTH)
+        qk = min(s.group_seqs(shape.units), MAX_DEPTH)  # the depths a group's sequences allow
         sq = (self._q(s.seq_tokens, 16), self._q(s.seq_ctx, 12), self._q(s.seq_pairs, 8)) if big else (0, 0, 0)
         qb = int(budget_s * 400)  # 2.5 ms
         cur = (current.depth, current.index) if current is not None else None
         rule = self.rule if rule is None else rule
         qr = self._q(next_prompt_rate_hz * 100.0, 8) if next_prompt_rate_hz > 0 else -1  # 8 per octave
-        key = (shape, s.phase, qn, qc, qp, qs, sq, qb, cur, rule, qr)
+        key = (shape, s.phase, qn, qc, qp, qs, sq, qk, qb, cur, rule, qr)
         op = self.cache.get(key)
         if op is None:
             seq = (self._dq(sq[0], 16), self._dq(sq[1], 12), self._dq(sq[2], 8)) if big else (0.0, 0.0, 0.0)
-            rep = BatchStats(s.phase, self._dq(qn, 16), self._dq(qc, 12), self._dq(qp, 8), self._dq(qs, 16), *seq)
+            rep = BatchStats(s.phase, self._dq(qn, 16), self._dq(qc, 12), self._dq(qp, 8), self._dq(qs, 16), *seq,
+                             n_seqs=qk * max(1, shape.units))
             rate = self._dq(qr, 8) / 100.0 if qr >= 0 else 0.0
-            tkey = (shape, s.phase, qn, qc, qp, qs, sq, rule, qr)
+            tkey = (shape, s.phase, qn, qc, qp, qs, sq, qk, rule, qr)
             tables = self.tables.get(tkey)
             if tables is None:
                 tables = self.tables[tkey] = point_tables(self.pred, shape, rep, rule, rate)

@@ -267,7 +267,8 @@ class Simulation:
                     n_done_pre += 1
         phase = "prefill" if n_pre > 0 else "decode"
         ctx_dec = pool.ctx_sum + n_dec
-        stats = BatchStats(phase, n_dec + n_pre, ctx_dec + ctx_pre, ctx_dec + pairs_pre, n_dec + n_done_pre, *seq)
+        stats = BatchStats(phase, n_dec + n_pre, ctx_dec + ctx_pre, ctx_dec + pairs_pre, n_dec + n_done_pre, *seq,
+                           n_seqs=n_dec + len(chunk))
         # the pool waits for the next prompt after an iteration that empties its queue with no decode beside it
         drains = n_pre > 0 and n_dec == 0 and n_done_pre == len(pool.queue)
         frac = self.pol.batching.prefill_iter_frac

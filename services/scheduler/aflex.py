@@ -62,28 +62,35 @@ class IterationSample:
     n_decode: int  # decode sequences in it
     max_prompt: int  # longest prompt among its prefill passes (0: none)
     depth: int = 1
+    n_seqs: int = 0  # sequences in it (0: not recorded)
+    chunk: tuple[float, float, float] = (0.0, 0.0, 0.0)  # its largest pass: (new tokens, context, pairs)
 
     @property
     def stats(self) -> BatchStats:
-        return BatchStats(self.phase, float(self.n_tokens), self.ctx_tokens, self.pairs, float(self.n_sample))
+        return BatchStats(self.phase, float(self.n_tokens), self.ctx_tokens, self.pairs, float(self.n_sample),
+                          *self.chunk, n_seqs=float(self.n_seqs))
 
 
 def sample_of(passes: Iterable[tuple[int, int, bool, bool, int]], mono: float, depth: int = 1) -> IterationSample:
     """An `IterationSample` from (n_new, start, samples, is_decode, prompt_len) per pass."""
     n = n_dec = n_smp = max_prompt = count = 0
     ctx = pairs = 0.0
+    chunk = (0.0, 0.0, 0.0)
     for n_new, start, samples, is_decode, prompt_len in passes:
         c = start + n_new
         count += 1
         n += n_new
         ctx += c
-        pairs += causal_pairs(n_new, c)
+        p = causal_pairs(n_new, c)
+        pairs += p
         n_smp += samples
         n_dec += is_decode
         if not is_decode:
             max_prompt = max(max_prompt, prompt_len)
+        if n_new > chunk[0]:
+            chunk = (float(n_new), float(c), float(p))
     phase: ClockPhase = "decode" if n_dec == count else "prefill"
-    return IterationSample(mono, phase, n, ctx, pairs, n_smp, n_dec, max_prompt, depth)
+    return IterationSample(mono, phase, n, ctx, pairs, n_smp, n_dec, max_prompt, depth, count, chunk)
 
 
 def representative(samples: Sequence[IterationSample], phase: ClockPhase) -> IterationSample | None:
@@ -179,7 +186,8 @@ class AflexPlanner:
         shape = PoolShape(split=False, link_bytes_s=self.link_bytes_s) if colocated else \
             PoolShape(split=True, attention=k, ffn=1, link_bytes_s=self.link_bytes_s)
         s = rep.stats
-        stats = BatchStats(s.phase, s.n_tokens * k, s.ctx_tokens * k, s.pairs * k, s.n_sample * k)
+        stats = BatchStats(s.phase, s.n_tokens * k, s.ctx_tokens * k, s.pairs * k, s.n_sample * k,
+                           s.seq_tokens, s.seq_ctx, s.seq_pairs, s.n_seqs * k)  # a sequence stays on one worker
         budget = self.budget_s(phase, rep, now_unix, queue)
         op = choose_operating_point(pred, shape, stats, budget, self.rule, current)
         return PairPlan(phase, stats, budget, shape, self.rule, current, op)

@@ -19,6 +19,7 @@ widens it, a clean window with p90 well under the SLO narrows it.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,6 +28,7 @@ import numpy as np
 from shared.gpu.snap import snap_clock
 from shared.perf import Predictor
 from shared.policy.headroom import comfortably_inside
+from shared.policy.iteration import microbatch_depth
 from shared.policy.pipeline import iteration_cost, megascale_depth, seam_transfer_s
 
 
@@ -63,7 +65,9 @@ class BatchStats:
 
     `seq_*` describe the largest single sequence chunk in it (0: none given). One sequence runs on one
     group (replica, or attention TP group), so the iteration lasts at least that chunk's time there,
-    however many groups share the rest of the work."""
+    however many groups share the rest of the work. `n_seqs` counts its sequences (0: not given, read
+    as one a token, which is exact for decode): the scheduler cuts microbatches between sequences,
+    never inside one (`split_microbatches`), so a group runs at most as many as it holds sequences."""
 
     phase: str  # "prefill" (any prefill chunk in it) or "decode"
     n_tokens: float
@@ -73,6 +77,12 @@ class BatchStats:
     seq_tokens: float = 0.0
     seq_ctx: float = 0.0
     seq_pairs: float = 0.0
+    n_seqs: float = 0.0
+
+    def group_seqs(self, units: int) -> int:
+        """The sequences of the busiest of `units` groups sharing the iteration: its depth's ceiling."""
+        n = self.n_seqs if self.n_seqs > 0 else self.n_tokens
+        return max(1, math.ceil(n / max(1, units) - 1e-9))
 
 
 @dataclass(frozen=True)
@@ -214,7 +224,8 @@ def point_tables(pred: Predictor, shape: PoolShape, stats: BatchStats, rule: Clo
     marginal = rule.objective == "marginal" or (rule.objective in ("marginal-decode", "idle-aware") and decode_only)
     waits = rule.objective == "idle-aware" and not decode_only and next_prompt_rate_hz > 0
     floor_w = idle_floor_w(pred, shape) if marginal or waits else 0.0
-    depths = tuple(dict.fromkeys(min(d, max(1, int(stats.n_tokens))) for d in depths))
+    # the live rule (`microbatch_depth`): never more microbatches than the group has sequences
+    depths = tuple(dict.fromkeys(microbatch_depth(d, stats.group_seqs(shape.units)) for d in depths))
     pin = _pinned(pred, shape, stats.phase, rule)
     if pin is not None:  # one clock pair: a 1x1 table (the same figures as masking the whole one)
         oa, of = pin[0], pin[1] if shape.split else pin[0]

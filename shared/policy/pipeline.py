@@ -7,8 +7,12 @@ arrays (Ca, 1) and FFN arrays (1, Cf) give (Ca, Cf) tables.
 Split (attention/FFN disaggregated), depth m microbatches, L layers, per-microbatch attention time
 ta (one attention GPU's share), FFN time tf (one FFN GPU's share), one-way transfer tc:
 
-    cycle = max(m·ta, m·tf, ta + tf + 2·tc)       (resource-bound, or one microbatch's round trip)
+    cycle = max(m·ta, m·tf, ta + tf + 2·tc, r)    (resource-bound, or one microbatch's round trip)
     T     = L·cycle + t_head
+
+where r is the round trip of the microbatch holding the iteration's largest sequence chunk: the
+scheduler cuts microbatches between sequences, never inside one (`split_microbatches`), so one
+prompt's tokens never pipeline against each other; m ≥ 2 overlaps only different sequences.
 
 m = 1 is the plain sequential path L·(ta + tf + 2tc); with m ≥ 2 the sides overlap (ping-pong) and
 the round trip is hidden once m·max(ta, tf) ≥ ta + tf + 2tc, MegaScale-Infer's m ≥ 2(1 + tc/tf)
@@ -52,10 +56,12 @@ def _maximum(a: Any, b: Any) -> Any:
 
 
 def af_iteration(ta: Array, ea: Array, tf: Array, ef: Array, th: Array, eh: Array, tc: float, depth: int,
-                 layers: int, n_attention: int, n_ffn: int, idle_a: Idle, idle_f: Idle) -> tuple[Array, Array]:
-    """(time_s, energy_j) of one split iteration; all GPUs of both sides included."""
+                 layers: int, n_attention: int, n_ffn: int, idle_a: Idle, idle_f: Idle,
+                 round_trip_s: Array | float = 0.0) -> tuple[Array, Array]:
+    """(time_s, energy_j) of one split iteration; all GPUs of both sides included. `round_trip_s`: one
+    layer's round trip of the largest microbatch, when it is larger than an even share (0: none)."""
     m = depth
-    cycle = _maximum(_maximum(m * ta, m * tf), ta + tf + 2.0 * tc)
+    cycle = _maximum(_maximum(_maximum(m * ta, m * tf), ta + tf + 2.0 * tc), round_trip_s)
     t = layers * cycle + th
     busy_a = layers * m * ta + th
     busy_f = layers * m * tf
@@ -104,8 +110,9 @@ def iteration_cost(att: AttnCost, ffn: TokCost, head: TokCost, shape: Any, s: An
     passes the predictors (arrays over clocks), the simulator the emulated GPU at the chosen clocks.
     The work is spread evenly over the pool's groups (replicas, or attention TP groups), except that
     the largest single sequence chunk (`s.seq_*`) runs on one group: every GPU's share is stretched
-    to at least that chunk's time there, the difference idle. A colocated pool runs both halves at
-    the attention clock, so only `idle_a` applies there."""
+    to at least that chunk's time there, the difference idle, and on the split path that chunk is one
+    microbatch, whose own attention, FFN and hops follow each other within each layer (`af_iteration`'s
+    round trip). A colocated pool runs both halves at the attention clock, so only `idle_a` applies there."""
     link = shape.link_bytes_s
     if shape.split:
         tp = max(1, shape.attention_tp)
@@ -115,15 +122,20 @@ def iteration_cost(att: AttnCost, ffn: TokCost, head: TokCost, shape: Any, s: An
         if tp > 1:  # the attention output projection's partial sums, reduced inside the group
             ar = allreduce_s(s.n_tokens / per, dim, tp, link)
             ta, ea = ta + ar, ea + ar * idle_a
+        tf, ef = ffn(s.n_tokens / depth, shape.ffn)
+        round_trip: Array | float = 0.0
         if s.seq_tokens > s.n_tokens / per:
             ts, _ = att(s.seq_tokens, s.seq_ctx, s.seq_pairs, tp)
             if tp > 1:
                 ts = ts + allreduce_s(s.seq_tokens, dim, tp, link)
-            ta, ea = pad_to(ta, ea, ts / depth, idle_a)
-        tf, ef = ffn(s.n_tokens / depth, shape.ffn)
+            ta, ea = pad_to(ta, ea, ts / depth, idle_a)  # its group's microbatches hold it between them
+            if depth > 1:  # and it is one of them, whole: its layer's round trip is not overlapped with itself
+                ts_f, _ = ffn(s.seq_tokens, shape.ffn)
+                round_trip = ts + ts_f + 2.0 * seam_transfer_s(s.seq_tokens, dim, link)
         th, eh = head(max(1.0, s.n_sample / groups), tp)
         tc = seam_transfer_s(s.n_tokens / depth, dim, link)
-        return af_iteration(ta, ea, tf, ef, th, eh, tc, depth, layers, shape.attention, shape.ffn, idle_a, idle_f)
+        return af_iteration(ta, ea, tf, ef, th, eh, tc, depth, layers, shape.attention, shape.ffn, idle_a, idle_f,
+                            round_trip)
     r = shape.replicas
     ta, ea = att(s.n_tokens / r, s.ctx_tokens / r, s.pairs / r, shape.tp)
     tf, ef = ffn(s.n_tokens / r, shape.tp)

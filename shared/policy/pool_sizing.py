@@ -136,7 +136,7 @@ def decode_point(pred: Predictor, shape: PoolShape, load: WindowLoad, spec: Clus
     op = None
     for _ in range(3):
         b = max(1.0, rate * t)
-        stats = BatchStats("decode", b, b * per_seq_ctx, b * per_seq_ctx, b)
+        stats = BatchStats("decode", b, b * per_seq_ctx, b * per_seq_ctx, b, n_seqs=b)
         op = choose_operating_point(pred, shape, stats, spec.tpot_budget_s, rule)
         t = op.time_s
     assert op is not None
@@ -158,7 +158,7 @@ def long_prompt_time(pred: Predictor, shape: PoolShape, prompt: float, rule: Clo
     """Predicted time (s) of one prompt of `prompt` tokens alone on `shape` at the top clock: it runs on
     one group (a replica, or an attention TP group), so only tensor parallelism shortens it."""
     pairs = prompt * prompt - prompt * (prompt - 1) / 2
-    stats = BatchStats("prefill", prompt, prompt, pairs, 1, prompt, prompt, pairs)
+    stats = BatchStats("prefill", prompt, prompt, pairs, 1, prompt, prompt, pairs, n_seqs=1)
     top = ClockRule(max_clock=True, depths=(1,))
     return choose_operating_point(pred, shape, stats, 0.0, top if rule is None else rule).time_s
 
@@ -180,7 +180,7 @@ def prefill_point(pred: Predictor, shape: PoolShape, load: WindowLoad, spec: Clu
         seqs = max(1.0, chunk / prompt)
         q = chunk / seqs
         pq = q * q - q * (q - 1) / 2
-        stats = BatchStats("prefill", chunk, chunk, seqs * pq, seqs, q, q, pq)
+        stats = BatchStats("prefill", chunk, chunk, seqs * pq, seqs, q, q, pq, n_seqs=seqs)
         budget = min(spec.ttft_budget_s / 2.0, max_utilisation * chunk / rate)
         op = choose_operating_point(pred, shape, stats, budget, rule)
         util = rate * op.time_s / chunk

@@ -8,6 +8,7 @@ queued requests. Each passes its own pricing (`time_of`); the rest is here once.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable
 from itertools import islice
 
@@ -28,7 +29,9 @@ def prefill_stats_at(tokens: int, n_decode: int = 0, decode_ctx: float = 0.0, he
     n = float(n_decode + tokens)
     ctx = decode_ctx + n
     pairs = decode_ctx + n_decode + tokens * tokens / 2.0
-    return BatchStats("prefill", n * k, ctx * k, pairs * k, float(n_decode + 1) * k, q1, q1, causal_pairs(q1, q1))
+    prompts = math.ceil(tokens / q1) if q1 > 0 else 0  # the fewest sequences holding them: the fewest microbatches
+    return BatchStats("prefill", n * k, ctx * k, pairs * k, float(n_decode + 1) * k, q1, q1, causal_pairs(q1, q1),
+                      n_seqs=float(n_decode + max(1, prompts)) * k)
 
 
 def prefill_cap(rule: BatchingRule, queued_tokens: int, time_of: Callable[[BatchStats], float], *,

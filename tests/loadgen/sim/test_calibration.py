@@ -129,16 +129,16 @@ def test_row4_throttling_autoscaling_and_both(runner: Any) -> None:
 # -- row 5 ------------------------------------------------------------------------------------------------
 def test_row5a_operator_clocks(runner: Any) -> None:
     """16 x A800, Qwen3-32B, the first 300 s of the conv trace. The static baselines run at 1410 MHz
-    (> 1300, as published). AFlex's prefill clocks sit at 900–1100 MHz against the published 656/452
-    (the idle-aware prefill objective took them down from 1050–1300; still a miss, doc) and its decode
-    clocks at 400–850 MHz; DynamoLLM's and BiScale's decode clocks are near 570 MHz, not above 1300
-    (doc: a miss)."""
+    (> 1300, as published). AFlex's prefill clocks sit at 1200–1350 MHz against the published 656/452
+    (a miss, doc: with no prompt pipelined against itself, as live, holding TTFT takes faster prefill
+    clocks) and its decode clocks at 400–850 MHz; DynamoLLM's and BiScale's decode clocks are near 570 MHz,
+    not above 1300 (doc: a miss)."""
     runs = cal.row5_run(runner, "conv", "qwen3-32b", ("aflex", *cal.ROW5_BASELINES), window=(0.0, 300.0))
     clocks = {k: r[0]["mean_clock_mhz"] for k, r in runs.items()}
     for name in ("sglang", "distserve"):
         assert min(clocks[name].values()) > 1300.0
     aflex = clocks["aflex"]
-    assert all(900.0 <= aflex[k] <= 1100.0 for k in ("prefill-attention", "prefill-ffn"))
+    assert all(1200.0 <= aflex[k] <= 1350.0 for k in ("prefill-attention", "prefill-ffn"))
     assert all(400.0 <= aflex[k] <= 850.0 for k in ("decode-attention", "decode-ffn"))
     for name in ("dynamollm", "biscale"):
         assert clocks[name]["decode-attention"] == pytest.approx(570.0, abs=30.0)
@@ -147,9 +147,10 @@ def test_row5a_operator_clocks(runner: Any) -> None:
 def test_row5b_global_scheduler_and_local_dvfs(runner: Any) -> None:
     """16 x A800, Qwen3-32B, the first 300 s of the conv trace at x1, cluster accounting. The global
     scheduler alone saves 30–45% against af-max and distserve (the published 5.9–37.3% spans loads);
-    local DVFS on top of it saves nothing (−10 to +2%) against the published 20.1% (doc: a miss)."""
+    local DVFS on top of it costs energy (−16 to −10%: with no prompt pipelined against itself, as live, it
+    spends on prefill clocks to hold TTFT) against the published 20.1% saving (doc: a miss)."""
     runs = cal.row5_run(runner, "conv", "qwen3-32b", cal.ROW5B_POLICIES, window=(0.0, 300.0))
     res = {k: r[0] for k, r in runs.items()}
     for base in ("af-max", "distserve"):
         assert 30.0 <= _saving(res, "aflex-global-only", base, "cluster") <= 45.0
-    assert -10.0 <= _saving(res, "aflex", "aflex-global-only", "cluster") <= 2.0
+    assert -16.0 <= _saving(res, "aflex", "aflex-global-only", "cluster") <= -10.0
