@@ -5,9 +5,10 @@ load), a load sweep; prints Markdown tables and writes JSON.
 A scaling policy that parked GPUs is replayed again under `--accounting active` (its planner prices a
 parked GPU at 0 W: the deployment hands it back) and, at the table's load, under `--accounting
 fixed-pool` (parking forced warm). The ablations that park are not (`ACCOUNTING_REPLAYS`; they show "–"
-there). A static plan that parks (the oracles) keeps its one replay's active books and has no
-fixed-pool column. A policy that parked none has the same plans and books in all three replays, so
-its one replay gives every column.
+there). A static plan that parks keeps its one replay's active books; DistServe's (sized to the load)
+is replayed under fixed-pool at the table's load, the oracles' searched plans have no fixed-pool column.
+A policy that parked none has the same plans and books in all three replays, so its one replay gives
+every column.
 
     python benchmarks/paper_table.py --json out/paper.json --md out/paper.md
     python benchmarks/paper_table.py --runs conv-qwen3 --loads 0.25,0.5,1,2 --no-oracle --plots out/plots
@@ -62,16 +63,19 @@ def _one(job: tuple[str, float, str, list[str]]) -> tuple[str, float, str, dict[
     if "--accounting" in extra:  # asked for one accounting itself: its books are in
         return run, load, policy, keep
     plans = policy in SPECS and SPECS[policy].scaling  # a planner that prices parked GPUs, every window
-    if res["parked_gpu_s"] > 0 and (not plans or policy not in ACCOUNTING_REPLAYS):
-        if plans:  # an ablation that parks: its cluster books only (the time budget)
-            keep["accounting"].pop("active")
-        return run, load, policy, keep  # a static plan (the oracles): its active books hold; no fixed-pool grid
-    if res["parked_gpu_s"] > 0:  # its planner weighed parked GPUs: under `active` they cost it nothing
+    parks = res["parked_gpu_s"] > 0
+    if parks and plans and policy not in ACCOUNTING_REPLAYS:  # an ablation that parks: its cluster books only
+        keep["accounting"].pop("active")
+        return run, load, policy, keep
+    if parks and "oracle" in res:  # a searched static plan: its active books hold; no fixed-pool grid
+        keep["oracle"] = {k: v for k, v in res["oracle"].items() if k != "grid"}
+        return run, load, policy, keep
+    if parks and plans:  # its planner weighed parked GPUs: under `active` they cost it nothing
         active = run_policies(_args(run, load, policy, [*extra, "--accounting", "active"]))["policies"][policy]
         keep["accounting"]["active"] = active["accounting"]["active"]
         keep["active_slo_met"] = active["slo_met"]
     if load in FIXED_POOL_LOADS:
-        if res["parked_gpu_s"] > 0:
+        if parks:  # a static plan that leaves GPUs out (DistServe sized to the load) keeps them warm there
             fixed = run_policies(_args(run, load, policy, [*extra, "--accounting", "fixed-pool"]))["policies"][policy]
             keep["accounting"]["fixed-pool"] = fixed["accounting"]["fixed-pool"]
             keep["fixed_pool_slo_met"] = fixed["slo_met"]

@@ -74,7 +74,10 @@ def add_sim_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"comma-separated, from: {', '.join(PAPER_POLICIES)} (colocated-max = sglang)")
     p.add_argument("--ttft-slo-ms", type=float, default=400.0)
     p.add_argument("--tpot-slo-ms", type=float, default=120.0)
-    p.add_argument("--link-gbs", type=float, default=400.0, help="A/F, TP and KV link bandwidth, GB/s")
+    p.add_argument("--link-gbs", type=float, default=400.0, help="A/F, TP and KV link bandwidth in a node, GB/s")
+    p.add_argument("--node-gpus", type=int, default=8, help="GPUs per node (0: every GPU on one --link-gbs fabric)")
+    p.add_argument("--inter-node-gbs", type=float, default=25.0,
+                   help="what one GPU moves to another node, GB/s (a 200 Gb/s HDR NIC per GPU)")
     p.add_argument("--switch-delay-ms", type=float, default=None, help="clock-switch delay (default: profile's)")
     p.add_argument("--window-s", type=float, default=300.0, help="provisioning window")
     p.add_argument("--parking", choices=list(PARKING_CHOICES), default="auto",
@@ -106,7 +109,8 @@ def _arrivals(args: argparse.Namespace) -> Arrivals:
 
 def sim_config(args: argparse.Namespace, record: bool = False) -> SimConfig:
     return SimConfig(gpus=args.gpus, ttft_slo_s=args.ttft_slo_ms / 1e3, tpot_slo_s=args.tpot_slo_ms / 1e3,
-                     link_bytes_s=args.link_gbs * 1e9,
+                     link_bytes_s=args.link_gbs * 1e9, node_gpus=getattr(args, "node_gpus", 8),
+                     inter_node_bytes_s=getattr(args, "inter_node_gbs", 25.0) * 1e9,
                      switch_delay_s=None if args.switch_delay_ms is None else args.switch_delay_ms / 1e3,
                      window_s=args.window_s, parking=args.parking, accounting=args.accounting, record_power=record,
                      seed=args.seed, prefix_reuse=getattr(args, "prefix_reuse", None))

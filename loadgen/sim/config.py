@@ -28,7 +28,12 @@ class SimConfig:
     gpus: int = 16
     ttft_slo_s: float = 0.4
     tpot_slo_s: float = 0.12
-    link_bytes_s: float = 400e9  # A/F seam and TP all-reduce (NVLink); KV transfer P->D uses it too
+    link_bytes_s: float = 400e9  # A/F seam and TP all-reduce inside a node (A800 NVLink); KV transfer P->D too
+    # 16 A800s are two 8-GPU HGX nodes; a GPU reaches the other node through its own 200 Gb/s HDR NIC (DGX
+    # A100's compute fabric: 8 single-port ConnectX-6, one per GPU): 25 GB/s. A group larger than a node
+    # (a split pool's per-layer traffic, a P/D pair's KV) runs at that rate. node_gpus 0: one NVLink domain
+    node_gpus: int = 8
+    inter_node_bytes_s: float = 25e9
     switch_delay_s: float | None = None  # None: the profile's clock_switch_delay
     window_s: float = 300.0
     tick_s: float = 30.0

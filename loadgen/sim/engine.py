@@ -85,9 +85,9 @@ class Simulation:
         self.spec = ClusterSpec.for_model(
             args, config.gpus, ttft_slo_s=config.ttft_slo_s, tpot_slo_s=config.tpot_slo_s,
             link_bytes_s=config.link_bytes_s, parked_power_w=planner_parked_w(config.accounting, self.parked_w),
-            gpu_memory_bytes=self.mem)
-        # AFlex's global scheduler corrects its headroom by the TTFT it saw (the live scheduler's rule too)
-        self.headroom = AdaptiveHeadroom(config.headroom) if policy.split and policy.scaling else None
+            gpu_memory_bytes=self.mem, node_gpus=config.node_gpus, inter_node_bytes_s=config.inter_node_bytes_s)
+        # a scaling planner corrects its headroom by the TTFT it saw (the live scheduler's rule, shared machinery)
+        self.headroom = AdaptiveHeadroom(config.headroom) if policy.scaling else None
         self.planner = SimPlanner(policy, self.spec, predictor, arrivals, config.window_s, config.headroom,
                                   config.burst_subwindow_s, config.burst_quantile, config.colocated_tp)
         self.ledger = EnergyLedger(active_from_s=float(arrivals.time_s[0]) if n else 0.0, record=config.record_power)
@@ -148,7 +148,7 @@ class Simulation:
         # a tick between windows grows pools: it keeps split P/D pools, and leaves a shared pool only for them
         if self.correction is not None:
             self._observe_power(now)
-        if self.headroom is not None:  # AFlex: the P90 TTFT of the window before each plan corrects its headroom
+        if self.headroom is not None:  # the P90 TTFT of the window before each plan corrects its headroom
             p90 = self._p90_ttft_ms(now - self.cfg.window_s, now)
             self.planner.headroom = self.headroom.update(p90, self.cfg.ttft_slo_s * 1e3)
         shapes = self.planner.window(load, same_kind=scale_up_only and "prefill" in self.plan_names)
@@ -243,10 +243,12 @@ class Simulation:
 
             head_rem = pool.queue[0][1]
 
+            oldest_s = min(float(self.arr.time_s[rid]) for rid, _ in pool.queue)
             take = prefill_cap(self.pol.batching, pool.queued_tokens,
                                lambda st: self.ctrl.plan(shape, st, 0.0, None, AT_MAX).time_s,
                                n_decode=n_dec, decode_ctx=pool.ctx_sum, head_tokens=head_rem,
-                               tpot_budget_s=tpot_b, ttft_slo_s=self.cfg.ttft_slo_s, units=shape.units)
+                               tpot_budget_s=tpot_b, ttft_slo_s=self.cfg.ttft_slo_s, units=shape.units,
+                               oldest_wait_s=now - oldest_s)
             cap = seq_chunk_cap(self.pol.batching, take)
             queue = ((float(self.arr.time_s[rid]), rem) for rid, rem in pool.queue)
             budget = min(budget, queue_ttft_budget(now, queue, ttft_margin, max(take, 1)))
@@ -311,6 +313,11 @@ class Simulation:
             return planned
         serving = [p for p in self.pools.values() if p.mode in modes and p.shape.gpus]
         return min(serving, key=lambda p: p.next_shape is not None) if serving else planned  # settled ones first
+
+    def _kv_link_bytes_s(self, prefill: Pool) -> float:
+        """The link a prefill pool's KV cache crosses to the decode pool: NVLink while both fit one node."""
+        decode = self.pools.get("decode")
+        return self.spec.group_link_bytes_s(prefill.shape.gpus + (decode.shape.gpus if decode is not None else 0))
 
     def _recent_rate_hz(self, now: float) -> float:
         """Arrivals per second over the last tick (what a controller can observe of the prompt rate)."""
@@ -394,8 +401,9 @@ class Simulation:
                         if pool.mode in MIXED_MODES:
                             pool.waiting.extend(done)
                         else:
+                            kv_link = self._kv_link_bytes_s(pool)
                             for rid in done:
-                                kv_s = float(a.prompt[rid]) * self.kv_tok / self.cfg.link_bytes_s
+                                kv_s = float(a.prompt[rid]) * self.kv_tok / kv_link
                                 heapq.heappush(kv_heap, (now + kv_s, rid))
             while kv_heap and kv_heap[0][0] <= now:
                 _, rid = heapq.heappop(kv_heap)
@@ -417,8 +425,7 @@ class Simulation:
         return self.results()
 
     def _tick(self, now: float, since: float) -> None:
-        if not self.pol.adaptive_margin:
-            return
+        """Every policy's SLO margins follow the P90s of the last tick (shared machinery)."""
         a = self.arr
         sel = (self.first >= since) & (self.first < now)
         if sel.any():

@@ -18,7 +18,7 @@ from loadgen.sim.policies import PolicySpec
 from shared.perf import Predictor
 from shared.policy import ClockRule, ClusterSpec, PoolShape, WindowLoad, provision
 from shared.policy.baseline_placement import distserve_placement, provision_pd
-from shared.policy.colocated import colocated_tp, provision_colocated
+from shared.policy.colocated import colocated_tp, instance_pool, provision_colocated
 from shared.policy.footprint import elastic_plan, smallest_pd_gpus
 from shared.policy.pool_sizing import Plan, decode_point, prefill_point
 from shared.policy.power_correction import PowerCorrection
@@ -58,14 +58,15 @@ class SimPlanner:
         a = self.arrivals
         return (float(np.mean(a.prompt)), float(np.mean(a.output))) if len(a) else (1.0, 1.0)
 
-    def peak_load(self) -> WindowLoad:
-        """The busiest `window_s` window of the trace (what a static deployment is sized for)."""
+    def peak_load(self, burst: bool = False) -> WindowLoad:
+        """The busiest `window_s` window of the trace (what a static deployment is sized for); with `burst`,
+        each window's load is the burst-aware one the scaling planners provision for (`load`)."""
         a = self.arrivals
         end = float(a.time_s[-1]) if len(a) else 1.0
-        best = self.load(0, min(end + 1e-6, self.window_s))
+        best = self.load(0, min(end + 1e-6, self.window_s), burst)
         t = 0.0
         while t < end:
-            w = self.load(t, t + self.window_s)
+            w = self.load(t, t + self.window_s, burst)
             if w.rate_rps > best.rate_rps:
                 best = w
             t += self.window_s
@@ -86,12 +87,16 @@ class SimPlanner:
             p90 = float(np.percentile(self.arrivals.prompt, 90)) if len(self.arrivals) else 0.0
             tp = self.colocated_tp or colocated_tp(self.pred, self.spec, p90)
             self.placement_note = f"{n // tp} x TP{tp}, smallest TP that fits the p90 prompt ({p90:.0f} tokens)"
-            return {"colocated": PoolShape(split=False, replicas=n // tp, tp=tp, link_bytes_s=self.spec.link_bytes_s)}
+            return {"colocated": instance_pool(n // tp, tp, self.spec)}
         peak = self.peak_load()
         if pol.placement == "pd" and pol.static_plan == "goodput":
-            g = distserve_placement(self.pred, peak, self.spec, pol.clock)
-            self.placement_note = (f"goodput-optimal over every all-GPU P/D placement: holds {g.load_multiple:.2f}x "
-                                   f"the peak 5-minute load ({peak.rate_rps:.2f} req/s)")
+            # sized, as its search sizes for SLO attainment on the arrivals themselves, for the bursts in them
+            peak = self.peak_load(burst=True)
+            g = distserve_placement(self.pred, peak, self.spec, pol.clock, self.headroom)
+            how = ("per phase the fewest instances (of the TP needing the fewest GPUs) that hold the busiest "
+                   "window's burst load" if g.sized else
+                   "nothing smaller holds the load: goodput-optimal over every all-GPU P/D placement")
+            self.placement_note = f"{how}: holds {g.load_multiple:.2f}x it ({peak.rate_rps:.2f} req/s)"
             return {"prefill": g.prefill, "decode": g.decode}
         if pol.placement == "pd":
             plan = provision_pd(self.pred, peak, self.spec, pol.clock, self.headroom, use_all=True)

@@ -1,15 +1,18 @@
 """The policies the simulator compares: the paper's baselines, our own reference points, AFlex and its ablations.
 
 Each changes only what its own design changes (placement, scaling, clocks); all share one GPU
-profile, one model and one predictor. The table of what each one is: docs/evaluation.md, "The
-policies". `static-oracle`'s spec is made in `loadgen.sim.oracle`, with its configuration in it.
+profile, one model, one predictor and the serving machinery (`shared.policy.specs`: batching order,
+chunking, decode caps, the clock objective; the SLO margin and the provisioning headroom fed back from
+the TTFT seen), unless a baseline's own paper says otherwise. The table of what each one is, and of
+each exception with its source: docs/evaluation.md, "The policies" and "Fairness". `static-oracle`'s
+spec is made in `loadgen.sim.oracle`, with its configuration in it.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-from shared.policy import AFLEX_BATCHING, AFLEX_CLOCK_OBJECTIVE, BatchingRule, ClockRule, PoolShape
+from shared.policy import SHARED_BATCHING, SHARED_CLOCK_OBJECTIVE, BatchingRule, ClockRule, PoolShape
 from shared.policy.footprint import AFLEX_KINDS
 
 PLACEMENTS = ("colocated", "pd", "af")
@@ -29,7 +32,6 @@ class PolicySpec:
     clock: ClockRule
     batching: BatchingRule
     scaling: bool = False  # re-provisions every window and parks GPUs outside the plan
-    adaptive_margin: bool = True
     static_plan: str = "peak"  # non-scaling pd/af: "peak" (provision at the peak window, every GPU) or "goodput"
     fixed: FixedPlan | None = None  # the static oracle's configuration
     window_clocks: bool = False  # clocks fixed per window at the plan's operating point (no local DVFS)
@@ -42,9 +44,15 @@ class PolicySpec:
         return self.placement == "af"
 
 
-FIXED = BatchingRule(adaptive=False)  # vLLM/SGLang defaults: 2048-token chunked prefill, FCFS
-AFLEX_CLOCK = ClockRule(objective=AFLEX_CLOCK_OBJECTIVE)
-PHASE_DVFS = ClockRule(per_operator=False)  # one clock for the whole model, chosen per phase and iteration
+SHARED = SHARED_BATCHING  # every policy's batching unless its paper says otherwise
+# SGLang as it ships (its server defaults: first come first served, a fixed chunked-prefill budget, a decode
+# batch cap); also AFlex's `-no-adaptive-batch` ablation
+FIXED = BatchingRule(adaptive=False)
+# DistServe's prefill instances batch whole prompts first come first served (Zhong et al., OSDI'24, section 4.3)
+FCFS = replace(SHARED_BATCHING, order="fcfs")
+AFLEX_CLOCK = ClockRule(objective=SHARED_CLOCK_OBJECTIVE)
+# one clock for the whole model, chosen per phase and iteration by the shared objective
+PHASE_DVFS = ClockRule(per_operator=False, objective=SHARED_CLOCK_OBJECTIVE)
 MAX = ClockRule(max_clock=True)
 
 ALIASES = {"colocated-max": "sglang"}
@@ -53,32 +61,32 @@ ALIASES = {"colocated-max": "sglang"}
 def _specs() -> dict[str, PolicySpec]:
     s = PolicySpec
     return {
-        "sglang": s("sglang", "colocated", MAX, FIXED, adaptive_margin=False),
-        "phase-dvfs": s("phase-dvfs", "colocated", PHASE_DVFS, FIXED),
+        "sglang": s("sglang", "colocated", MAX, FIXED),
+        "phase-dvfs": s("phase-dvfs", "colocated", PHASE_DVFS, SHARED),
         # sensitivity only (not a published design): phase-dvfs scoring clocks by energy above the idle floor
         "phase-dvfs-marginal": s("phase-dvfs-marginal", "colocated", ClockRule(per_operator=False,
-                                                                                objective="marginal"), FIXED),
-        "dynamollm": s("dynamollm", "colocated", PHASE_DVFS, FIXED, scaling=True),
-        "distserve": s("distserve", "pd", MAX, FIXED, adaptive_margin=False, static_plan="goodput"),
-        "biscale": s("biscale", "pd", PHASE_DVFS, FIXED, scaling=True),
-        "af-max": s("af-max", "af", ClockRule(max_clock=True, depths=()), FIXED, adaptive_margin=False),
-        "aflex": s("aflex", "af", AFLEX_CLOCK, AFLEX_BATCHING, scaling=True, kinds=AFLEX_KINDS),
+                                                                                objective="marginal"), SHARED),
+        "dynamollm": s("dynamollm", "colocated", PHASE_DVFS, SHARED, scaling=True),
+        "distserve": s("distserve", "pd", MAX, FCFS, static_plan="goodput"),
+        "biscale": s("biscale", "pd", PHASE_DVFS, SHARED, scaling=True),
+        "af-max": s("af-max", "af", ClockRule(max_clock=True, depths=()), SHARED),
+        "aflex": s("aflex", "af", AFLEX_CLOCK, SHARED, scaling=True, kinds=AFLEX_KINDS),
         # ablation: AFlex held to split P/D pools (the footprint before the elastic planner)
-        "aflex-pd-only": s("aflex-pd-only", "af", AFLEX_CLOCK, AFLEX_BATCHING, scaling=True),
-        "aflex-mixed-only": s("aflex-mixed-only", "af", AFLEX_CLOCK, AFLEX_BATCHING, scaling=True, kinds=("mixed",)),
-        "aflex-colocated-only": s("aflex-colocated-only", "af", AFLEX_CLOCK, AFLEX_BATCHING, scaling=True,
+        "aflex-pd-only": s("aflex-pd-only", "af", AFLEX_CLOCK, SHARED, scaling=True),
+        "aflex-mixed-only": s("aflex-mixed-only", "af", AFLEX_CLOCK, SHARED, scaling=True, kinds=("mixed",)),
+        "aflex-colocated-only": s("aflex-colocated-only", "af", AFLEX_CLOCK, SHARED, scaling=True,
                                   kinds=("colocated",)),
-        "aflex-no-opfreq": s("aflex-no-opfreq", "af", ClockRule(per_operator=False, objective=AFLEX_CLOCK_OBJECTIVE),
-                             AFLEX_BATCHING, scaling=True, kinds=AFLEX_KINDS),
-        "aflex-fixed-depth": s("aflex-fixed-depth", "af", ClockRule(depths=(2,), objective=AFLEX_CLOCK_OBJECTIVE),
-                               AFLEX_BATCHING, scaling=True, kinds=AFLEX_KINDS),
+        "aflex-no-opfreq": s("aflex-no-opfreq", "af", ClockRule(per_operator=False, objective=SHARED_CLOCK_OBJECTIVE),
+                             SHARED, scaling=True, kinds=AFLEX_KINDS),
+        "aflex-fixed-depth": s("aflex-fixed-depth", "af", ClockRule(depths=(2,), objective=SHARED_CLOCK_OBJECTIVE),
+                               SHARED, scaling=True, kinds=AFLEX_KINDS),
         "aflex-no-adaptive-batch": s("aflex-no-adaptive-batch", "af", AFLEX_CLOCK, FIXED, scaling=True,
                                      kinds=AFLEX_KINDS),
         # AFlex's global scheduler alone: its pools and base clocks per window, no per-iteration DVFS
-        "aflex-global-only": s("aflex-global-only", "af", AFLEX_CLOCK, AFLEX_BATCHING, scaling=True,
+        "aflex-global-only": s("aflex-global-only", "af", AFLEX_CLOCK, SHARED, scaling=True,
                                window_clocks=True, kinds=AFLEX_KINDS),
         # throttLL'eM's "autoscaling alone": DynamoLLM's instance scaling at the top clock
-        "dynamollm-no-dvfs": s("dynamollm-no-dvfs", "colocated", MAX, FIXED, scaling=True),
+        "dynamollm-no-dvfs": s("dynamollm-no-dvfs", "colocated", MAX, SHARED, scaling=True),
     }
 
 

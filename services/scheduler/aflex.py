@@ -21,8 +21,8 @@ from shared.messages import ClockPhase
 from shared.model.config import ModelArgs
 from shared.perf import Predictor, cached_predictor, causal_pairs
 from shared.policy import (
-    AFLEX_BATCHING,
-    AFLEX_CLOCK_OBJECTIVE,
+    SHARED_BATCHING,
+    SHARED_CLOCK_OBJECTIVE,
     BatchingRule,
     BatchStats,
     ClockRule,
@@ -38,8 +38,8 @@ from shared.policy.prefill_cap import AT_MAX, prefill_cap, prefill_stats_at, que
 # The simulator's `aflex` policy, one definition (`shared.policy.specs`): shortest-prompt-first prefill
 # with aging, prefill iterations capped by the SLOs, decode clocks scored by energy above the idle floor.
 # The clock depths are the scheduler's (`microbatch_depth`).
-BATCHING = AFLEX_BATCHING
-CLOCK_OBJECTIVE = AFLEX_CLOCK_OBJECTIVE
+BATCHING = SHARED_BATCHING
+CLOCK_OBJECTIVE = SHARED_CLOCK_OBJECTIVE
 
 
 def serving_order(now_mono: float, queue: Sequence[tuple[float, float]],
@@ -204,12 +204,12 @@ class AflexPlanner:
         return choose_operating_point(self.predictor(profile), shape, stats, 0.0, AT_MAX).time_s
 
     def prefill_tokens(self, profile: GPUProfile, queued_tokens: int, n_decode: int = 0, decode_ctx: float = 0.0,
-                       head_tokens: int | None = None, share: int = 1) -> int:
+                       head_tokens: int | None = None, share: int = 1, oldest_wait_s: float = 0.0) -> int:
         """Prefill tokens for one iteration of one attention worker (`shared.policy.prefill_cap`)."""
         return prefill_cap(self.batching, queued_tokens, lambda stats: self._time_at_max(profile, stats, share),
                            n_decode=n_decode, decode_ctx=decode_ctx, head_tokens=head_tokens, share=share,
                            tpot_budget_s=self.margins["decode"].budget(self.tpot_slo_ms / 1e3),
-                           ttft_slo_s=self.ttft_slo_ms / 1e3)
+                           ttft_slo_s=self.ttft_slo_ms / 1e3, oldest_wait_s=oldest_wait_s)
 
     # -- online correction -------------------------------------------------------------------------
     def observe(self, profile: GPUProfile, phase: ClockPhase, sample: IterationSample, *, attention_s: float,

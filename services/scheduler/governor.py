@@ -175,9 +175,9 @@ class Governor:
             return None
         share = self.share()
 
-        def cap(queued: int, n_decode: int, decode_ctx: float, head: int) -> int:
+        def cap(queued: int, n_decode: int, decode_ctx: float, head: int, oldest_wait_s: float) -> int:
             assert planner is not None and profile is not None
-            return planner.prefill_tokens(profile, queued, n_decode, decode_ctx, head, share)
+            return planner.prefill_tokens(profile, queued, n_decode, decode_ctx, head, share, oldest_wait_s)
         return cap
 
     def share(self) -> int:

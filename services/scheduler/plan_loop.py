@@ -27,7 +27,7 @@ from shared import subjects
 from shared.kinds import PARKED
 from shared.messages import PlanTelemetry, RoleAssignment, encode
 from shared.perf import cached_predictor
-from shared.policy import AFLEX_CLOCK_OBJECTIVE, ClockRule
+from shared.policy import SHARED_CLOCK_OBJECTIVE, ClockRule
 from shared.settings import SchedulerSettings
 
 log = logging.getLogger("aflex.scheduler")
@@ -91,7 +91,7 @@ class ProvisioningLoop:
             return None
         planner = self.governor.planner
         pred = planner.predictor(profile) if planner is not None else cached_predictor(profile, self.args)
-        rule = planner.rule if planner is not None else ClockRule(objective=AFLEX_CLOCK_OBJECTIVE)
+        rule = planner.rule if planner is not None else ClockRule(objective=SHARED_CLOCK_OBJECTIVE)
         now = time.monotonic()
         for w in self.registry.workers.values():  # the mesh's energy so far: each plan kind's power correction
             self.provisioner.power.energy.report(w.worker_id, w.gpu_energy_j)

@@ -1,5 +1,10 @@
 """The baselines' prefill/decode instance pools: BiScale's per window and DistServe's goodput placement.
 
+DistServe sizes as its paper does (Zhong et al., OSDI'24, Algorithm 1): per phase, instances of one
+configuration replicated until they hold the load, the configuration chosen for goodput per GPU, which
+at a given load is the pool with the fewest GPUs; GPUs it does not need stay out of its plan. Only a
+load no such placement holds falls back to the all-GPU search.
+
 Their instances are whole-model replicas (`tp` GPUs running both halves at one clock), built with
 `colocated.py`'s helpers; the colocated pools themselves (DynamoLLM's, SGLang's static TP, and the
 replicas AFlex weighs) are there, AFlex's split pools in `pool_sizing.py`, and where a GPU outside a plan
@@ -8,6 +13,7 @@ waits in `parking_rule.py`. Each placement in full: docs/architecture.md, "Basel
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from shared.perf import Predictor
@@ -58,6 +64,7 @@ class Goodput:
     decode: PoolShape
     load_multiple: float
     power_w: float
+    sized: bool = True  # replicated up to the load (False: the all-GPU fallback, for a load nothing smaller holds)
 
 
 def _feasible(pred: Predictor, ps: PoolShape, ds: PoolShape, load: WindowLoad, spec: ClusterSpec,
@@ -67,10 +74,61 @@ def _feasible(pred: Predictor, ps: PoolShape, ds: PoolShape, load: WindowLoad, s
     return pp < INFEASIBLE and dp < INFEASIBLE, pp + dp
 
 
-def distserve_placement(pred: Predictor, load: WindowLoad, spec: ClusterSpec, rule: ClockRule,
+def _phase_power(pred: Predictor, phase: str, shape: PoolShape, load: WindowLoad, spec: ClusterSpec,
+                 rule: ClockRule) -> float:
+    return (prefill_power if phase == "prefill" else decode_power)(pred, shape, load, spec, rule)
+
+
+def _holds(pred: Predictor, phase: str, shape: PoolShape, load: WindowLoad, spec: ClusterSpec, rule: ClockRule,
+           max_multiple: float, steps: int) -> float:
+    """The largest multiple of `load` (bisection, `steps` halvings) `shape` serves in `phase` within its SLO."""
+    lo, hi = 0.0, max_multiple
+    for _ in range(steps):
+        mid = (lo + hi) / 2
+        ok = _phase_power(pred, phase, shape, with_headroom(load, mid), spec, rule) < INFEASIBLE
+        lo, hi = (mid, hi) if ok else (lo, mid)
+    return lo
+
+
+def _replicated(pred: Predictor, phase: str, load: WindowLoad, spec: ClusterSpec, rule: ClockRule,
+                max_gpus: int, max_multiple: float, steps: int) -> PoolShape | None:
+    """DistServe's sizing of one phase: its objective, goodput per GPU, at this load. For each instance TP,
+    the fewest instances that hold `load`; of those pools the one with the fewest GPUs (ties: the higher
+    goodput per GPU of one instance). None if `max_gpus` cannot hold it."""
+    best: tuple[int, float, PoolShape] | None = None  # (GPUs, -goodput per GPU of one instance, pool)
+    for tp in instance_tps(spec, max_gpus):
+        one = _holds(pred, phase, instance_pool(1, tp, spec), load, spec, rule, max_multiple, steps)
+        replicas = max(1, math.ceil(1.0 / one - 1e-9)) if one > 0 else 1
+        while replicas * tp <= max_gpus:
+            shape = instance_pool(replicas, tp, spec)
+            if _phase_power(pred, phase, shape, load, spec, rule) < INFEASIBLE:
+                cand = (shape.gpus, -one / tp, shape)
+                if best is None or cand[:2] < best[:2]:
+                    best = cand
+                break
+            replicas += 1
+    return best[2] if best is not None else None
+
+
+def distserve_placement(pred: Predictor, load: WindowLoad, spec: ClusterSpec, rule: ClockRule, headroom: float = 1.3,
                         max_multiple: float = 16.0, steps: int = 10) -> Goodput:
-    """DistServe's search: every P/D placement that uses all GPUs, scored by the largest multiple of
-    `load` (bisection, `steps` halvings) at which both pools are predicted feasible."""
+    """DistServe's placement for `load` × `headroom`: each phase replicated up to it (`_replicated`); when
+    the two pools do not fit the cluster, the all-GPU placement with the largest goodput (`all_gpu_goodput`)."""
+    rule = sized_on_total(rule)
+    hl = with_headroom(load, headroom)
+    ps = _replicated(pred, "prefill", hl, spec, rule, spec.gpus - 1, max_multiple, steps)
+    ds = _replicated(pred, "decode", hl, spec, rule, spec.gpus - 1, max_multiple, steps)
+    if ps is not None and ds is not None and ps.gpus + ds.gpus <= spec.gpus:
+        multiple = min(_holds(pred, "prefill", ps, load, spec, rule, max_multiple, steps),
+                       _holds(pred, "decode", ds, load, spec, rule, max_multiple, steps))
+        return Goodput(ps, ds, multiple, _feasible(pred, ps, ds, load, spec, rule)[1])
+    return all_gpu_goodput(pred, load, spec, rule, max_multiple, steps)
+
+
+def all_gpu_goodput(pred: Predictor, load: WindowLoad, spec: ClusterSpec, rule: ClockRule,
+                    max_multiple: float = 16.0, steps: int = 10) -> Goodput:
+    """Every P/D placement that uses all GPUs, scored by the largest multiple of `load` (bisection, `steps`
+    halvings) at which both pools are predicted feasible."""
     rule = sized_on_total(rule)
     best: Goodput | None = None
     tps = instance_tps(spec, spec.gpus - 1)
@@ -87,7 +145,7 @@ def distserve_placement(pred: Predictor, load: WindowLoad, spec: ClusterSpec, ru
                     ok, _ = _feasible(pred, ps, ds, with_headroom(load, mid), spec, rule)
                     lo, hi = (mid, hi) if ok else (lo, mid)
                 _, power = _feasible(pred, ps, ds, load, spec, rule)
-                cand = Goodput(ps, ds, lo, power)
+                cand = Goodput(ps, ds, lo, power, sized=False)
                 if best is None or (cand.load_multiple, -cand.power_w) > (best.load_multiple, -best.power_w):
                     best = cand
     if best is None:

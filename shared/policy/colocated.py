@@ -41,7 +41,7 @@ def colocated_tp(pred: Predictor | None, spec: ClusterSpec, p90_prompt: float = 
         return fits[0]
     times = {}
     for tp in fits:
-        shape = PoolShape(split=False, replicas=spec.gpus // tp, tp=tp, link_bytes_s=spec.link_bytes_s)
+        shape = instance_pool(spec.gpus // tp, tp, spec)
         times[tp] = long_prompt_time(pred, shape, p90_prompt)
         if times[tp] <= spec.ttft_budget_s:
             return tp
@@ -49,7 +49,8 @@ def colocated_tp(pred: Predictor | None, spec: ClusterSpec, p90_prompt: float = 
 
 
 def instance_pool(replicas: int, tp: int, spec: ClusterSpec) -> PoolShape:
-    return PoolShape(split=False, replicas=replicas, tp=tp, link_bytes_s=spec.link_bytes_s)
+    """`replicas` whole-model instances of `tp` GPUs; each instance's all-reduces stay inside its TP group."""
+    return PoolShape(split=False, replicas=replicas, tp=tp, link_bytes_s=spec.group_link_bytes_s(tp))
 
 
 def sized_on_total(rule: ClockRule) -> ClockRule:

@@ -21,7 +21,8 @@ K = TypeVar("K")
 # (prefill tokens queued, the remaining tokens of the first in serving order) -> most prefill tokens
 PrefillCap = Callable[[int, int], int]
 # (prefill tokens queued, decode steps beside them, their context tokens, the first's tokens) -> most prefill tokens
-DecodeAwareCap = Callable[[int, int, float, int], int]
+# (queued tokens, decode steps beside, their context tokens, the head's tokens, the oldest prompt's wait in s)
+DecodeAwareCap = Callable[[int, int, float, int, float], int]
 
 FCFS = BatchingRule(order="fcfs")  # no rule: queue order, but a `priority` still ranks first
 AUTO_DEPTH_MIN_SEQS = 4  # below this many sequences overlap cannot pay: depth 1 (as the paper found)
@@ -240,9 +241,11 @@ def plan_iteration(running: Sequence[WorkItem[K]], waiting: Iterable[WorkItem[K]
     n_decode, decode_ctx = len(decodes), float(sum(i.context_tokens for i in decodes))
     sizes = {id(i.key): i.remaining_tokens for i in queue}
 
+    oldest_wait_s = policy.now_s - min((i.arrival_s for i in queue), default=policy.now_s)
+
     def cap(queued: int, head: int) -> int:  # the decode steps beside the prefill, as only the view knows
         assert policy.prefill_cap is not None
-        return policy.prefill_cap(queued, n_decode, decode_ctx, head)
+        return policy.prefill_cap(queued, n_decode, decode_ctx, head, oldest_wait_s)
 
     def can_admit(key: K) -> bool:  # the first chunk in the KV room left
         assert kv is not None

@@ -5,7 +5,8 @@ by the simulator on the emulated GPU's costs at the clocks it chose. Shapes broa
 arrays (Ca, 1) and FFN arrays (1, Cf) give (Ca, Cf) tables.
 
 Split (attention/FFN disaggregated), depth m microbatches, L layers, per-microbatch attention time
-ta (one attention GPU's share), FFN time tf (one FFN GPU's share), one-way transfer tc:
+ta (one attention GPU's share, its group's all-reduce included), FFN time tf (one FFN GPU's share, the
+FFN group's all-reduce included), one-way transfer tc:
 
     cycle = max(m·ta, m·tf, ta + tf + 2·tc, r)    (resource-bound, or one microbatch's round trip)
     T     = L·cycle + t_head
@@ -112,7 +113,9 @@ def iteration_cost(att: AttnCost, ffn: TokCost, head: TokCost, shape: Any, s: An
     the largest single sequence chunk (`s.seq_*`) runs on one group: every GPU's share is stretched
     to at least that chunk's time there, the difference idle, and on the split path that chunk is one
     microbatch, whose own attention, FFN and hops follow each other within each layer (`af_iteration`'s
-    round trip). A colocated pool runs both halves at the attention clock, so only `idle_a` applies there."""
+    round trip). Every tensor-parallel group pays its reductions: an attention group's output projection, the
+    FFN group's down projection, a colocated replica's two a layer. A colocated pool runs both halves at the
+    attention clock, so only `idle_a` applies there."""
     link = shape.link_bytes_s
     if shape.split:
         tp = max(1, shape.attention_tp)
@@ -123,6 +126,9 @@ def iteration_cost(att: AttnCost, ffn: TokCost, head: TokCost, shape: Any, s: An
             ar = allreduce_s(s.n_tokens / per, dim, tp, link)
             ta, ea = ta + ar, ea + ar * idle_a
         tf, ef = ffn(s.n_tokens / depth, shape.ffn)
+        if shape.ffn > 1:  # the FFN group's row-parallel partial sums, reduced before the hop back
+            ar_f = allreduce_s(s.n_tokens / depth, dim, shape.ffn, link)
+            tf, ef = tf + ar_f, ef + ar_f * idle_f
         round_trip: Array | float = 0.0
         if s.seq_tokens > s.n_tokens / per:
             ts, _ = att(s.seq_tokens, s.seq_ctx, s.seq_pairs, tp)
@@ -131,6 +137,7 @@ def iteration_cost(att: AttnCost, ffn: TokCost, head: TokCost, shape: Any, s: An
             ta, ea = pad_to(ta, ea, ts / depth, idle_a)  # its group's microbatches hold it between them
             if depth > 1:  # and it is one of them, whole: its layer's round trip is not overlapped with itself
                 ts_f, _ = ffn(s.seq_tokens, shape.ffn)
+                ts_f = ts_f + allreduce_s(s.seq_tokens, dim, shape.ffn, link)
                 round_trip = ts + ts_f + 2.0 * seam_transfer_s(s.seq_tokens, dim, link)
         th, eh = head(max(1.0, s.n_sample / groups), tp)
         tc = seam_transfer_s(s.n_tokens / depth, dim, link)

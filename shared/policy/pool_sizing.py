@@ -61,17 +61,29 @@ class ClusterSpec:
     # a live mesh: how many of its workers hold both halves, each one GPU (a colocated replica is one of them,
     # TP 1); None: any GPU or TP group can, as in the simulator
     colocated_workers: int | None = None
+    # GPUs per node (0: every GPU on the `link_bytes_s` fabric) and what a GPU moves to another node (bytes/s):
+    # a group whose per-layer traffic crosses nodes runs at the slower link (`group_link_bytes_s`)
+    node_gpus: int = 0
+    inter_node_bytes_s: float = 0.0
 
     @classmethod
     def for_model(cls, args: ModelArgs, gpus: int, *, ttft_slo_s: float, tpot_slo_s: float, link_bytes_s: float,
                   parked_power_w: float, gpu_memory_bytes: float = GPU_MEMORY_BYTES, max_attention: int | None = None,
-                  max_ffn: int | None = None, colocated_workers: int | None = None) -> ClusterSpec:
+                  max_ffn: int | None = None, colocated_workers: int | None = None, node_gpus: int = 0,
+                  inter_node_bytes_s: float = 0.0) -> ClusterSpec:
         """The cluster that serves `args` on `gpus` GPUs, planned to `SLO_BUDGET_SHARE` of each SLO (the rest is
         the queueing and dispatch a plan does not see): the simulator's and the live scheduler's one spec."""
         return cls(gpus, gpu_memory_bytes, attention_weight_bytes(args), ffn_weight_bytes(args),
                    kv_bytes_per_token(args), link_bytes_s, ttft_slo_s * SLO_BUDGET_SHARE,
                    tpot_slo_s * SLO_BUDGET_SHARE, parked_power_w, max_attention=max_attention, max_ffn=max_ffn,
-                   colocated_workers=colocated_workers)
+                   colocated_workers=colocated_workers, node_gpus=node_gpus, inter_node_bytes_s=inter_node_bytes_s)
+
+    def group_link_bytes_s(self, gpus: int) -> float:
+        """The link a group of `gpus` GPUs exchanging tensors every layer runs at: the intra-node fabric while
+        the group fits one node, the inter-node network once it cannot (a ring's slowest hop sets its pace)."""
+        if self.node_gpus > 0 and self.inter_node_bytes_s > 0 and gpus > self.node_gpus:
+            return self.inter_node_bytes_s
+        return self.link_bytes_s
 
     def role_fits(self, attention: int, ffn: int) -> bool:
         """Whether `attention` attention and `ffn` FFN GPUs, together, fit the cluster and its role limits."""
@@ -223,7 +235,8 @@ def idle_power_w(prof: GPUProfile, shape: PoolShape, clock_attention: float, clo
 
 
 def _pool(a: int, f: int, spec: ClusterSpec, attention_tp: int = 1) -> PoolShape:
-    return PoolShape(split=True, attention=a, ffn=f, link_bytes_s=spec.link_bytes_s, attention_tp=attention_tp)
+    return PoolShape(split=True, attention=a, ffn=f, link_bytes_s=spec.group_link_bytes_s(a + f),
+                     attention_tp=attention_tp)
 
 
 def attention_tp_options(a: int, max_tp: int) -> list[int]:

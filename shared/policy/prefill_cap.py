@@ -36,16 +36,17 @@ def prefill_stats_at(tokens: int, n_decode: int = 0, decode_ctx: float = 0.0, he
 
 def prefill_cap(rule: BatchingRule, queued_tokens: int, time_of: Callable[[BatchStats], float], *,
                 n_decode: int = 0, decode_ctx: float = 0.0, head_tokens: int | None = None, share: int = 1,
-                tpot_budget_s: float, ttft_slo_s: float, units: int = 1) -> int:
+                tpot_budget_s: float, ttft_slo_s: float, units: int = 1, oldest_wait_s: float = 0.0) -> int:
     """Prefill tokens for one iteration (`prefill_budget`), a candidate priced by `time_of` (its time at
-    `AT_MAX`) on `prefill_stats_at`; a prefill-only iteration is bounded by `prefill_iter_frac` of the TTFT SLO."""
+    `AT_MAX`) on `prefill_stats_at`; a prefill-only iteration is bounded by `prefill_iter_frac` of the TTFT SLO.
+    `oldest_wait_s`: how long the longest-queued prompt has waited (past the TTFT SLO: `overdue`)."""
     iter_s = rule.prefill_iter_frac * ttft_slo_s
 
     def time_at_max(tokens: int) -> float:
         return time_of(prefill_stats_at(tokens, n_decode, decode_ctx, head_tokens, share))
 
     return prefill_budget(rule, queued_tokens, n_decode, time_at_max if n_decode or iter_s > 0 else None,
-                          tpot_budget_s, units=units, prefill_iter_s=iter_s)
+                          tpot_budget_s, units=units, prefill_iter_s=iter_s, overdue=oldest_wait_s > ttft_slo_s)
 
 
 def queue_ttft_budget(now: float, queue: Iterable[tuple[float, float]], ttft_budget_s: float,

@@ -1,7 +1,9 @@
-"""The `aflex` policy's constants, one definition for the live scheduler and the simulator.
+"""The serving machinery every policy shares: one definition for the live scheduler and the simulator.
 
-Both import these (`services.scheduler.aflex`, `loadgen.sim.policies`), so what the
-simulator evaluates is what the mesh serves with, not a copy that can drift from it.
+AFlex's live scheduler serves with these (`services.scheduler.aflex`), the simulator's `aflex` evaluates
+them, and every simulated baseline gets them too unless its own paper says otherwise (issue 38; each
+exception is cited in docs/evaluation.md, "Fairness"). Batching order, chunking and the clock objective
+are serving machinery, not AFlex's own ideas: a rival without them would lose for want of them.
 """
 
 from __future__ import annotations
@@ -9,7 +11,7 @@ from __future__ import annotations
 from shared.policy.batching import BatchingRule
 
 # shortest remaining prompt first with aging; a prefill-only iteration lasts at most 30% of the TTFT SLO
-AFLEX_BATCHING = BatchingRule(adaptive=True, order="srpt", prefill_iter_frac=0.3)
+SHARED_BATCHING = BatchingRule(adaptive=True, order="srpt", prefill_iter_frac=0.3)
 # `ClockRule.objective`: decode iterations scored by energy above the pool's idle floor, prefill by total energy
 # and, when the queue empties, the idle pool until the next prompt (see ClockRule)
-AFLEX_CLOCK_OBJECTIVE = "idle-aware"
+SHARED_CLOCK_OBJECTIVE = "idle-aware"

@@ -44,7 +44,8 @@ def test_every_request_finishes_once_and_energy_is_the_integral(policy: str) -> 
 
 
 def test_accountings_agree_when_every_gpu_is_busy_the_whole_time() -> None:
-    """A static policy with every GPU in its plan and the first arrival at time 0: the same books."""
+    """A static policy with every GPU in its plan and the first arrival at time 0: the same books. DistServe
+    sized to a light load leaves GPUs out of its plan: its active books are the lighter."""
     from loadgen.sim.arrivals import Arrivals
 
     arr = synthetic(3.0, 30.0, 2, burstiness=1.0, prompt_mean=400, output_mean=60)
@@ -53,6 +54,9 @@ def test_accountings_agree_when_every_gpu_is_busy_the_whole_time() -> None:
         sim = Simulation(PROFILE, MODEL, arr, policy_spec(policy), SimConfig(gpus=8), cached_predictor(PROFILE, MODEL))
         res = sim.run()
         c, a = res["accounting"]["cluster"], res["accounting"]["active"]
+        if policy == "distserve":
+            assert res["plans"][0]["parked"] > 0 and a["energy_j"] < c["energy_j"]
+            continue
         assert res["plans"][0]["parked"] == 0
         assert a["energy_j"] == pytest.approx(c["energy_j"], rel=1e-12) and a["gpu_s"] == pytest.approx(c["gpu_s"])
 
@@ -137,17 +141,17 @@ def test_colocated_tp_follows_the_long_prompts() -> None:
     assert colocated_tp(pred, spec, 5000) >= 4
 
 
-def test_distserve_placement_is_goodput_optimal_and_uses_every_gpu() -> None:
-    """DistServe's placement holds the largest multiple of the load among every all-GPU P/D placement."""
+def test_all_gpu_goodput_is_goodput_optimal_and_uses_every_gpu() -> None:
+    """DistServe's fallback holds the largest multiple of the load among every all-GPU P/D placement."""
     from shared.policy import ClockRule, WindowLoad
-    from shared.policy.baseline_placement import _feasible, distserve_placement
+    from shared.policy.baseline_placement import _feasible, all_gpu_goodput
 
     pred = cached_predictor(PROFILE, MODEL)
     spec = _cluster(MODEL, 8)
     load = WindowLoad(4.0, 1000.0, 200.0, 3000.0)
     rule = ClockRule(max_clock=True)
-    g = distserve_placement(pred, load, spec, rule)
-    assert g.prefill.gpus + g.decode.gpus == 8 and not g.prefill.split and g.load_multiple > 1
+    g = all_gpu_goodput(pred, load, spec, rule)
+    assert g.prefill.gpus + g.decode.gpus == 8 and not g.prefill.split and g.load_multiple > 1 and not g.sized
     ok, _ = _feasible(pred, g.prefill, g.decode, WindowLoad(4.0 * g.load_multiple, 1000.0, 200.0, 3000.0), spec,
                       rule)
     assert ok
@@ -158,6 +162,33 @@ def test_distserve_placement_is_goodput_optimal_and_uses_every_gpu() -> None:
     seven_d = PoolShape(split=False, replicas=7, tp=1)
     ok_lop, _ = _feasible(pred, one_p, seven_d, WindowLoad(4.0 * g.load_multiple, 1000.0, 200.0, 3000.0), spec, rule)
     assert not ok_lop or (g.prefill, g.decode) == (one_p, seven_d)
+
+
+def test_distserve_placement_replicates_up_to_the_load() -> None:
+    """DistServe's Algorithm 1: per phase instances replicated until the pool holds the load x headroom, and
+    not one instance more, of the TP that does so with the fewest GPUs (the most goodput per GPU at this
+    load); a load nothing smaller holds takes every GPU."""
+    from shared.policy import ClockRule, WindowLoad
+    from shared.policy.baseline_placement import distserve_placement
+    from shared.policy.colocated import instance_pool, instance_tps, with_headroom
+    from shared.policy.pool_sizing import INFEASIBLE, decode_power, prefill_power
+
+    pred = cached_predictor(PROFILE, MODEL)
+    spec = _cluster(MODEL, 16)
+    rule = ClockRule(max_clock=True)
+    load = WindowLoad(1.0, 1000.0, 200.0, 3000.0)
+    g = distserve_placement(pred, load, spec, rule, headroom=1.3)
+    assert g.sized and g.prefill.gpus + g.decode.gpus < 16 and g.load_multiple >= 1.3 * (1 - 1e-3)
+    hl = with_headroom(load, 1.3)
+    for shape, power in ((g.prefill, prefill_power), (g.decode, decode_power)):
+        assert power(pred, shape, hl, spec, rule) < INFEASIBLE
+        if shape.replicas > 1:  # one instance fewer would not hold it
+            assert power(pred, instance_pool(shape.replicas - 1, shape.tp, spec), hl, spec, rule) >= INFEASIBLE
+        for tp in instance_tps(spec, 15):  # no TP holds it on fewer GPUs
+            fewer = [r for r in range(1, 16 // tp + 1) if r * tp < shape.gpus]
+            assert all(power(pred, instance_pool(r, tp, spec), hl, spec, rule) >= INFEASIBLE for r in fewer), tp
+    heavy = distserve_placement(pred, WindowLoad(400.0, 1000.0, 200.0, 3000.0), spec, rule)
+    assert not heavy.sized and heavy.prefill.gpus + heavy.decode.gpus == 16
 
 
 def test_burst_aware_load_is_at_least_the_mean() -> None:

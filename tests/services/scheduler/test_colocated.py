@@ -22,7 +22,7 @@ from shared import subjects
 from shared.gpu.emulated import EmulatedGPU, load_profile
 from shared.messages import Register, RegisterReply, decode, encode
 from shared.perf import cached_predictor
-from shared.policy import AFLEX_CLOCK_OBJECTIVE, ClockRule, Plan, PoolShape, WindowLoad
+from shared.policy import SHARED_CLOCK_OBJECTIVE, ClockRule, Plan, PoolShape, WindowLoad
 from shared.policy.footprint import candidate_plans, elastic_plan
 from shared.policy.pool_sizing import mixed_power
 from tests.services.scheduler.test_scheduler import heartbeat, wait_for
@@ -31,7 +31,7 @@ from tests.services.scheduler.test_scheduler_policy import A800_CLOCKS, Profiled
 LLAMA = get_model("llama-3-8b")  # fits one A800 whole (Qwen3-32B does not: it has no TP 1 replica)
 QWEN = get_model("qwen3-32b")
 A800 = load_profile("a800")
-RULE = ClockRule(objective=AFLEX_CLOCK_OBJECTIVE)
+RULE = ClockRule(objective=SHARED_CLOCK_OBJECTIVE)
 
 
 def _provisioner() -> Provisioner:

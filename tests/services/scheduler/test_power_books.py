@@ -12,12 +12,12 @@ from services.scheduler.registry import Registry
 from shared.gpu.emulated import load_profile
 from shared.messages import Heartbeat
 from shared.perf import cached_predictor
-from shared.policy import AFLEX_CLOCK_OBJECTIVE, ClockRule
+from shared.policy import SHARED_CLOCK_OBJECTIVE, ClockRule
 from shared.policy.footprint import plan_power_w
 
 LLAMA = get_model("llama-3-8b")
 A800 = load_profile("a800")
-RULE = ClockRule(objective=AFLEX_CLOCK_OBJECTIVE)
+RULE = ClockRule(objective=SHARED_CLOCK_OBJECTIVE)
 KINDS = ("mixed", "colocated")
 
 

@@ -35,7 +35,7 @@ from shared.messages import (
     encode,
 )
 from shared.perf import cached_predictor
-from shared.policy import AFLEX_CLOCK_OBJECTIVE, ClockRule, Plan, PoolShape, WindowLoad
+from shared.policy import SHARED_CLOCK_OBJECTIVE, ClockRule, Plan, PoolShape, WindowLoad
 from shared.policy.footprint import elastic_plan
 from shared.policy.window_load import window_load
 from tests.services.scheduler.test_scheduler import heartbeat, wait_for
@@ -43,7 +43,7 @@ from tests.services.scheduler.test_scheduler_policy import A800_CLOCKS, Profiled
 
 QWEN = get_model("qwen3-32b")
 A800 = load_profile("a800")
-RULE = ClockRule(objective=AFLEX_CLOCK_OBJECTIVE)
+RULE = ClockRule(objective=SHARED_CLOCK_OBJECTIVE)
 
 
 def _provisioner(window_s: float = 60.0, parking: str = "warm") -> Provisioner:

@@ -96,15 +96,15 @@ def test_a_refused_aged_prompt_is_not_overtaken_and_running_work_goes_on() -> No
 def test_prefill_cap_bounds_prefill_tokens_not_decodes() -> None:
     decs = [_state(f"d{i}", 4, received=0.0, computed=5, output=2) for i in range(3)]  # one token each to feed
     waiting = [_state("w1", 100, received=1.0), _state("w2", 100, received=2.0)]
-    seen: list[tuple[int, int, float, int]] = []
+    seen: list[tuple[int, int, float, int, float]] = []
 
-    def cap(queued: int, n_decode: int, ctx: float, head: int) -> int:
-        seen.append((queued, n_decode, ctx, head))
+    def cap(queued: int, n_decode: int, ctx: float, head: int, oldest_wait_s: float) -> int:
+        seen.append((queued, n_decode, ctx, head, oldest_wait_s))
         return 120
 
     passes, admitted = plan_iteration(decs, waiting, max_batch_tokens=1000, max_num_seqs=8, rule=BATCHING, now=3.0,
                                       prefill_cap=cap)
-    assert seen == [(200, 3, 15.0, 100)]
+    assert seen == [(200, 3, 15.0, 100, 2.0)]  # w1 came at 1.0: the oldest prompt queued has waited 2 s
     assert _order(passes) == [("d0", 1), ("d1", 1), ("d2", 1), ("w1", 100), ("w2", 20)] and admitted == waiting
     # every prompt token is fed over the iterations: nothing is lost to the cap
     fed = {"w1": 0, "w2": 0}

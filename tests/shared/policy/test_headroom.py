@@ -20,7 +20,8 @@ def test_misses_grow_it_to_a_cap_and_quiet_windows_relax_it_to_the_base() -> Non
     assert h.headroom == pytest.approx(1.3)  # never below the base
 
 
-def test_the_simulators_aflex_plans_with_it_and_the_baselines_do_not() -> None:
+def test_every_scaling_policy_plans_with_it_and_static_ones_do_not() -> None:
+    """Shared machinery (issue 38): the baselines that re-plan every window correct their headroom as AFlex does."""
     from loadgen.sim.arrivals import synthetic
     from loadgen.sim.engine import SimConfig, Simulation
     from loadgen.sim.models import get_model
@@ -30,6 +31,7 @@ def test_the_simulators_aflex_plans_with_it_and_the_baselines_do_not() -> None:
 
     prof, model = load_profile("a800"), get_model("mixtral-8x7b")
     arr = synthetic(1.0, 30.0, 1, prompt_mean=500, output_mean=50)
-    for name, adaptive in (("aflex", True), ("aflex-pd-only", True), ("dynamollm", False), ("af-max", False)):
+    for name, adaptive in (("aflex", True), ("aflex-pd-only", True), ("dynamollm", True), ("biscale", True),
+                           ("af-max", False), ("sglang", False)):
         sim = Simulation(prof, model, arr, policy_spec(name), SimConfig(gpus=8), cached_predictor(prof, model))
         assert (sim.headroom is not None) == adaptive, name

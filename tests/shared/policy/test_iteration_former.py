@@ -19,8 +19,8 @@ from shared.messages import SamplingSpec
 from shared.model.checkpoint import open_checkpoint
 from shared.model.sampling import SamplingParams
 from shared.policy import (
-    AFLEX_BATCHING,
-    AFLEX_CLOCK_OBJECTIVE,
+    SHARED_BATCHING,
+    SHARED_CLOCK_OBJECTIVE,
     KvRoom,
     WorkItem,
     form_iteration,
@@ -31,7 +31,7 @@ from shared.policy import (
 )
 from tests.services.scheduler.test_scheduler import plan_iteration
 
-SRPT = AFLEX_BATCHING
+SRPT = SHARED_BATCHING
 
 
 # -- the microbatch split -------------------------------------------------------------------------
@@ -242,5 +242,5 @@ def test_engine_tokens_hold_for_microbatches_and_preemption(tiny_checkpoints: di
 
 
 def test_aflex_constants_are_the_shared_specs() -> None:
-    assert aflex.BATCHING is AFLEX_BATCHING and aflex.CLOCK_OBJECTIVE == AFLEX_CLOCK_OBJECTIVE == "idle-aware"
-    assert AFLEX_BATCHING.order == "srpt" and AFLEX_BATCHING.adaptive and AFLEX_BATCHING.prefill_iter_frac == 0.3
+    assert aflex.BATCHING is SHARED_BATCHING and aflex.CLOCK_OBJECTIVE == SHARED_CLOCK_OBJECTIVE == "idle-aware"
+    assert SHARED_BATCHING.order == "srpt" and SHARED_BATCHING.adaptive and SHARED_BATCHING.prefill_iter_frac == 0.3

@@ -84,6 +84,14 @@ def test_batching_rules() -> None:
     # with decode in the batch, the chunk shrinks until the iteration fits the TPOT budget
     got = prefill_budget(BatchingRule(), 10_000, 5, lambda n: n / 50_000, 0.1)
     assert 4900 <= got <= 5000
+    # a prompt already past its TTFT SLO: at least the fixed chunk, per group, however tight the TPOT budget
+    tight = prefill_budget(BatchingRule(chunk_tokens=2048), 10_000, 5, lambda n: n / 5_000, 0.1, units=2)
+    assert tight < 1000
+    assert prefill_budget(BatchingRule(chunk_tokens=2048), 10_000, 5, lambda n: n / 5_000, 0.1, units=2,
+                          overdue=True) == 4096
+    assert prefill_budget(BatchingRule(chunk_tokens=2048), 3_000, 5, lambda n: n / 5_000, 0.1, units=2,
+                          overdue=True) == 3_000  # never more than is queued
+    assert prefill_budget(BatchingRule(), 10_000, 5, lambda n: n / 50_000, 0.1, overdue=True) == got  # already more
     assert ttft_budget(0.0, [0.4, 0.4], [1000, 3000], 1000) == pytest.approx(0.4 / 3)
 
 
