@@ -2,8 +2,9 @@
 `pool-oracle`: the same search over instance pools (P/D or colocated) at one clock per pool and phase.
 
 A configuration is AFlex's pipeline with the pool shapes and four clocks (prefill/decode × attention/
-FFN) held for the whole trace; shapes from AFlex's provisioner on the busiest window at each of
-`HEADROOMS`, clocks at `levels` per operator (`clock_levels`). The two pools share neither GPUs nor
+FFN) held for the whole trace; shapes from AFlex's provisioners on the busiest window at each of
+`HEADROOMS`, every kind its footprint may take (split P/D pools; colocated replicas, whose two halves
+share a clock), clocks at `levels` per operator (`clock_levels`). The two pools share neither GPUs nor
 SLOs, so one replay screens a prefill and a decode combination side by side, and only the `top_k`
 best of each are paired and replayed whole; `exhaustive=True` replays every joint combination (the
 tests check the two agree on a small case). The search in full: docs/evaluation.md, "static-oracle".
@@ -31,6 +32,7 @@ from shared.perf import Predictor, cached_predictor
 from shared.policy import PoolShape, provision
 from shared.policy.baseline_placement import provision_pd
 from shared.policy.colocated import provision_colocated
+from shared.policy.footprint import AFLEX_KINDS
 
 HEADROOMS = (1.0, 1.5, 2.0)
 Clocks = tuple[tuple[float, float], tuple[float, float]]
@@ -94,14 +96,21 @@ def clock_levels(profile: GPUProfile, levels: int, table_mhz: np.ndarray) -> tup
 
 
 def oracle_shapes(pred: Predictor, planner: SimPlanner, headrooms: Sequence[float] = HEADROOMS,
-                  ) -> list[tuple[PoolShape, PoolShape]]:
+                  ) -> list[tuple[PoolShape, PoolShape | None]]:
+    """`static-oracle`'s shapes: every kind AFlex's footprint may take (`AFLEX_KINDS`) for the busiest window
+    at each headroom, its split P/D pools and its colocated replicas (decode None: one pool, both phases)."""
     peak = planner.peak_load()
     rule = policy_spec("aflex").clock
-    out: list[tuple[PoolShape, PoolShape]] = []
+    out: list[tuple[PoolShape, PoolShape | None]] = []
     for h in headrooms:
         plan = provision(pred, peak, planner.spec, rule, headroom=h)
         if plan.prefill is not None and plan.decode is not None and (plan.prefill, plan.decode) not in out:
             out.append((plan.prefill, plan.decode))
+    if "colocated" in AFLEX_KINDS:
+        for h in headrooms:
+            colocated = provision_colocated(pred, peak, planner.spec, rule, h).mixed
+            if colocated is not None and (colocated, None) not in out:
+                out.append((colocated, None))
     return out
 
 
@@ -193,12 +202,15 @@ def search_oracle(profile: GPUProfile, model: ModelArgs, arrivals: Arrivals, cfg
     else:
         pre_levels, dec_levels = snap_to_table(levels_mhz[0], pred.clocks), snap_to_table(levels_mhz[1], pred.clocks)
 
-    def pairs(levels_of: list[float]) -> list[tuple[float, float]]:
-        return [(f, f) for f in levels_of] if per_pool else list(itertools.product(levels_of, levels_of))
-    pre_grid, dec_grid = pairs(pre_levels), pairs(dec_levels)
+    def pairs(levels_of: list[float], one_clock: bool) -> list[tuple[float, float]]:
+        return [(f, f) for f in levels_of] if one_clock else list(itertools.product(levels_of, levels_of))
+    pre_grid, dec_grid = pairs(pre_levels, per_pool), pairs(dec_levels, per_pool)
     configs: list[OracleConfig] = []
     for ps, ds in shapes:
-        if exhaustive or ds is None:
+        if ds is None:  # colocated replicas run both halves at one clock: the diagonal of each phase's grid
+            configs += [OracleConfig(ps, ds, (p, d), name) for p in pairs(pre_levels, True)
+                        for d in pairs(dec_levels, True)]
+        elif exhaustive:
             configs += [OracleConfig(ps, ds, (p, d), name) for p in pre_grid for d in dec_grid]
         else:
             n = max(len(pre_grid), len(dec_grid))  # the shorter grid cycles

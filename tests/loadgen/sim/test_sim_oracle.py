@@ -44,17 +44,38 @@ def test_a_tighter_slo_rules_out_the_slow_configurations() -> None:
     among its replays that meet it. (Those are its own replays, not the loose run's: the SLO is the
     budget every iteration is planned under, so a configuration may replay differently under it.)"""
     levels = ([1110.0], [255.0, 570.0, 840.0])
+    split = PoolShape(split=True, attention=1, ffn=1)
     loose_cfg = SimConfig(gpus=8, window_s=20, tick_s=10, tpot_slo_s=10.0)
-    loose = search_oracle(PROFILE, MODEL, ARRIVALS, loose_cfg, workers=2, levels_mhz=levels, exhaustive=True)
+    loose = search_oracle(PROFILE, MODEL, ARRIVALS, loose_cfg, workers=2, levels_mhz=levels, exhaustive=True,
+                          shapes=[(split, split)])
     slowest = max(loose.replays, key=lambda r: r["p90_tpot_ms"])
     slo_ms = 0.99 * slowest["p90_tpot_ms"]
     tight_cfg = SimConfig(gpus=8, window_s=20, tick_s=10, tpot_slo_s=slo_ms / 1e3)
-    tight = search_oracle(PROFILE, MODEL, ARRIVALS, tight_cfg, workers=2, levels_mhz=levels, exhaustive=True)
+    tight = search_oracle(PROFILE, MODEL, ARRIVALS, tight_cfg, workers=2, levels_mhz=levels, exhaustive=True,
+                          shapes=[(split, split)])
     still_ok = [r for r in tight.replays if r["p90_tpot_ms"] <= slo_ms]
     assert 0 < len(still_ok) < len(tight.replays)  # the tighter SLO rules some configurations out
     assert tight.result["oracle"]["feasible"] and tight.result["p90_tpot_ms"] <= slo_ms
     assert tight.result["energy_j"] == min(r["energy_j"] for r in still_ok)
     assert tight.best.clocks_mhz != (slowest["clocks_mhz"]["PA"], slowest["clocks_mhz"]["PF"])
+
+
+def test_the_static_oracle_searches_every_kind_aflex_may_take() -> None:
+    """Split P/D pools at a clock per operator, and colocated replicas (issue 38, correction 9), whose two
+    halves share one clock per phase: every colocated configuration replayed, on the diagonal."""
+    from loadgen.sim.oracle import oracle_shapes
+    from loadgen.sim.policies import policy_spec
+
+    probe = Simulation(PROFILE, MODEL, ARRIVALS, policy_spec("aflex"), CFG, cached_predictor(PROFILE, MODEL))
+    shapes = oracle_shapes(cached_predictor(PROFILE, MODEL), probe.planner)
+    assert any(d is None and not p.split for p, d in shapes) and any(d is not None and p.split for p, d in shapes)
+    levels = ([795.0, 1410.0], [345.0, 570.0])
+    colocated = [(p, d) for p, d in shapes if d is None][:1]
+    res = search_oracle(PROFILE, MODEL, ARRIVALS, CFG, workers=2, levels_mhz=levels, shapes=colocated)
+    grid = res.result["oracle"]["grid"]
+    assert len(grid) == 4  # two prefill levels x two decode levels, one clock for both halves
+    assert all(g["clocks_mhz"]["PA"] == g["clocks_mhz"]["PF"] and g["clocks_mhz"]["DA"] == g["clocks_mhz"]["DF"]
+               for g in grid)
 
 
 def test_prefill_screening_is_scored_to_a_common_horizon() -> None:
