@@ -11,11 +11,13 @@ needs at least 2 × (1 + the FFN's GPUs) GPUs, and a prefill pool whose long pro
 TP needs more, so at low load (or under `active` accounting, where a parked GPU costs the planner
 nothing) one TP2 or TP4 replica can be cheaper than any split plan. Every candidate is priced by the
 same predictors and power model, under the same SLO budgets, and the least predicted power wins.
-When the P/D plan overflows the cluster (infeasible) the split is kept: the shared-pool model (prefill
-and decode priced apart, `mixed_power`) has no interference term, so it is not trusted past the
-cluster's capacity. Not so on a cluster whose workers each hold one half (the live mesh's role limits,
-`ClusterSpec.max_attention` / `max_ffn`): there P/D can overflow its FFN workers alone, one per pool,
-while one mixed pool shares them and holds the load, so a feasible plan of another kind is taken.
+When the P/D plan cannot hold the load (infeasible), a feasible plan of another kind is taken; only
+when no kind holds it is the split kept. A split pool is not always the largest: on two 8-GPU nodes a
+split pool past a node runs its seam and FFN all-reduce over the network, so the planner keeps split
+pools inside a node (issue 38), where colocated TP8 replicas on both nodes hold more (code-Qwen3 at ×1:
+the split kept past its capacity reached P90 TTFT 22 s). On a live mesh whose workers each hold one
+half (`ClusterSpec.max_attention` / `max_ffn`), P/D can overflow its FFN workers alone, one per pool,
+while one mixed pool shares them and holds the load.
 Mixed A/F pools are left out of `AFLEX_KINDS`: the model sized them too large before its idle term
 was fixed, and they have not been measured since (docs/evaluation.md). A change
 of kind drains pools (requests finish where they are, their GPUs then move), so the current kind is
@@ -77,9 +79,8 @@ def elastic_plan(pred: Predictor, load: WindowLoad, spec: ClusterSpec, rule: Clo
     if not plans:
         raise ValueError(f"{spec.gpus} GPUs hold no plan of kinds {', '.join(kinds)}")
     pd = plans.get("pd")
-    role_bound = spec.max_attention is not None or spec.max_ffn is not None
-    if pd is not None and not pd.feasible and not (role_bound and any(p.feasible for p in plans.values())):
-        return pd  # the load overflows the cluster: the split holds the most
+    if pd is not None and not any(p.feasible for p in plans.values()):
+        return pd  # no kind holds the load: the split, whose prefill pool grows past any replica's TP
     factor = power_factor or {}
 
     def power_w(p: Plan) -> float:

@@ -117,8 +117,8 @@ def test_a_pd_plan_names_prefill_and_decode_workers_each_pool_with_its_ffn() -> 
 
 def test_a_pd_plan_that_overflows_its_ffn_workers_gives_way_to_a_mixed_pool_that_holds_the_load() -> None:
     """Each worker holds one half: P/D needs an FFN worker per pool, and with 2 FFN workers a burst overflows
-    the decode pool's, where one mixed pool of 2 + 2 shares them and holds it. (The simulator's cluster,
-    with no role limits, keeps an overflowing split: `elastic_plan`.)"""
+    the decode pool's, where one mixed pool of 2 + 2 shares them and holds it (`elastic_plan`: a feasible
+    kind is taken over an overflowing split)."""
     pv = _provisioner(window_s=1.0)
     pred = cached_predictor(A800, QWEN)
     for i in range(10):

@@ -106,3 +106,18 @@ def test_grown_split_pools_are_kept_and_a_kind_change_must_pay(mixtral: Predicto
     assert elastic_plan(mixtral, quiet, spec, RULE, current_kind="pd", switch_saving=saving / 2).kind == cheapest.kind
     with pytest.raises(ValueError, match="hold no plan"):
         elastic_plan(mixtral, quiet, _spec("mixtral-8x7b", 1, mixtral), RULE)
+
+
+def test_a_split_that_cannot_hold_the_load_gives_way_to_a_kind_that_can() -> None:
+    """Two 8-GPU nodes keep split pools inside a node, where Coding's 5,000-token prompts cannot meet the
+    TTFT budget; TP8 replicas can. The infeasible split was kept before (issue 38): P90 TTFT 22 s."""
+    qwen = cached_predictor(load_profile("a800"), get_model("qwen3-32b"))
+    spec = ClusterSpec.for_model(get_model("qwen3-32b"), 16, ttft_slo_s=0.4, tpot_slo_s=0.12, link_bytes_s=400e9,
+                                 parked_power_w=34.0, node_gpus=8, inter_node_bytes_s=25e9)
+    load = WindowLoad(3.0, 2000.0, 30.0, 5000.0)
+    plans = candidate_plans(qwen, load, spec, RULE, 1.3, AFLEX_KINDS)
+    assert not plans["pd"].feasible and plans["colocated"].feasible
+    plan = elastic_plan(qwen, load, spec, RULE, kinds=AFLEX_KINDS, current_kind="pd")
+    assert plan.kind == "colocated" and plan.feasible
+    alone = elastic_plan(qwen, load, spec, RULE, kinds=("pd",))  # no kind holds it: the split is kept
+    assert alone.kind == "pd" and not alone.feasible
