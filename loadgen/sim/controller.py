@@ -48,19 +48,21 @@ class Controller:
         # the single-sequence bounds only matter when that sequence is more than an even microbatch's share
         big = s.seq_tokens > s.n_tokens / (max(1, shape.units) * MAX_DEPTH)
         qk = min(s.group_seqs(shape.units), MAX_DEPTH)  # the depths a group's sequences allow
+        seqs = s.n_seqs if s.n_seqs > 0 else s.n_tokens
+        few = math.ceil(seqs - 1e-9) if seqs < shape.units else 0  # fewer sequences than groups: exact
         sq = (self._q(s.seq_tokens, 16), self._q(s.seq_ctx, 12), self._q(s.seq_pairs, 8)) if big else (0, 0, 0)
         qb = int(budget_s * 400)  # 2.5 ms
         cur = (current.depth, current.index) if current is not None else None
         rule = self.rule if rule is None else rule
         qr = self._q(next_prompt_rate_hz * 100.0, 8) if next_prompt_rate_hz > 0 else -1  # 8 per octave
-        key = (shape, s.phase, qn, qc, qp, qs, sq, qk, qb, cur, rule, qr)
+        key = (shape, s.phase, qn, qc, qp, qs, sq, qk, few, qb, cur, rule, qr)
         op = self.cache.get(key)
         if op is None:
             seq = (self._dq(sq[0], 16), self._dq(sq[1], 12), self._dq(sq[2], 8)) if big else (0.0, 0.0, 0.0)
             rep = BatchStats(s.phase, self._dq(qn, 16), self._dq(qc, 12), self._dq(qp, 8), self._dq(qs, 16), *seq,
-                             n_seqs=qk * max(1, shape.units))
+                             n_seqs=few or qk * max(1, shape.units))
             rate = self._dq(qr, 8) / 100.0 if qr >= 0 else 0.0
-            tkey = (shape, s.phase, qn, qc, qp, qs, sq, qk, rule, qr)
+            tkey = (shape, s.phase, qn, qc, qp, qs, sq, qk, few, rule, qr)
             tables = self.tables.get(tkey)
             if tables is None:
                 tables = self.tables[tkey] = point_tables(self.pred, shape, rep, rule, rate)

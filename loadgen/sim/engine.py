@@ -92,7 +92,7 @@ class Simulation:
                                   config.burst_subwindow_s, config.burst_quantile, config.colocated_tp)
         self.ledger = EnergyLedger(active_from_s=float(arrivals.time_s[0]) if n else 0.0, record=config.record_power)
         self.fleet = Fleet(profile, config.gpus, self.switch_delay, self.weights, self.parking, self.ledger)
-        self.pools, self.rejoins = self.fleet.pools, self.fleet.rejoins
+        self.pools, self.rejoins, self.reshards = self.fleet.pools, self.fleet.rejoins, self.fleet.reshards
         self.planned_rate = 0.0
         self.plan_names: tuple[str, ...] = ()  # the pools of the latest plan
         # AFlex ranks its plan kinds by predicted power corrected by what each kind's plans were charged

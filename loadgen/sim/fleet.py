@@ -7,8 +7,10 @@ a new context, `GPUProfile.cold_rejoin_s`), and what parking lacks from pools th
 those free them (`deficit`; the moved GPUs load their new role's weights). A pool takes its new shape
 at its first idle moment once every GPU it waits for is ready; GPUs it no longer needs go to
 parking in the policy's state. Rejoining GPUs draw context-idle power at f_max and count as in the
-plan; parked ones draw their state's power (ledger.py). Role changes inside a pool of the same size
-(A/F rebalancing) and KV migration are free: not modelled.
+plan; parked ones draw their state's power (ledger.py). A new shape that re-shards the GPUs a pool keeps
+(`reshards`: a replica's TP, a split pool's attention TP or FFN width) stalls the pool while they load
+their new shares over the host link, as a GPU moving between pools does (issue 38: DynamoLLM's TP
+changes were free; its paper's cost is not published). KV migration is free: not modelled.
 
 A plan of another kind (P/D pools, one mixed pool, colocated replicas: `Plan.kind`) brings pools of
 other names: a new pool starts empty and grows as above; a pool the plan no longer names *retires*:
@@ -56,6 +58,17 @@ class Pool:
     energy_j: float = 0.0  # the pool's own iterations and idle stretches (cluster accounting)
 
 
+def reshards(old: PoolShape, new: PoolShape) -> bool:
+    """Whether the GPUs a pool keeps from `old` hold other weights in `new`: a replica's TP changed, or a split
+    pool's attention TP or FFN width (its FFN GPUs shard the FFN over all of them). More or fewer replicas
+    or attention groups of the same TP leave the kept GPUs' weights as they are."""
+    if not old.gpus or not new.gpus or old.split != new.split:
+        return False
+    if not new.split:
+        return old.tp != new.tp
+    return old.attention_tp != new.attention_tp or old.ffn != new.ffn
+
+
 def empty_like(shape: PoolShape) -> PoolShape:
     """A pool of the same kind with no GPUs: a pool not yet grown, or retired."""
     return replace(shape, attention=0, ffn=0, replicas=0)
@@ -68,6 +81,7 @@ class Fleet:
         self.weights, self.parking, self.ledger = weights, parking, ledger
         self.pools: dict[str, Pool] = {}
         self.rejoins: list[tuple[float, int, str, float]] = []  # (time, GPUs, from state, delay s)
+        self.reshards: list[tuple[float, int, float]] = []  # (time, GPUs kept, stall s)
 
     # -- energy ---------------------------------------------------------------------------------
     def idle_w(self, pool: Pool) -> float:
@@ -156,7 +170,13 @@ class Fleet:
             return
         self.close_idle(pool, now)
         freed = pool.shape.gpus + pool.joining - target.gpus
+        old = pool.shape
         pool.shape, pool.next_shape, pool.joining = target, None, 0
+        if reshards(old, target):  # the GPUs it keeps load their new shards before it serves again
+            stall_s = self.share_bytes(target) / self.profile.host_to_device_bytes_s
+            self.charge(pool, now, now + stall_s, self.idle_w(pool) * stall_s)
+            pool.pending, pool.busy_until = ([], 0), now + stall_s
+            self.reshards.append((now, old.gpus, stall_s))
         for other in self.pools.values():
             if freed <= 0:
                 break

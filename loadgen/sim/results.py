@@ -36,6 +36,7 @@ class FinishedRun(Protocol):
     pools: dict[str, Pool]
     parking: ParkedState
     rejoins: list[tuple[float, int, str, float]]
+    reshards: list[tuple[float, int, float]]
     planner: SimPlanner
     plans: list[tuple[float, dict[str, Any]]]
     margin_ttft: SloMargin
@@ -104,6 +105,7 @@ def sim_results(sim: FinishedRun) -> dict[str, Any]:
         "parked_gpu_s": led.parked_gpu_s,
         "rejoin_j": led.rejoin_j,
         "rejoins": [{"t_s": t, "gpus": k, "from": kind, "delay_s": d} for t, k, kind, d in sim.rejoins],
+        "reshards": [{"t_s": t, "gpus": k, "stall_s": d} for t, k, d in sim.reshards],
         "placement": sim.planner.placement_note,
         "plans": [{"t_s": t, **p} for t, p in sim.plans],
         # AFlex: each plan kind's predicted power × this = what its plans drew (at the end of the run)

@@ -311,3 +311,24 @@ def test_long_context_workload_and_a_many_expert_moe() -> None:
                      ttft_slo_s=4.0), cached_predictor(PROFILE, moe))
     res = sim.run()
     assert res["finished"] == res["requests"] > 0 and res["p90_ttft_ms"] > 400  # a long prompt's prefill
+
+
+def test_a_reshard_stalls_the_pool_while_its_gpus_load_their_new_shares() -> None:
+    """A replica's TP change, or a split pool's FFN width, re-shards the GPUs the pool keeps: the pool serves
+    nothing until they have loaded their new shares over the host link (issue 38, row 10); more replicas of
+    the same TP do not."""
+    from loadgen.sim.fleet import reshards
+    from shared.policy import PoolShape
+
+    tp4, tp8 = PoolShape(split=False, replicas=2, tp=4), PoolShape(split=False, replicas=1, tp=8)
+    assert reshards(tp4, tp8) and not reshards(tp4, PoolShape(split=False, replicas=3, tp=4))
+    assert reshards(PoolShape(split=True, attention=2, ffn=6), PoolShape(split=True, attention=2, ffn=5))
+    assert not reshards(PoolShape(split=True, attention=2, ffn=6), PoolShape(split=True, attention=3, ffn=6))
+    arr = synthetic(1.0, 20.0, 3, prompt_mean=300, output_mean=20)
+    sim = Simulation(PROFILE, MODEL, arr, policy_spec("dynamollm"), SimConfig(gpus=8), cached_predictor(PROFILE, MODEL))
+    sim._apply_plan(0.0, {"colocated": PoolShape(split=False, replicas=2, tp=2)})
+    sim._apply_plan(1.0, {"colocated": PoolShape(split=False, replicas=1, tp=4)})
+    pool = sim.pools["colocated"]
+    stall = sim.fleet.share_bytes(pool.shape) / PROFILE.host_to_device_bytes_s
+    assert pool.shape.tp == 4 and pool.pending == ([], 0) and pool.busy_until == pytest.approx(1.0 + stall)
+    assert sim.reshards == [(1.0, 4, pytest.approx(stall))]

@@ -98,3 +98,37 @@ def test_a_prompt_is_not_pipelined_with_itself(pred: Predictor) -> None:
     even = BatchStats("prefill", stats.n_tokens, stats.ctx_tokens, stats.pairs, stats.n_sample, n_seqs=4)
     t_even, _ = iteration_cost(att, ffn, head, shape, even, 2, args.dim, args.n_layers, idle, idle)
     assert t_even < 0.9 * t_live
+
+
+def test_groups_without_a_sequence_idle_instead_of_reading_their_weights() -> None:
+    """One prompt on four colocated replicas (or four attention groups): the scheduler places it whole on
+    one, the other three idle through the iteration (issue 38, correction 7, in part); before, each of the
+    four read its weights for a quarter of the prompt."""
+    from shared.policy.pipeline import busy_units, colocated_iteration
+
+    w_s, per_token_s, power_w, idle_w, layers = 1e-3, 1e-5, 300.0, 60.0, 4
+
+    def att(n: float, ctx: float, pairs: float, shard: int) -> tuple[float, float]:
+        t = w_s + n * per_token_s  # a weight read, then the tokens
+        return t, t * power_w
+
+    def ffn(n: float, shard: int) -> tuple[float, float]:
+        return att(n, 0.0, 0.0, shard)
+
+    def head(n: float, shard: int) -> tuple[float, float]:
+        return 0.0, 0.0
+
+    one = BatchStats("prefill", 800.0, 800.0, 320_400.0, 1.0, 800.0, 800.0, 320_400.0, n_seqs=1)
+    assert busy_units(one, 4) == 1 and busy_units(BatchStats("decode", 9, 9, 9, 9), 4) == 4
+    replicas = PoolShape(split=False, replicas=4, tp=1)
+    t, e = iteration_cost(att, ffn, head, replicas, one, 1, 4096, layers, idle_w, idle_w)
+    ta, ea = att(800.0, 0.0, 0.0, 1)
+    t1, e1 = colocated_iteration(ta, ea, ta, ea, 0.0, 0.0, 0.0, layers, 1, idle_w)
+    assert t == pytest.approx(t1) and e == pytest.approx(e1 + 3 * idle_w * t1)
+    groups = PoolShape(split=True, attention=4, ffn=1, attention_tp=1)
+    t_split, e_split = iteration_cost(att, ffn, head, groups, one, 1, 4096, layers, idle_w, idle_w)
+    tc = seam_transfer_s(800.0, 4096, groups.link_bytes_s)
+    assert t_split == pytest.approx(layers * (2 * ta + 2 * tc))  # one group's attention, the FFN, two hops
+    busy_j = layers * ea + idle_w * (t_split - layers * ta)  # the busy group: its attention, then waiting
+    ffn_j = layers * ea + idle_w * (t_split - layers * ta)
+    assert e_split == pytest.approx(busy_j + ffn_j + 3 * idle_w * t_split)
