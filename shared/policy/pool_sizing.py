@@ -7,10 +7,14 @@ iterations use:
 - decode pool (a attention, f FFN): batch B from Little's law (B = token rate × iteration time,
   iterated to a fixed point); feasible when the iteration meets the TPOT budget and the KV cache of
   the a attention GPUs holds B sequences; power = energy per iteration / iteration time.
-- prefill pool (a attention GPUs in TP groups of 1, 2, 4 or 8, f FFN): chunks of c tokens; feasible
-  when the window's p90 prompt alone fits the TTFT budget on one attention group at the top clock,
-  an iteration fits in a fraction of the TTFT budget and utilisation stays below `max_utilisation`
-  (queueing); power = busy share at the chosen clocks + idle share at context-idle power.
+- prefill pool (a attention GPUs in TP groups of 1, 2, 4 or 8, f FFN): iterations of 1, 2 or 4 mean
+  prompts, the smallest batch that keeps up, since the queue grows only until its batches do (at light
+  load one prompt an iteration, which the scheduler cannot pipeline against itself; the model took the
+  cheapest of the three before, a batch of four pipelined at depth 2 that never formed, and
+  under-priced P/D prefill pools, issue 38); feasible when the window's p90 prompt alone fits the TTFT
+  budget on one attention group at the top clock, an iteration fits the batching rule's drain cap
+  (`prefill_iter_frac` of the TTFT budget) and utilisation stays below `max_utilisation` (queueing);
+  power = busy share at the chosen clocks + idle share at context-idle power.
 
 The plan minimises total power, counting GPUs left out (parked) at `parked_power_w`. With fewer
 than `min_pd_gpus` GPUs the cluster is one mixed split pool (no prefill/decode pools,
@@ -28,6 +32,7 @@ from shared.model.config import ModelArgs
 from shared.model.sizes import attention_weight_bytes, ffn_weight_bytes, kv_bytes_per_token
 from shared.perf import Predictor
 from shared.policy.operating_point import BatchStats, ClockRule, OperatingPoint, PoolShape, choose_operating_point
+from shared.policy.specs import SHARED_BATCHING
 
 
 @dataclass(frozen=True)
@@ -188,21 +193,20 @@ def prefill_point(pred: Predictor, shape: PoolShape, load: WindowLoad, spec: Clu
             return None, INFEASIBLE * 10 * t_long / spec.ttft_budget_s
     best, best_op = INFEASIBLE * 100, None
     prompt = max(1.0, load.mean_prompt)
-    for chunk in (prompt, 2 * prompt, 4 * prompt):
-        seqs = max(1.0, chunk / prompt)
-        q = chunk / seqs
-        pq = q * q - q * (q - 1) / 2
-        stats = BatchStats("prefill", chunk, chunk, seqs * pq, seqs, q, q, pq, n_seqs=seqs)
-        budget = min(spec.ttft_budget_s / 2.0, max_utilisation * chunk / rate)
+    # an iteration that empties the queue lasts at most this share of the TTFT budget (the batching rule's cap)
+    drain_s = SHARED_BATCHING.prefill_iter_frac * spec.ttft_budget_s or spec.ttft_budget_s
+    for seqs in (1.0, 2.0, 4.0):  # the queue grows only until its batches keep up: the first that does forms
+        chunk = seqs * prompt
+        pq = prompt * prompt - prompt * (prompt - 1) / 2
+        stats = BatchStats("prefill", chunk, chunk, seqs * pq, seqs, prompt, prompt, pq, n_seqs=seqs)
+        budget = min(spec.ttft_budget_s / 2.0, drain_s, max_utilisation * chunk / rate)
         op = choose_operating_point(pred, shape, stats, budget, rule)
-        util = rate * op.time_s / chunk
         if not op.feasible:
             best = min(best, INFEASIBLE * max(1.0, op.time_s / budget))
             continue
+        util = rate * op.time_s / chunk
         idle = idle_power_w(pred.profile, shape, op.clock_attention, op.clock_ffn)
-        power = util * op.energy_j / op.time_s + (1 - util) * idle
-        if power < best:
-            best, best_op = power, op
+        return op, util * op.energy_j / op.time_s + (1 - util) * idle
     return best_op, best
 
 
