@@ -90,9 +90,10 @@ class SimPlanner:
             return {"colocated": instance_pool(n // tp, tp, self.spec)}
         peak = self.peak_load()
         if pol.placement == "pd" and pol.static_plan == "goodput":
-            # sized, as its search sizes for SLO attainment on the arrivals themselves, for the bursts in them
+            # sized, as its search sizes for SLO attainment on the arrivals themselves, for the bursts in them,
+            # to the rate itself (its Algorithm 1 replicates up to the rate; the burst quantile is the margin)
             peak = self.peak_load(burst=True)
-            g = distserve_placement(self.pred, peak, self.spec, pol.clock, self.headroom)
+            g = distserve_placement(self.pred, peak, self.spec, pol.clock, headroom=1.0)
             how = ("per phase the fewest instances (of the TP needing the fewest GPUs) that hold the busiest "
                    "window's burst load" if g.sized else
                    "nothing smaller holds the load: goodput-optimal over every all-GPU P/D placement")
