@@ -48,8 +48,7 @@ class Controller:
         # the single-sequence bounds only matter when that sequence is more than an even microbatch's share
         big = s.seq_tokens > s.n_tokens / (max(1, shape.units) * MAX_DEPTH)
         qk = min(s.group_seqs(shape.units), MAX_DEPTH)  # the depths a group's sequences allow
-        seqs = s.n_seqs if s.n_seqs > 0 else s.n_tokens
-        few = math.ceil(seqs - 1e-9) if seqs < shape.units else 0  # fewer sequences than groups: exact
+        few = s.busy_units(shape.units) if s.seqs < shape.units else 0  # fewer sequences than groups: exact
         sq = (self._q(s.seq_tokens, 16), self._q(s.seq_ctx, 12), self._q(s.seq_pairs, 8)) if big else (0, 0, 0)
         qb = int(budget_s * 400)  # 2.5 ms
         cur = (current.depth, current.index) if current is not None else None

@@ -14,6 +14,7 @@ waits in `parking_rule.py`. Each placement in full: docs/architecture.md, "Basel
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from shared.perf import Predictor
@@ -79,15 +80,20 @@ def _phase_power(pred: Predictor, phase: str, shape: PoolShape, load: WindowLoad
     return (prefill_power if phase == "prefill" else decode_power)(pred, shape, load, spec, rule)
 
 
-def _holds(pred: Predictor, phase: str, shape: PoolShape, load: WindowLoad, spec: ClusterSpec, rule: ClockRule,
-           max_multiple: float, steps: int) -> float:
-    """The largest multiple of `load` (bisection, `steps` halvings) `shape` serves in `phase` within its SLO."""
+def _largest_multiple(holds: Callable[[WindowLoad], bool], load: WindowLoad, max_multiple: float, steps: int) -> float:
+    """The largest multiple of `load` that `holds` (bisection over [0, `max_multiple`], `steps` halvings)."""
     lo, hi = 0.0, max_multiple
     for _ in range(steps):
         mid = (lo + hi) / 2
-        ok = _phase_power(pred, phase, shape, with_headroom(load, mid), spec, rule) < INFEASIBLE
-        lo, hi = (mid, hi) if ok else (lo, mid)
+        lo, hi = (mid, hi) if holds(with_headroom(load, mid)) else (lo, mid)
     return lo
+
+
+def _holds(pred: Predictor, phase: str, shape: PoolShape, load: WindowLoad, spec: ClusterSpec, rule: ClockRule,
+           max_multiple: float, steps: int) -> float:
+    """The largest multiple of `load` `shape` serves in `phase` within its SLO."""
+    return _largest_multiple(lambda w: _phase_power(pred, phase, shape, w, spec, rule) < INFEASIBLE, load,
+                             max_multiple, steps)
 
 
 def _replicated(pred: Predictor, phase: str, load: WindowLoad, spec: ClusterSpec, rule: ClockRule,
@@ -139,11 +145,9 @@ def all_gpu_goodput(pred: Predictor, load: WindowLoad, spec: ClusterSpec, rule: 
                 if rest % tp_d:
                     continue
                 ps, ds = instance_pool(r_p, tp_p, spec), instance_pool(rest // tp_d, tp_d, spec)
-                lo, hi = 0.0, max_multiple
-                for _ in range(steps):
-                    mid = (lo + hi) / 2
-                    ok, _ = _feasible(pred, ps, ds, with_headroom(load, mid), spec, rule)
-                    lo, hi = (mid, hi) if ok else (lo, mid)
+                def both_hold(w: WindowLoad, ps: PoolShape = ps, ds: PoolShape = ds) -> bool:
+                    return _feasible(pred, ps, ds, w, spec, rule)[0]
+                lo = _largest_multiple(both_hold, load, max_multiple, steps)
                 _, power = _feasible(pred, ps, ds, load, spec, rule)
                 cand = Goodput(ps, ds, lo, power, sized=False)
                 if best is None or (cand.load_multiple, -cand.power_w) > (best.load_multiple, -best.power_w):

@@ -241,10 +241,9 @@ def plan_iteration(running: Sequence[WorkItem[K]], waiting: Iterable[WorkItem[K]
     n_decode, decode_ctx = len(decodes), float(sum(i.context_tokens for i in decodes))
     sizes = {id(i.key): i.remaining_tokens for i in queue}
 
-    oldest_wait_s = policy.now_s - min((i.arrival_s for i in queue), default=policy.now_s)
-
     def cap(queued: int, head: int) -> int:  # the decode steps beside the prefill, as only the view knows
         assert policy.prefill_cap is not None
+        oldest_wait_s = policy.now_s - min((i.arrival_s for i in queue), default=policy.now_s)
         return policy.prefill_cap(queued, n_decode, decode_ctx, head, oldest_wait_s)
 
     def can_admit(key: K) -> bool:  # the first chunk in the KV room left

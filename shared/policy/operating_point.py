@@ -79,10 +79,20 @@ class BatchStats:
     seq_pairs: float = 0.0
     n_seqs: float = 0.0
 
+    @property
+    def seqs(self) -> float:
+        """Its sequences (`n_seqs`, or one a token where not given)."""
+        return self.n_seqs if self.n_seqs > 0 else self.n_tokens
+
     def group_seqs(self, units: int) -> int:
         """The sequences of the busiest of `units` groups sharing the iteration: its depth's ceiling."""
-        n = self.n_seqs if self.n_seqs > 0 else self.n_tokens
-        return max(1, math.ceil(n / max(1, units) - 1e-9))
+        return max(1, math.ceil(self.seqs / max(1, units) - 1e-9))
+
+    def busy_units(self, units: int) -> int:
+        """The groups (replicas, or attention groups) of `units` that hold a sequence: the scheduler places
+        whole sequences, so with fewer sequences than groups the rest sit idle this iteration instead of
+        each reading its weights for a fraction of a sequence."""
+        return max(1, min(max(1, units), math.ceil(self.seqs - 1e-9)))
 
 
 @dataclass(frozen=True)

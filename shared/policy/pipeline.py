@@ -99,14 +99,6 @@ def pad_to(t: Array, e: Array, t_floor: Array, idle_w: Idle) -> tuple[Array, Arr
     return t2, e + idle_w * (t2 - t)
 
 
-def busy_units(s: Any, units: int) -> int:
-    """The groups (replicas, or attention groups) of `units` that hold a sequence of `s` (a BatchStats): the
-    scheduler places whole sequences, so with fewer sequences than groups the rest sit idle this iteration
-    instead of each reading its weights for a fraction of a sequence."""
-    n = s.n_seqs if s.n_seqs > 0 else s.n_tokens
-    return max(1, min(max(1, units), math.ceil(n - 1e-9)))
-
-
 AttnCost = Callable[[float, float, float, int], tuple[Array, Array]]  # (n, ctx, pairs, shard) -> (t, e)
 TokCost = Callable[[float, int], tuple[Array, Array]]  # (n, shard) -> (t, e)
 
@@ -118,7 +110,7 @@ def iteration_cost(att: AttnCost, ffn: TokCost, head: TokCost, shape: Any, s: An
     The cost callables give one layer's per-GPU (time, energy) of a share of the work; the policy
     passes the predictors (arrays over clocks), the simulator the emulated GPU at the chosen clocks.
     The work is spread evenly over the pool's groups (replicas, or attention TP groups) that hold a
-    sequence (`busy_units`; the others idle through the iteration), except that
+    sequence (`BatchStats.busy_units`; the others idle through the iteration), except that
     the largest single sequence chunk (`s.seq_*`) runs on one group: every GPU's share is stretched
     to at least that chunk's time there, the difference idle, and on the split path that chunk is one
     microbatch, whose own attention, FFN and hops follow each other within each layer (`af_iteration`'s
@@ -128,7 +120,7 @@ def iteration_cost(att: AttnCost, ffn: TokCost, head: TokCost, shape: Any, s: An
     link = shape.link_bytes_s
     if shape.split:
         tp = max(1, shape.attention_tp)
-        groups = busy_units(s, shape.units)
+        groups = s.busy_units(shape.units)
         idle_gpus = shape.attention - groups * tp  # attention groups with no sequence this iteration
         per = groups * depth
         ta, ea = att(s.n_tokens / per, s.ctx_tokens / per, s.pairs / per, tp)
@@ -154,7 +146,7 @@ def iteration_cost(att: AttnCost, ffn: TokCost, head: TokCost, shape: Any, s: An
         t, e = af_iteration(ta, ea, tf, ef, th, eh, tc, depth, layers, groups * tp, shape.ffn, idle_a, idle_f,
                             round_trip)
         return t, e + idle_gpus * idle_a * t
-    r = busy_units(s, shape.replicas)
+    r = s.busy_units(shape.replicas)
     ta, ea = att(s.n_tokens / r, s.ctx_tokens / r, s.pairs / r, shape.tp)
     tf, ef = ffn(s.n_tokens / r, shape.tp)
     ar = allreduce_s(s.n_tokens / r, dim, shape.tp, link)

@@ -104,7 +104,7 @@ def test_groups_without_a_sequence_idle_instead_of_reading_their_weights() -> No
     """One prompt on four colocated replicas (or four attention groups): the scheduler places it whole on
     one, the other three idle through the iteration (issue 38, correction 7, in part); before, each of the
     four read its weights for a quarter of the prompt."""
-    from shared.policy.pipeline import busy_units, colocated_iteration
+    from shared.policy.pipeline import colocated_iteration
 
     w_s, per_token_s, power_w, idle_w, layers = 1e-3, 1e-5, 300.0, 60.0, 4
 
@@ -119,7 +119,7 @@ def test_groups_without_a_sequence_idle_instead_of_reading_their_weights() -> No
         return 0.0, 0.0
 
     one = BatchStats("prefill", 800.0, 800.0, 320_400.0, 1.0, 800.0, 800.0, 320_400.0, n_seqs=1)
-    assert busy_units(one, 4) == 1 and busy_units(BatchStats("decode", 9, 9, 9, 9), 4) == 4
+    assert one.busy_units(4) == 1 and BatchStats("decode", 9, 9, 9, 9).busy_units(4) == 4
     replicas = PoolShape(split=False, replicas=4, tp=1)
     t, e = iteration_cost(att, ffn, head, replicas, one, 1, 4096, layers, idle_w, idle_w)
     ta, ea = att(800.0, 0.0, 0.0, 1)
