@@ -40,6 +40,7 @@ from shared.policy import (
     prefill_order,
     seq_chunk_cap,
 )
+from shared.policy.decode_slack import DecodeSlack, iteration_budget_s
 from shared.policy.footprint import plan_power_w
 from shared.policy.headroom import AdaptiveHeadroom
 from shared.policy.parking_rule import model_parking_state, parked_power_w
@@ -104,6 +105,9 @@ class Simulation:
     def _apply_plan(self, now: float, shapes: dict[str, PoolShape]) -> None:
         self.fleet.apply(now, shapes)
         self.plan_names = tuple(shapes)
+        for pool in self.pools.values():
+            if pool.retiring and not pool.shape.gpus and (pool.queue or pool.waiting):
+                self._hand_over(pool, now)
         if self.pol.window_clocks:
             for name, shape in shapes.items():
                 self.pools[name].rule = self.planner.window_rule(name, shape)
@@ -216,6 +220,10 @@ class Simulation:
             pool.n_run += 1
             pool.ctx_sum += ctx
             heapq.heappush(pool.heap, (pool.iters + int(self.arr.output[rid]) - 1, rid))
+            if self.pol.batching.decode_slack:
+                if pool.slack is None:
+                    pool.slack = DecodeSlack(self.spec.tpot_budget_s)
+                pool.slack.admit(rid, float(self.first[rid]), pool.iters)
 
     def _start(self, pool: Pool, now: float) -> None:
         if pool.shape.gpus == 0:  # not grown yet (its GPUs are on their way), or retired
@@ -233,6 +241,8 @@ class Simulation:
         seq: tuple[float, float, float] = (0.0, 0.0, 0.0)  # the largest single sequence chunk
         n_done_pre = 0
         budget = tpot_b if n_dec else math.inf
+        if n_dec and pool.slack is not None:  # the running requests' banked TPOT
+            budget = iteration_budget_s(tpot_b, pool.slack.least_allowance_s(now, pool.iters), self.cfg.ttft_slo_s)
         if has_prefill:
             shape = pool.shape
             if self.pol.batching.order != "fcfs" and len(pool.queue) > 1:
@@ -303,6 +313,21 @@ class Simulation:
         if self.cfg.record_power and (not self.clock_trace or now - self.clock_trace[-1][0] > 1.0):
             self.clock_trace.append((now, phase, op.clock_attention, op.clock_ffn, op.depth))
 
+    def _hand_over(self, pool: Pool, now: float) -> None:
+        """A pool retired before it got a GPU (a plan dropped while its GPUs were still on their way) took
+        prompts and prefilled requests meanwhile (`_route`); it ran none of them, so they go to the pools of
+        the plan now in force, and it retires empty."""
+        queue, waiting = list(pool.queue), list(pool.waiting)
+        pool.queue.clear()
+        pool.waiting.clear()
+        pool.queued_tokens = 0
+        for rid, rem in queue:
+            target = self._route(PROMPT_MODES)
+            target.queue.append([rid, rem])
+            target.queued_tokens += rem
+        self._route(DECODE_MODES).waiting.extend(waiting)
+        self.fleet.try_reshape(pool, now)
+
     def _route(self, modes: tuple[str, ...]) -> Pool:
         """The pool of the plan that takes work of these modes (prompts, or prefilled requests for decode).
         While it is still growing from parking, a pool of the plan before that still serves takes it, so
@@ -341,6 +366,8 @@ class Simulation:
                 _, rid = heapq.heappop(pool.heap)
                 self.finish[rid] = now
                 pool.n_run -= 1
+                if pool.slack is not None:
+                    pool.slack.leave(rid)
                 pool.ctx_sum -= float(self.arr.prompt[rid] + self.arr.output[rid])
         finished_prefill = 0
         for idx, (rid, q) in enumerate(chunk):  # the chunk is a prefix of the queue, in order

@@ -28,6 +28,7 @@ from loadgen.sim.ledger import EnergyLedger
 from shared.gpu.emulated import GPUProfile
 from shared.kinds import PARKED_ASSIGNMENT, ParkedState
 from shared.policy import ClockRule, OperatingPoint, PoolShape
+from shared.policy.decode_slack import DecodeSlack
 from shared.policy.pool_sizing import idle_power_w
 
 # the ledger's groups of parked GPUs, named as the live scheduler's assignments of a parking state
@@ -56,6 +57,7 @@ class Pool:
     rule: ClockRule | None = None  # the window's fixed clocks (global scheduler only), else the policy's
     retiring: bool = False  # out of the plan: finishes what it holds, then gives its GPUs back
     energy_j: float = 0.0  # the pool's own iterations and idle stretches (cluster accounting)
+    slack: DecodeSlack | None = None  # its running requests' banked TPOT (a batching rule with `decode_slack`)
 
 
 def reshards(old: PoolShape, new: PoolShape) -> bool:

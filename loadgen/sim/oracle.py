@@ -6,8 +6,10 @@ FFN) held for the whole trace; shapes from AFlex's provisioners on the busiest w
 `HEADROOMS`, every kind its footprint may take (split P/D pools; colocated replicas, whose two halves
 share a clock), clocks at `levels` per operator (`clock_levels`). The two pools share neither GPUs nor
 SLOs, so one replay screens a prefill and a decode combination side by side, and only the `top_k`
-best of each are paired and replayed whole; `exhaustive=True` replays every joint combination (the
-tests check the two agree on a small case). The search in full: docs/evaluation.md, "static-oracle".
+best of each are paired and replayed whole. A colocated shape runs both phases in one pool, so its
+clocks are searched by coordinates instead: prefill levels at one decode level, then decode levels at the
+best prefill (`_colocated_finals`). `exhaustive=True` replays every joint combination (the tests check
+the searches agree on small cases). The search in full: docs/evaluation.md, "static-oracle".
 """
 
 from __future__ import annotations
@@ -185,6 +187,25 @@ def _finals(profile: GPUProfile, runs: list[dict[str, Any]], shapes: Sequence[tu
     return [c for est, c in cands if est <= least * (1.0 + slack)]
 
 
+def _colocated_finals(runs: list[dict[str, Any]], shape: PoolShape, dec_pairs: list[tuple[float, float]],
+                      cfg: SimConfig) -> list[OracleConfig]:
+    """A colocated shape's second coordinate: its prefill and decode clocks share the pool, so they are not
+    screened apart; the first round held decode at the level nearest the bandwidth-saturation clock and
+    swept prefill, this one sweeps decode at the best prefill level of that round (least energy meeting
+    both SLOs, else TTFT alone, else the fastest). Seven replays a shape at four levels, not sixteen."""
+    mine = [r for r in runs if r["config"].prefill == shape and r["config"].decode is None]
+    if not mine:
+        return []
+
+    def rank(r: dict[str, Any]) -> tuple[bool, bool, float]:
+        res = r["result"]
+        return (not _meets(res, cfg, "ttft"), not _meets(res, cfg, "tpot"), float(res["energy_j"]))
+    best: OracleConfig = min(mine, key=rank)["config"]
+    tried = {r["config"].clocks_mhz for r in mine}
+    return [replace(best, clocks_mhz=(best.clocks_mhz[0], d)) for d in dec_pairs
+            if (best.clocks_mhz[0], d) not in tried]
+
+
 def search_oracle(profile: GPUProfile, model: ModelArgs, arrivals: Arrivals, cfg: SimConfig, workers: int = 2,
                   levels: int = 4, shapes: Sequence[tuple[PoolShape, PoolShape | None]] | None = None,
                   levels_mhz: tuple[Sequence[float], Sequence[float]] | None = None,
@@ -206,10 +227,11 @@ def search_oracle(profile: GPUProfile, model: ModelArgs, arrivals: Arrivals, cfg
         return [(f, f) for f in levels_of] if one_clock else list(itertools.product(levels_of, levels_of))
     pre_grid, dec_grid = pairs(pre_levels, per_pool), pairs(dec_levels, per_pool)
     configs: list[OracleConfig] = []
+    start = (min(dec_levels, key=lambda f: abs(f - profile.bandwidth_saturation_mhz)),) * 2
     for ps, ds in shapes:
         if ds is None:  # colocated replicas run both halves at one clock: the diagonal of each phase's grid
             configs += [OracleConfig(ps, ds, (p, d), name) for p in pairs(pre_levels, True)
-                        for d in pairs(dec_levels, True)]
+                        for d in (pairs(dec_levels, True) if exhaustive else [start])]
         elif exhaustive:
             configs += [OracleConfig(ps, ds, (p, d), name) for p in pre_grid for d in dec_grid]
         else:
@@ -220,6 +242,8 @@ def search_oracle(profile: GPUProfile, model: ModelArgs, arrivals: Arrivals, cfg
     if not exhaustive:
         split = [(ps, ds) for ps, ds in shapes if ds is not None]
         finals = _finals(profile, runs, split, cfg, top_k, name=name)
+        finals += [c for ps, ds in shapes if ds is None
+                   for c in _colocated_finals(runs, ps, pairs(dec_levels, True), cfg)]
         runs += _run_all([(profile, model, arrivals, cfg, c) for c in finals], workers)
     feasible = [r for r in runs if _meets(r["result"], cfg, "ttft") and _meets(r["result"], cfg, "tpot")]
     table = [{**r["config"].describe(), "energy_j": r["result"]["energy_j"],

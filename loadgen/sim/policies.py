@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from shared.policy import SHARED_BATCHING, SHARED_CLOCK_OBJECTIVE, BatchingRule, ClockRule, PoolShape
+from shared.policy import AFLEX_BATCHING, SHARED_BATCHING, SHARED_CLOCK_OBJECTIVE, BatchingRule, ClockRule, PoolShape
 from shared.policy.footprint import AFLEX_KINDS
 
 PLACEMENTS = ("colocated", "pd", "af")
@@ -50,6 +50,7 @@ SHARED = SHARED_BATCHING  # every policy's batching unless its paper says otherw
 FIXED = BatchingRule(adaptive=False)
 # DistServe's prefill instances batch whole prompts first come first served (Zhong et al., OSDI'24, section 4.3)
 FCFS = replace(SHARED_BATCHING, order="fcfs")
+AFLEX = AFLEX_BATCHING  # the shared machinery and AFlex's per-request decode budget (shared/policy/specs.py)
 AFLEX_CLOCK = ClockRule(objective=SHARED_CLOCK_OBJECTIVE)
 # one clock for the whole model, chosen per phase and iteration by the shared objective
 PHASE_DVFS = ClockRule(per_operator=False, objective=SHARED_CLOCK_OBJECTIVE)
@@ -70,20 +71,22 @@ def _specs() -> dict[str, PolicySpec]:
         "distserve": s("distserve", "pd", MAX, FCFS, static_plan="goodput"),
         "biscale": s("biscale", "pd", PHASE_DVFS, SHARED, scaling=True),
         "af-max": s("af-max", "af", ClockRule(max_clock=True, depths=()), SHARED),
-        "aflex": s("aflex", "af", AFLEX_CLOCK, SHARED, scaling=True, kinds=AFLEX_KINDS),
+        "aflex": s("aflex", "af", AFLEX_CLOCK, AFLEX, scaling=True, kinds=AFLEX_KINDS),
         # ablation: AFlex held to split P/D pools (the footprint before the elastic planner)
-        "aflex-pd-only": s("aflex-pd-only", "af", AFLEX_CLOCK, SHARED, scaling=True),
-        "aflex-mixed-only": s("aflex-mixed-only", "af", AFLEX_CLOCK, SHARED, scaling=True, kinds=("mixed",)),
-        "aflex-colocated-only": s("aflex-colocated-only", "af", AFLEX_CLOCK, SHARED, scaling=True,
+        "aflex-pd-only": s("aflex-pd-only", "af", AFLEX_CLOCK, AFLEX, scaling=True),
+        "aflex-mixed-only": s("aflex-mixed-only", "af", AFLEX_CLOCK, AFLEX, scaling=True, kinds=("mixed",)),
+        "aflex-colocated-only": s("aflex-colocated-only", "af", AFLEX_CLOCK, AFLEX, scaling=True,
                                   kinds=("colocated",)),
         "aflex-no-opfreq": s("aflex-no-opfreq", "af", ClockRule(per_operator=False, objective=SHARED_CLOCK_OBJECTIVE),
-                             SHARED, scaling=True, kinds=AFLEX_KINDS),
+                             AFLEX, scaling=True, kinds=AFLEX_KINDS),
         "aflex-fixed-depth": s("aflex-fixed-depth", "af", ClockRule(depths=(2,), objective=SHARED_CLOCK_OBJECTIVE),
-                               SHARED, scaling=True, kinds=AFLEX_KINDS),
-        "aflex-no-adaptive-batch": s("aflex-no-adaptive-batch", "af", AFLEX_CLOCK, FIXED, scaling=True,
-                                     kinds=AFLEX_KINDS),
+                               AFLEX, scaling=True, kinds=AFLEX_KINDS),
+        "aflex-no-adaptive-batch": s("aflex-no-adaptive-batch", "af", AFLEX_CLOCK, replace(FIXED, decode_slack=True),
+                                     scaling=True, kinds=AFLEX_KINDS),
+        # ablation: AFlex without its per-request decode budget (each iteration held to the step's TPOT budget)
+        "aflex-no-decode-slack": s("aflex-no-decode-slack", "af", AFLEX_CLOCK, SHARED, scaling=True, kinds=AFLEX_KINDS),
         # AFlex's global scheduler alone: its pools and base clocks per window, no per-iteration DVFS
-        "aflex-global-only": s("aflex-global-only", "af", AFLEX_CLOCK, SHARED, scaling=True,
+        "aflex-global-only": s("aflex-global-only", "af", AFLEX_CLOCK, AFLEX, scaling=True,
                                window_clocks=True, kinds=AFLEX_KINDS),
         # throttLL'eM's "autoscaling alone": DynamoLLM's instance scaling at the top clock
         "dynamollm-no-dvfs": s("dynamollm-no-dvfs", "colocated", MAX, SHARED, scaling=True),

@@ -21,7 +21,7 @@ from shared.messages import ClockPhase
 from shared.model.config import ModelArgs
 from shared.perf import Predictor, cached_predictor, causal_pairs
 from shared.policy import (
-    SHARED_BATCHING,
+    AFLEX_BATCHING,
     SHARED_CLOCK_OBJECTIVE,
     BatchingRule,
     BatchStats,
@@ -32,13 +32,15 @@ from shared.policy import (
     choose_operating_point,
     prefill_order,
 )
+from shared.policy.decode_slack import iteration_budget_s
 from shared.policy.pipeline import seam_transfer_s
 from shared.policy.prefill_cap import AT_MAX, prefill_cap, prefill_stats_at, queue_ttft_budget
 
 # The simulator's `aflex` policy, one definition (`shared.policy.specs`): shortest-prompt-first prefill
-# with aging, prefill iterations capped by the SLOs, decode clocks scored by energy above the idle floor.
+# with aging, prefill iterations capped by the SLOs, decode clocks scored by energy above the idle floor,
+# each worker's decode budget its running requests' banked TPOT (`shared.policy.decode_slack`).
 # The clock depths are the scheduler's (`microbatch_depth`).
-BATCHING = SHARED_BATCHING
+BATCHING = AFLEX_BATCHING
 CLOCK_OBJECTIVE = SHARED_CLOCK_OBJECTIVE
 
 
@@ -161,9 +163,12 @@ class AflexPlanner:
 
     # -- budgets -----------------------------------------------------------------------------------
     def budget_s(self, phase: ClockPhase, rep: IterationSample, now_unix: float = 0.0,
-                 queue: Sequence[tuple[float, float]] = ()) -> float:
-        """The per-iteration latency budget of `phase`; `queue`: (arrival unix ts, prefill tokens) waiting."""
+                 queue: Sequence[tuple[float, float]] = (), banked_s: float = 0.0) -> float:
+        """The per-iteration latency budget of `phase`; `queue`: (arrival unix ts, prefill tokens) waiting;
+        `banked_s`: the least `decode_slack.allowance_s` of the worker's running requests (0: none)."""
         tpot_b = self.margins["decode"].budget(self.tpot_slo_ms / 1e3)
+        if self.batching.decode_slack and banked_s > 0:
+            tpot_b = iteration_budget_s(tpot_b, banked_s, self.ttft_slo_ms / 1e3)
         if phase == "decode":
             return tpot_b
         ttft_b = self.margins["prefill"].budget(self.ttft_slo_ms / 1e3)
@@ -175,9 +180,11 @@ class AflexPlanner:
     # -- planning ----------------------------------------------------------------------------------
     def plan_pair(self, profile: GPUProfile, phase: ClockPhase, samples: Sequence[IterationSample],
                   share: int = 1, now_unix: float = 0.0, queue: Sequence[tuple[float, float]] = (),
-                  current: OperatingPoint | None = None, colocated: bool = False) -> PairPlan | None:
+                  current: OperatingPoint | None = None, colocated: bool = False,
+                  banked_s: float = 0.0) -> PairPlan | None:
         """The operating point of one attention worker (and `share` like it per FFN worker) for `phase`;
-        `colocated`: a worker running both halves itself (one clock, no FFN worker, no hop)."""
+        `colocated`: a worker running both halves itself (one clock, no FFN worker, no hop); `banked_s`:
+        as in `budget_s`."""
         rep = representative(samples, phase)
         if rep is None:
             return None
@@ -188,7 +195,7 @@ class AflexPlanner:
         s = rep.stats
         stats = BatchStats(s.phase, s.n_tokens * k, s.ctx_tokens * k, s.pairs * k, s.n_sample * k,
                            s.seq_tokens, s.seq_ctx, s.seq_pairs, s.n_seqs * k)  # a sequence stays on one worker
-        budget = self.budget_s(phase, rep, now_unix, queue)
+        budget = self.budget_s(phase, rep, now_unix, queue, banked_s)
         op = choose_operating_point(pred, shape, stats, budget, self.rule, current)
         return PairPlan(phase, stats, budget, shape, self.rule, current, op)
 

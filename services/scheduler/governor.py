@@ -35,7 +35,9 @@ from shared.gpu.snap import snap_clock
 from shared.kinds import CLOCK_PHASES, ClockPhase, FinishReason
 from shared.messages import FrequencyCommand, MicrobatchDone, SchedulerTelemetry
 from shared.policy import IterationPolicy
+from shared.policy.decode_slack import allowance_s
 from shared.policy.iteration import DecodeAwareCap, parse_depth, planner_depths
+from shared.policy.pool_sizing import SLO_BUDGET_SHARE
 from shared.settings import SchedulerSettings
 
 log = logging.getLogger("aflex.scheduler")
@@ -254,7 +256,7 @@ class Governor:
         planned: dict[str, Planned] = {}
         if self.clock_planner is not None:
             self.clock_planner.update_margins({p: (sig.p90_ms, sig.misses, sig.count) for p, sig in signals.items()})
-            planned = self._aflex_window(self.clock_planner, now_mono)
+            planned = self._aflex_window(self.clock_planner, now_mono, requests)
         return [self.command(w, signals, planned.get(w.worker_id))
                 for w in sorted(self.registry.workers.values(), key=lambda w: w.worker_id)
                 if w.healthy and w.supported_clocks_mhz]
@@ -288,11 +290,13 @@ class Governor:
         return FrequencyCommand(worker_id=worker.worker_id, clocks_mhz=clocks, issued_ts=now,
                                 valid_until_ts=now + 3 * self.settings.freq_window_s, reason=reason)
 
-    def _aflex_window(self, planner: AflexPlanner, now_mono: float) -> dict[str, Planned]:
+    def _aflex_window(self, planner: AflexPlanner, now_mono: float,
+                      requests: Iterable[RequestState] = ()) -> dict[str, Planned]:
         """Clocks for every worker aflex can plan: each attention worker from its own pair plan, each FFN
         worker at the highest FFN clock any pair asks for; a phase nothing ran in holds its clock."""
         attention, ffn = self.registry.serving("attention"), self.registry.serving("ffn")
         share, now_unix = self.share(), time.time()
+        banked = least_allowances(requests, planner.tpot_slo_ms / 1e3 * SLO_BUDGET_SHARE, now_unix)
         fresh: dict[str, dict[ClockPhase, PairPlan]] = {}
         for w in attention:
             window = self.samples.get(w.worker_id, deque())
@@ -310,7 +314,8 @@ class Governor:
                 prev = previous.get(phase)
                 plan = planner.plan_pair(profile, phase, list(window), share, now_unix,
                                          queue if phase == "prefill" else (), prev.op if prev else None,
-                                         colocated=w.assignment == "colocated")
+                                         colocated=w.assignment == "colocated",
+                                         banked_s=banked.get(w.worker_id, 0.0))
                 if plan is not None:
                     previous[phase] = plan
                     fresh.setdefault(w.worker_id, {})[phase] = plan
@@ -358,6 +363,17 @@ class Governor:
             ttft_p90_ms=percentile(ttfts, 90), tpot_p90_ms=percentile(tpots, 90), clocks_mhz=clocks,
             assignments={w.worker_id: w.assignment for w in self.registry.workers.values()
                          if w.healthy and w.assignment is not None}, plan_id=plan_id)
+
+
+def least_allowances(requests: Iterable[RequestState], per_token_s: float, now_unix: float) -> dict[str, float]:
+    """Each worker's least `decode_slack.allowance_s` over the requests decoding on it (their first token out)."""
+    out: dict[str, float] = {}
+    for state in requests:
+        if state.worker_id is None or state.first_token_ts is None or state.finished:
+            continue
+        left = allowance_s(per_token_s, max(0, len(state.output_ids) - 1), now_unix - state.first_token_ts)
+        out[state.worker_id] = min(left, out.get(state.worker_id, left))
+    return out
 
 
 def _sample(passes: list[Pass], mono: float, depth: int = 1) -> IterationSample:

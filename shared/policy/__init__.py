@@ -36,10 +36,11 @@ from shared.policy.operating_point import (
 )
 from shared.policy.pipeline import af_iteration, colocated_iteration, iteration_cost, megascale_depth, overlap_floor
 from shared.policy.pool_sizing import ClusterSpec, Plan, WindowLoad, provision
-from shared.policy.specs import SHARED_BATCHING, SHARED_CLOCK_OBJECTIVE
+from shared.policy.specs import AFLEX_BATCHING, SHARED_BATCHING, SHARED_CLOCK_OBJECTIVE
 
 __all__ = [
-    "SHARED_BATCHING", "SHARED_CLOCK_OBJECTIVE", "BatchStats", "BatchingRule", "ClockRule", "ClusterSpec", "Feed",
+    "AFLEX_BATCHING", "SHARED_BATCHING", "SHARED_CLOCK_OBJECTIVE", "BatchStats", "BatchingRule", "ClockRule",
+    "ClusterSpec", "Feed",
     "IterationForm", "IterationPlan", "IterationPolicy", "KvRoom", "OperatingPoint", "Plan", "PoolShape",
     "SloMargin", "WindowLoad", "WorkItem", "af_iteration", "choose_operating_point", "colocated_iteration",
     "decode_admit", "form_iteration", "iteration_cost", "megascale_depth", "microbatch_depth", "overlap_floor",

@@ -24,6 +24,7 @@ class BatchingRule:
     aging_s: float = 30.0  # srpt: a prompt that waited this long ranks with the shortest
     priority_aging_s: float = 10.0  # each this long waited moves a request up one priority level
     prefill_iter_frac: float = 0.0  # > 0: a prefill-only iteration lasts at most this share of the TTFT SLO
+    decode_slack: bool = False  # an iteration's clock budget is its requests' banked TPOT (`decode_slack.py`)
 
 
 def prefill_budget(rule: BatchingRule, queued_tokens: int, decode_running: int,

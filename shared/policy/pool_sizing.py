@@ -226,7 +226,10 @@ def mixed_power(pred: Predictor, shape: PoolShape, load: WindowLoad, spec: Clust
         return max(dp, pp)
     if op is None:  # no prefill load: the pool only decodes
         return dp
-    return dp + pp - idle_power_w(pred.profile, shape, op.clock_attention, op.clock_ffn)
+    idle = idle_power_w(pred.profile, shape, op.clock_attention, op.clock_ffn)
+    busy = op.energy_j / op.time_s
+    util = (pp - idle) / (busy - idle) if busy > idle else 0.0
+    return (1.0 - util) * dp + util * busy
 
 
 def idle_power_w(prof: GPUProfile, shape: PoolShape, clock_attention: float, clock_ffn: float) -> float:

@@ -91,7 +91,7 @@ def test_the_order_of_the_kinds_weighed_does_not_change_the_plan(mixtral: Predic
 
 def test_grown_split_pools_are_kept_and_a_kind_change_must_pay(mixtral: Predictor) -> None:
     spec = _spec("mixtral-8x7b", 16, mixtral)
-    busy = WindowLoad(10.0, 1000, 250, 2500)
+    busy = WindowLoad(15.0, 1000, 250, 2500)
     plan = elastic_plan(mixtral, busy, spec, RULE, kinds=AFLEX_KINDS)
     busy_plans = candidate_plans(mixtral, busy, spec, RULE, kinds=AFLEX_KINDS)
     assert plan.kind == "pd" and plan.gpus > smallest_pd_gpus(spec)

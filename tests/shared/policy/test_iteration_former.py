@@ -8,6 +8,7 @@ with a per-sequence cap, and the engine's tokens when its steps are formed by it
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -19,6 +20,7 @@ from shared.messages import SamplingSpec
 from shared.model.checkpoint import open_checkpoint
 from shared.model.sampling import SamplingParams
 from shared.policy import (
+    AFLEX_BATCHING,
     SHARED_BATCHING,
     SHARED_CLOCK_OBJECTIVE,
     KvRoom,
@@ -242,5 +244,7 @@ def test_engine_tokens_hold_for_microbatches_and_preemption(tiny_checkpoints: di
 
 
 def test_aflex_constants_are_the_shared_specs() -> None:
-    assert aflex.BATCHING is SHARED_BATCHING and aflex.CLOCK_OBJECTIVE == SHARED_CLOCK_OBJECTIVE == "idle-aware"
+    """The live planner batches as the shared machinery, plus AFlex's own per-request decode budget."""
+    assert aflex.BATCHING is AFLEX_BATCHING and aflex.CLOCK_OBJECTIVE == SHARED_CLOCK_OBJECTIVE == "idle-aware"
+    assert replace(SHARED_BATCHING, decode_slack=True) == AFLEX_BATCHING and not SHARED_BATCHING.decode_slack
     assert SHARED_BATCHING.order == "srpt" and SHARED_BATCHING.adaptive and SHARED_BATCHING.prefill_iter_frac == 0.3
