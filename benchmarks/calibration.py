@@ -278,7 +278,10 @@ def row4_run(runner: Runner, trace_name: str, load: float = ROW4_LOAD,
              window: tuple[float, float] | None = None, gpu: str | Path = "a100") -> dict[str, dict[str, Any]]:
     p = load_profile(gpu)
     arr = trace(trace_name, load, window)
-    cfg = SimConfig(gpus=8)
+    # the baseline and throttling run one engine over the server's GPUs (throttLL'eM's fixed TensorRT-LLM
+    # engine, whose autoscaling resizes its TP), not eight TP1 replicas: each replica now runs its own loop
+    # (issue 38, row 7), so eight of them at 1410 MHz iterate on small batches no server of the paper ran
+    cfg = SimConfig(gpus=8, colocated_tp=8)
     key = ("row4", str(gpu), trace_name, load, window)
     return {n: runner.run(key, p, "llama-3-8b", arr, policy_spec(n), cfg)[0] for n in ("sglang", *ROW4_POLICIES)}
 

@@ -18,7 +18,7 @@ import numpy as np
 from loadgen.sim.arrivals import Arrivals, with_prefix_reuse
 from loadgen.sim.config import ACCOUNTINGS, SimConfig, planner_parked_w
 from loadgen.sim.controller import Controller
-from loadgen.sim.fleet import Fleet, Pool
+from loadgen.sim.fleet import Fleet, Pool, backlog, pool_mode, replica_pools
 from loadgen.sim.ledger import EnergyLedger
 from loadgen.sim.models import attention_weight_bytes, ffn_weight_bytes, kv_bytes_per_token
 from loadgen.sim.planning import SimPlanner
@@ -95,7 +95,8 @@ class Simulation:
         self.fleet = Fleet(profile, config.gpus, self.switch_delay, self.weights, self.parking, self.ledger)
         self.pools, self.rejoins, self.reshards = self.fleet.pools, self.fleet.rejoins, self.fleet.reshards
         self.planned_rate = 0.0
-        self.plan_names: tuple[str, ...] = ()  # the pools of the latest plan
+        self.plan_names: tuple[str, ...] = ()  # the pools of the latest plan (each colocated replica its own)
+        self.plan_shapes: dict[str, PoolShape] = {}  # the latest plan, as planned
         # AFlex ranks its plan kinds by predicted power corrected by what each kind's plans were charged
         self.correction = PowerCorrection(config.window_s) if policy.scaling and len(policy.kinds) > 1 else None
         self.planner.correction = self.correction
@@ -103,14 +104,18 @@ class Simulation:
 
     # -- provisioning -------------------------------------------------------------------------
     def _apply_plan(self, now: float, shapes: dict[str, PoolShape]) -> None:
-        self.fleet.apply(now, shapes)
-        self.plan_names = tuple(shapes)
+        pools = replica_pools(shapes)
+        self.fleet.apply(now, pools)
+        self.plan_shapes, self.plan_names = dict(shapes), tuple(pools)
         for pool in self.pools.values():
             if pool.retiring and not pool.shape.gpus and (pool.queue or pool.waiting):
                 self._hand_over(pool, now)
         if self.pol.window_clocks:
             for name, shape in shapes.items():
-                self.pools[name].rule = self.planner.window_rule(name, shape)
+                rule = self.planner.window_rule(name, shape)
+                for pool_name in pools:
+                    if pool_mode(pool_name) == name:
+                        self.pools[pool_name].rule = rule
         kind = "pd" if "prefill" in shapes else next(iter(shapes))
         if self.correction is not None:  # a plan merged with the pools in force is not the one priced
             plan = self.planner.last_plan
@@ -158,9 +163,9 @@ class Simulation:
         shapes = self.planner.window(load, same_kind=scale_up_only and "prefill" in self.plan_names)
         growing_into_split = "prefill" in shapes and "prefill" not in self.plan_names
         if scale_up_only and not growing_into_split:
-            if set(shapes) != set(self.plan_names):
+            if set(shapes) != set(self.plan_shapes):
                 return
-            current = {k: (self.pools[k].next_shape or self.pools[k].shape) for k in self.plan_names}
+            current = self.plan_shapes
             if all(shapes[k].gpus <= current[k].gpus for k in shapes):
                 return
             shapes = {k: (v if v.gpus >= current[k].gpus else current[k]) for k, v in shapes.items()}
@@ -332,17 +337,24 @@ class Simulation:
         """The pool of the plan that takes work of these modes (prompts, or prefilled requests for decode).
         While it is still growing from parking, a pool of the plan before that still serves takes it, so
         no request waits for a model load; a pool that waits for GPUs another pool frees takes it at once
-        (that pool can only drain if it gets nothing new)."""
-        planned = self.pools[next(k for k in modes if k in self.plan_names)]
-        if planned.shape.gpus or planned.deficit:
-            return planned
+        (that pool can only drain if it gets nothing new). Among a plan's replicas, the least backlogged.
+        """
+        mode = next(m for m in modes if m in self.plan_shapes)
+        planned = [self.pools[k] for k in self.plan_names if pool_mode(k) == mode]
+        ready = [p for p in planned if p.shape.gpus or p.deficit]
+        if ready:
+            return min(ready, key=backlog)
         serving = [p for p in self.pools.values() if p.mode in modes and p.shape.gpus]
-        return min(serving, key=lambda p: p.next_shape is not None) if serving else planned  # settled ones first
+        if not serving:
+            return planned[0]
+        return min(serving, key=lambda p: (p.next_shape is not None, backlog(p)))  # settled ones first
 
     def _kv_link_bytes_s(self, prefill: Pool) -> float:
-        """The link a prefill pool's KV cache crosses to the decode pool: NVLink while both fit one node."""
-        decode = self.pools.get("decode")
-        return self.spec.group_link_bytes_s(prefill.shape.gpus + (decode.shape.gpus if decode is not None else 0))
+        """The link a prefill pool's KV cache crosses to the decode pool: NVLink while the plan's prefill and
+        decode pools (all their instances) fit one node."""
+        pre, dec = self.plan_shapes.get("prefill"), self.plan_shapes.get("decode")
+        gpus = (pre.gpus if pre is not None else prefill.shape.gpus) + (dec.gpus if dec is not None else 0)
+        return self.spec.group_link_bytes_s(gpus)
 
     def _recent_rate_hz(self, now: float) -> float:
         """Arrivals per second over the last tick (what a controller can observe of the prompt rate)."""

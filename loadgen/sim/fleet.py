@@ -37,7 +37,7 @@ WARM, COLD = PARKED_ASSIGNMENT["warm"], PARKED_ASSIGNMENT["cold"]
 
 @dataclass
 class Pool:
-    mode: str  # "mixed", "prefill", "decode"
+    mode: str  # "mixed", "prefill", "decode", "colocated" (`pool_mode` of its name)
     shape: PoolShape
     queue: deque[list[int]] = field(default_factory=deque)  # [rid, remaining prompt tokens]
     queued_tokens: int = 0
@@ -58,6 +58,33 @@ class Pool:
     retiring: bool = False  # out of the plan: finishes what it holds, then gives its GPUs back
     energy_j: float = 0.0  # the pool's own iterations and idle stretches (cluster accounting)
     slack: DecodeSlack | None = None  # its running requests' banked TPOT (a batching rule with `decode_slack`)
+
+
+REPLICA_SEP = "/"  # a colocated plan's replicas run as pools of their own: "colocated/0", "colocated/1", ...
+
+
+def replica_pools(shapes: dict[str, PoolShape]) -> dict[str, PoolShape]:
+    """A plan's pools as the simulator runs them: each colocated replica its own pool (one replica each, its
+    own queue and iteration loop, as each replica of a live mesh is its own worker), split pools as they
+    are (their attention groups share the FFN GPUs, which take the groups' microbatches in one step)."""
+    out: dict[str, PoolShape] = {}
+    for name, shape in shapes.items():
+        if shape.split:
+            out[name] = shape
+        else:
+            out.update({f"{name}{REPLICA_SEP}{i}": replace(shape, replicas=1) for i in range(shape.replicas)})
+    return out
+
+
+def backlog(pool: Pool) -> tuple[int, int]:
+    """What a pool has yet to serve: prompt tokens queued, then sequences running or waiting to (the
+    least backlogged replica takes the next request, as a live router sends it to the least loaded)."""
+    return pool.queued_tokens, pool.n_run + len(pool.waiting)
+
+
+def pool_mode(name: str) -> str:
+    """The mode of the pool named `name` (a replica's pool: its plan pool's)."""
+    return name.split(REPLICA_SEP, 1)[0]
 
 
 def reshards(old: PoolShape, new: PoolShape) -> bool:
@@ -132,7 +159,7 @@ class Fleet:
         led = self.ledger
         if not self.pools:  # time 0: the plan's GPUs start ready, the rest start parked
             for name, shape in shapes.items():
-                self.pools[name] = Pool(mode=name, shape=shape, idle_since=now)
+                self.pools[name] = Pool(mode=pool_mode(name), shape=shape, idle_since=now)
             self.park(now, self.gpus - sum(sh.gpus for sh in shapes.values()))
         else:
             warm, cold = led.group_count(WARM), led.group_count(COLD)
@@ -140,7 +167,7 @@ class Fleet:
                 if name not in shapes and (pool.shape.gpus or pool.joining or pool.next_shape is not None):
                     pool.retiring, pool.next_shape, pool.deficit = True, empty_like(pool.shape), 0
             for name, shape in shapes.items():
-                pool = self.pools.setdefault(name, Pool(mode=name, shape=empty_like(shape), idle_since=now))
+                pool = self.pools.setdefault(name, Pool(mode=pool_mode(name), shape=empty_like(shape), idle_since=now))
                 pool.retiring = False
                 pool.next_shape = shape
                 need = shape.gpus - (pool.shape.gpus + pool.joining + pool.deficit)

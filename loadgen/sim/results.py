@@ -8,6 +8,7 @@ Every figure here is modelled (the emulated GPU profile), never measured.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
@@ -99,7 +100,7 @@ def sim_results(sim: FinishedRun) -> dict[str, Any]:
         "mean_clock_mhz": {k: (sim.clock_weighted[k] / sim.clock_time[k] if sim.clock_time[k] else None)
                            for k in sim.clock_time},
         "gpus": cfg.gpus,
-        "pool_energy_j": {name: pool.energy_j for name, pool in sim.pools.items()},
+        "pool_energy_j": pool_energy_by_mode(sim.pools.values()),
         "parking": sim.parking,
         "parked_j": led.parked_j,
         "parked_gpu_s": led.parked_gpu_s,
@@ -113,3 +114,11 @@ def sim_results(sim: FinishedRun) -> dict[str, Any]:
                          if sim.planner.correction is not None else None),
         "final_margin": {"ttft": sim.margin_ttft.margin, "tpot": sim.margin_tpot.margin},
     }
+
+
+def pool_energy_by_mode(pools: Iterable[Pool]) -> dict[str, float]:
+    """Each plan pool's energy (J), a colocated plan's replicas summed into one figure."""
+    out: dict[str, float] = {}
+    for pool in pools:
+        out[pool.mode] = out.get(pool.mode, 0.0) + pool.energy_j
+    return out

@@ -98,31 +98,29 @@ def test_row2_at_100_rps_the_decode_pool_is_past_its_capacity(runner: Any) -> No
 
 
 # -- row 3 ------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize(("level", "band"), [("low", None), ("medium", None), ("high", (10.1, 4.0))])
-def test_row3_dynamollm_against_tp8_at_max_clock(runner: Any, level: str, band: tuple[float, float] | None) -> None:
+@pytest.mark.parametrize("level", ["low", "medium", "high"])
+def test_row3_dynamollm_against_tp8_at_max_clock(runner: Any, level: str) -> None:
     """2 TP8 servers of H100, Llama-3.3-70B, the first 600 s of the conv trace at x1, x2, x4 (a quarter,
-    half and all of the baseline's SLO capacity). Low and medium land within 10 points of 51% and 40%
-    (cluster accounting); high, where the baseline is at its capacity, saves 10% (± 4), not 23.4%."""
+    half and all of the baseline's SLO capacity). Each level lands within 10 points of 51%, 40% and 23.4%
+    (cluster accounting), DynamoLLM inside both SLOs. High landed at 10% while the two servers ran in lock
+    step, a long prefill on one stretching the other's iteration (issue 38, row 7)."""
     load, published = cal.ROW3_LOADS[level]
     res = cal.row3_run(runner, "conv", load, gpus=16, window=(0.0, 600.0))
     s = _saving(res, "dynamollm", "sglang", "cluster")
-    if band is None:
-        assert within(s, published, POINTS), s
-        assert res["dynamollm"]["p90_tpot_ms"] <= 100.0 and res["dynamollm"]["p90_ttft_ms"] <= 400.0
-    else:
-        assert abs(s - band[0]) <= band[1], s
+    assert within(s, published, POINTS), s
+    assert res["dynamollm"]["p90_tpot_ms"] <= 100.0 and res["dynamollm"]["p90_ttft_ms"] <= 400.0
     assert res["sglang"]["slo_attainment"] >= 0.85
 
 
 # -- row 4 ------------------------------------------------------------------------------------------------
 def test_row4_throttling_autoscaling_and_both(runner: Any) -> None:
-    """8 x A100, Llama-3-8B, the first 600 s of the conv trace at x2 (half the baseline's capacity),
-    cluster accounting. Throttling alone and both land within 10 points of 30.6% and 43.8%;
-    autoscaling alone saves 41% (± 4), not 20.8%, since a quarter of the fleet holds this load."""
+    """8 x A100, Llama-3-8B, one TP8 engine, the first 600 s of the conv trace at x2 (half the baseline's
+    capacity), cluster accounting. Throttling alone and both land within 10 points of 30.6% and 43.8%;
+    autoscaling alone saves 35% (± 4), not 20.8%, since a quarter of the fleet holds this load."""
     res = cal.row4_run(runner, "conv", window=(0.0, 600.0))
     assert within(_saving(res, "phase-dvfs", "sglang", "cluster"), 30.6, POINTS)
     assert within(_saving(res, "dynamollm", "sglang", "cluster"), 43.8, POINTS)
-    assert abs(_saving(res, "dynamollm-no-dvfs", "sglang", "cluster") - 41.0) <= 4.0
+    assert abs(_saving(res, "dynamollm-no-dvfs", "sglang", "cluster") - 35.0) <= 4.0
     assert all(r["slo_attainment"] >= 0.95 for r in res.values())
 
 

@@ -338,7 +338,35 @@ def test_a_reshard_stalls_the_pool_while_its_gpus_load_their_new_shares() -> Non
     sim = Simulation(PROFILE, MODEL, arr, policy_spec("dynamollm"), SimConfig(gpus=8), cached_predictor(PROFILE, MODEL))
     sim._apply_plan(0.0, {"colocated": PoolShape(split=False, replicas=2, tp=2)})
     sim._apply_plan(1.0, {"colocated": PoolShape(split=False, replicas=1, tp=4)})
-    pool = sim.pools["colocated"]
+    # each replica is its own pool (row 7): the first grows to TP4 with two parked GPUs, the second retires
+    pool, gone = sim.pools["colocated/0"], sim.pools["colocated/1"]
+    assert gone.retiring and pool.joining == 2 and pool.shape.tp == 2
+    ready_s = pool.next_at
+    sim.fleet.try_reshape(pool, ready_s)
     stall = sim.fleet.share_bytes(pool.shape) / PROFILE.host_to_device_bytes_s
-    assert pool.shape.tp == 4 and pool.pending == ([], 0) and pool.busy_until == pytest.approx(1.0 + stall)
-    assert sim.reshards == [(1.0, 4, pytest.approx(stall))]
+    assert pool.shape.tp == 4 and pool.pending == ([], 0) and pool.busy_until == pytest.approx(ready_s + stall)
+    assert sim.reshards == [(ready_s, 2, pytest.approx(stall))]  # the two GPUs it kept load their new shards
+
+
+def test_a_long_prefill_stalls_only_its_own_replica() -> None:
+    """Each replica of a colocated pool runs its own iteration loop (issue 38, row 7), as each replica of a live
+    mesh is its own worker: a 16,000-token prompt on one of two replicas delays the decode beside it, and the
+    other replica's request finishes at the same instant as without it (they ran in lock step before)."""
+    from dataclasses import replace
+
+    from loadgen.sim.arrivals import Arrivals
+    from loadgen.sim.policies import FixedPlan
+    from shared.policy import PoolShape
+
+    spec = replace(policy_spec("sglang"), fixed=FixedPlan((("colocated", PoolShape(split=False, replicas=2, tp=1)),)))
+    finish = {}
+    for long in (False, True):
+        arr = Arrivals(np.array([0.0, 0.01, 0.2][:2 + long]), np.array([100, 100, 16000][:2 + long]),
+                       np.array([200, 200, 2][:2 + long]))
+        sim = Simulation(PROFILE, MODEL, arr, spec, SimConfig(gpus=2), cached_predictor(PROFILE, MODEL))
+        res = sim.run()
+        assert res["finished"] == res["requests"] and set(sim.pools) == {"colocated/0", "colocated/1"}
+        assert [p.iters for p in sim.pools.values()] == [199, 199]  # each replica decoded its own request
+        finish[long] = sim.finish[:2]
+    assert finish[True][1] == finish[False][1]  # the other replica: untouched
+    assert finish[True][0] > finish[False][0] + 0.5  # the one beside the long prompt: stalled by its prefill

@@ -95,4 +95,4 @@ def test_kv_caches_cross_nodes_when_a_pd_pair_fills_more_than_one() -> None:
                          cached_predictor(prof, model))
         sim._apply_plan(0.0, {"prefill": PoolShape(split=False, replicas=2, tp=2),
                               "decode": PoolShape(split=False, replicas=3, tp=decode_tp)})
-        assert sim._kv_link_bytes_s(sim.pools["prefill"]) == link, (node_gpus, decode_tp)
+        assert sim._kv_link_bytes_s(sim.pools["prefill/0"]) == link, (node_gpus, decode_tp)  # an instance's pool
