@@ -36,6 +36,16 @@ def _window(text: str) -> tuple[float, float]:
         raise argparse.ArgumentTypeError(f"--window must be START:END seconds, got {text!r}") from None
 
 
+def _levels(text: str) -> int:
+    try:
+        levels = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--oracle-levels must be a whole number, got {text!r}") from None
+    if levels < 2:
+        raise argparse.ArgumentTypeError(f"--oracle-levels must be at least 2 (a grid), got {text!r}")
+    return levels
+
+
 PLOT_LOADS = (0.25, 0.5, 1.0, 2.0)  # the energy-against-load plot's loads when no --load was given
 
 
@@ -91,6 +101,7 @@ def add_sim_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--idle-clock-share", type=float, default=None,
                    help="share of context-idle power that follows f*V^2 (default: the profile's; a modelling choice)")
     p.add_argument("--oracle-workers", type=int, default=2, help="processes for the oracles' grid replays")
+    p.add_argument("--oracle-levels", type=_levels, default=4, help="clock levels per operator in the oracles' grids")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, help="write results here")
     p.add_argument("--plots", default=None, help="directory for PNG plots")
@@ -147,7 +158,7 @@ def run_policies(args: argparse.Namespace, record: bool = False) -> dict[str, An
             from loadgen.sim.oracle import search_oracle, search_pool_oracle
 
             search = search_pool_oracle if name == "pool-oracle" else search_oracle
-            oracle = search(profile, model, arrivals, cfg, workers=args.oracle_workers)
+            oracle = search(profile, model, arrivals, cfg, workers=args.oracle_workers, levels=args.oracle_levels)
             res = oracle.result
             simulation = oracle.rerun(profile, model, arrivals, cfg, pred) if record else None
         else:

@@ -95,7 +95,8 @@ def _specs() -> dict[str, PolicySpec]:
 
 SPECS = _specs()
 POLICIES = ("aflex", "sglang", "distserve", "dynamollm", "biscale", "af-max", "phase-dvfs", "aflex-no-opfreq",
-            "aflex-fixed-depth", "aflex-no-adaptive-batch", "aflex-global-only", "aflex-pd-only")
+            "aflex-fixed-depth", "aflex-no-adaptive-batch", "aflex-no-decode-slack", "aflex-global-only",
+            "aflex-pd-only")
 ORACLES = ("static-oracle", "pool-oracle")  # searched in hindsight (loadgen.sim.oracle), not specs
 PAPER_POLICIES = (*POLICIES, *ORACLES)
 

@@ -168,6 +168,7 @@ def test_the_load_sweep_and_both_accountings_on_the_command_line(tmp_path: Path)
     (("--policies", "vllm"), "unknown policy 'vllm'"),
     (("--parking", "hot"), "invalid choice: 'hot'"),
     (("--idle-clock-share", "0.9"), "idle clock share must be in"),
+    (("--oracle-levels", "1"), "--oracle-levels must be at least 2"),
 ])
 def test_bad_sim_arguments_get_one_clear_line(args: tuple[str, ...], message: str) -> None:
     proc = _sim_cli("--rate", "1", "--duration", "5", "--gpus", "4", "--model", "llama-3-8b", *args)
