@@ -3,6 +3,8 @@ and rejoin costs, determinism, the baselines' placements."""
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pytest
 
@@ -297,6 +299,9 @@ def test_the_elastic_plan_changes_kind_with_the_load_and_loses_nothing() -> None
     res = sim.run()
     kinds = [p["kind"] for p in res["plans"]]
     assert kinds[0] == "colocated" and "pd" in kinds and kinds[-1] == "colocated", kinds
+    # a tick between windows grows the pools of the kind in force: only a window changes kind
+    changes = [p["t_s"] for before, p in itertools.pairwise(res["plans"]) if p["kind"] != before["kind"]]
+    assert changes and all(t % 30 == 0 for t in changes), changes
     assert res["finished"] == res["requests"] and np.all(sim.finish >= sim.first)
     assert np.all(sim.first >= sim.arr.time_s)
     assert res["accounting"]["cluster"]["gpu_s"] == pytest.approx(8 * res["makespan_s"], rel=1e-9)
