@@ -237,10 +237,11 @@ def test_aflex_commands_follow_the_policy_under_a_large_decode_batch(nats_url: s
             pred = cached_predictor(A800, QWEN)  # no timings reported: no correction either
             op = choose_operating_point(pred, PoolShape(split=True), rec.stats, rec.budget_s, AFLEX_RULE, rec.current)
             assert op == rec.op
-            # the per-step budget, widened by what a0's running requests banked (their tokens come every ~10 ms
-            # against a 102 ms budget), never past the TTFT SLO (shared.policy.decode_slack)
+            # the per-step budget, widened by whatever a0's running requests banked (how much depends on how fast
+            # this machine served them: `test_decode_slack.py` checks the widening itself), never below the step's
+            # budget, never past the TTFT SLO (shared.policy.decode_slack)
             step = 0.120 * (1 - lv.sched.governor.planner.margins["decode"].margin)  # type: ignore[union-attr]
-            assert step < rec.budget_s <= 0.400
+            assert step <= rec.budget_s <= 0.400
             a_cmd, f_cmd = lv.commands["a0"][-1].clocks_mhz, lv.commands["f0"][-1].clocks_mhz
             assert a_cmd["decode"] == snap_clock(A800_CLOCKS, op.clock_attention, "up")
             assert f_cmd["decode"] == snap_clock(A800_CLOCKS, op.clock_ffn, "up")
