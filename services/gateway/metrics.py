@@ -93,12 +93,17 @@ class TelemetryCollector(Collector):
         util = GaugeMetricFamily("aflex_worker_utilization", "Busy fraction of the last telemetry period (0..1)",
                                  labels=labels)
         kv_used = GaugeMetricFamily("aflex_kv_blocks_used", "KV-cache blocks in use", labels=["worker"])
-        kv_use = GaugeMetricFamily("vllm:kv_cache_usage_perc", "KV-cache usage of the attention workers. 1 means "
-                                   "100 percent usage.", labels=["model_name"])
+        kv_worker = GaugeMetricFamily("aflex_kv_cache_usage_perc", "KV-cache usage of one attention worker. 1 means "
+                                      "100 percent usage.", labels=["worker"])
+        # the gauge the Gateway API Inference Extension routes on, under vLLM's current and older names
+        kv_use = [GaugeMetricFamily(name, "KV-cache usage of the attention workers. 1 means 100 percent usage.",
+                                    labels=["model_name"])
+                  for name in ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")]
         kv_blocks = [(w.kv_blocks_used, w.kv_blocks_total) for w in workers if w.role == "attention"]
         total_blocks = sum(total for _, total in kv_blocks)
         if total_blocks:
-            kv_use.add_metric([self.model_name], sum(used for used, _ in kv_blocks) / total_blocks)
+            for family in kv_use:
+                family.add_metric([self.model_name], sum(used for used, _ in kv_blocks) / total_blocks)
         for w in workers:
             values = [w.worker_id, w.role]
             clock.add_metric(values, w.clock_mhz)
@@ -109,7 +114,9 @@ class TelemetryCollector(Collector):
             util.add_metric(values, w.utilization)
             if w.role == "attention" or w.kv_blocks_total:
                 kv_used.add_metric([w.worker_id], w.kv_blocks_used)
-        yield from (clock, target, power, energy, util, kv_used, kv_use)
+            if w.role == "attention" and w.kv_blocks_total:
+                kv_worker.add_metric([w.worker_id], w.kv_blocks_used / w.kv_blocks_total)
+        yield from (clock, target, power, energy, util, kv_used, kv_worker, *kv_use)
 
         queue = GaugeMetricFamily("aflex_scheduler_queue_depth", "Requests waiting at the scheduler")
         running = GaugeMetricFamily("aflex_scheduler_running", "Sequences the scheduler is running")

@@ -136,6 +136,9 @@ def test_telemetry_gauges(h: Harness) -> None:
     vllm = {"model_name": MODEL}
     assert value(m, "vllm:num_requests_waiting", **vllm) == 4 and value(m, "vllm:num_requests_running", **vllm) == 9
     assert value(m, "vllm:kv_cache_usage_perc", **vllm) == pytest.approx(17 / 256)  # the attention workers' KV
+    assert value(m, "vllm:gpu_cache_usage_perc", **vllm) == pytest.approx(17 / 256)  # vLLM's older name
+    assert value(m, "aflex_kv_cache_usage_perc", worker="attn-0") == pytest.approx(17 / 256)  # per worker
+    assert value(m, "aflex_kv_cache_usage_perc", worker="ffn-0") is None  # an FFN worker holds no KV
     assert not any(("worker", "bad") in labels for _, labels in m)
 
 
