@@ -24,10 +24,11 @@ from loadgen.sim.models import attention_weight_bytes, ffn_weight_bytes, kv_byte
 from loadgen.sim.planning import SimPlanner
 from loadgen.sim.policies import PolicySpec
 from loadgen.sim.results import sim_results
-from shared.gpu.emulated import GPUProfile, operator_cost
+from loadgen.sim.truth import IterationTruth
+from shared.gpu.emulated import GPUProfile
 from shared.kinds import ParkedState
 from shared.model.config import ModelArgs
-from shared.perf import Predictor, attention_core_work, attention_projections, causal_pairs, op_work, shard_work
+from shared.perf import Predictor, causal_pairs
 from shared.policy import (
     BatchStats,
     ClusterSpec,
@@ -44,7 +45,6 @@ from shared.policy.decode_slack import DecodeSlack, iteration_budget_s
 from shared.policy.footprint import plan_power_w
 from shared.policy.headroom import AdaptiveHeadroom
 from shared.policy.parking_rule import model_parking_state, parked_power_w
-from shared.policy.pipeline import iteration_cost
 from shared.policy.pool_sizing import Plan
 from shared.policy.power_correction import PowerCorrection
 from shared.policy.prefill_cap import AT_MAX, prefill_cap, queue_ttft_budget
@@ -61,7 +61,7 @@ class Simulation:
         if config.prefix_reuse is not None:
             arrivals = with_prefix_reuse(arrivals, config.prefix_reuse)
         self.p, self.args, self.arr, self.pol, self.cfg = profile, args, arrivals, policy, config
-        self._token_costs: dict[tuple[str, str, int, int, float], tuple[float, float]] = {}
+        self.truth = IterationTruth(profile, args)
         self.pred = predictor
         self.ctrl = Controller(predictor, policy.clock)
         self.switch_delay = profile.clock_switch_delay_s if config.switch_delay_s is None else config.switch_delay_s
@@ -176,43 +176,6 @@ class Simulation:
         self.planned_rate = load.rate_rps
 
     # -- iterations ---------------------------------------------------------------------------
-    def _truth(self, shape: PoolShape, s: BatchStats, depth: int, fa: float, ff: float) -> tuple[float, float]:
-        """True (time, energy) from the emulated GPU at the chosen clocks (the same pipeline formulas).
-
-        Plain floats throughout, and the token-only operators (FFN, LM head, attention projections) looked up once per
-        (phase, tokens, shard, clock): the same figures, without the per-iteration cost of rebuilding them."""
-        a, p, memo = self.args, self.p, self._token_costs
-        fa, ff = float(fa), float(ff)  # clocks may come from a numpy table
-
-        def att(n: float, ctx: float, pairs: float, shard: int) -> tuple[float, float]:
-            # the projections (tokens only) looked up, the context-dependent core computed: the parts of
-            # one operator run one after another, so their times and energies add
-            n_int = max(1, round(n))
-            t_proj, e_proj = tokens_only("attention", n, shard, fa)
-            c = operator_cost(p, shard_work(attention_core_work(a, n_int, ctx, pairs, phase=s.phase), shard), fa)
-            return t_proj + c.time_s, e_proj + c.time_s * c.power_w
-
-        def tokens_only(op: str, n: float, shard: int, clock_mhz: float) -> tuple[float, float]:
-            key = (op, s.phase, max(1, round(n)), shard, clock_mhz)
-            hit = memo.get(key)
-            if hit is None:
-                work = shard_work(attention_projections(a, key[2], phase=s.phase), shard) if op == "attention" \
-                    else op_work(a, op, s.phase, n, 0, 0, shard)  # attention: its projections (`att` adds the core)
-                c = operator_cost(p, work, clock_mhz)
-                hit = memo[key] = (c.time_s, c.time_s * c.power_w)
-            return hit
-
-        def ffn(n: float, shard: int) -> tuple[float, float]:
-            return tokens_only("ffn", n, shard, ff if shape.split else fa)
-
-        def head(n: float, shard: int) -> tuple[float, float]:
-            return tokens_only("lm_head", n, shard, fa)
-
-        idle_a = p.context_idle_power_at(fa)
-        idle_f = p.context_idle_power_at(ff) if shape.split else idle_a
-        t, e = iteration_cost(att, ffn, head, shape, s, depth, a.dim, a.n_layers, idle_a, idle_f)  # type: ignore[arg-type]
-        return float(t), float(e)
-
     def _admit(self, pool: Pool, now: float) -> None:
         cap = self.spec.pool_kv_capacity_tokens(pool.shape)
         while pool.waiting:
@@ -294,11 +257,11 @@ class Simulation:
             budget = min(budget, frac * ttft_margin)
         op = self.ctrl.plan(pool.shape, stats, budget, pool.op, pool.rule,
                             self._recent_rate_hz(now) if drains else 0.0)
-        t, e = self._truth(pool.shape, stats, op.depth, op.clock_attention, op.clock_ffn)
+        t, e = self.truth.cost(pool.shape, stats, op.depth, op.clock_attention, op.clock_ffn)
         prev = pool.op
         if prev is not None and (prev.clock_attention, prev.clock_ffn) != (op.clock_attention, op.clock_ffn) \
                 and self.switch_delay > 0:
-            t_old, e_old = self._truth(pool.shape, stats, op.depth, prev.clock_attention, prev.clock_ffn)
+            t_old, e_old = self.truth.cost(pool.shape, stats, op.depth, prev.clock_attention, prev.clock_ffn)
             phi = min(1.0, self.switch_delay / max(t, 1e-9))
             t, e = phi * t_old + (1 - phi) * t, phi * e_old + (1 - phi) * e
         # energy: the idle stretch before (at the clocks it waited at), then the iteration

@@ -136,7 +136,7 @@ class SimPlanner:
         top = float(self.pred.profile.max_mhz)
         pre = dec = (top, top)
         if mode in ("prefill", "mixed", "colocated"):
-            op, _ = prefill_point(self.pred, shape, hl, self.spec, rule)
+            op, _, _ = prefill_point(self.pred, shape, hl, self.spec, rule)
             pre = (op.clock_attention, op.clock_ffn) if op is not None else pre
         if mode in ("decode", "mixed", "colocated"):
             op_d, _ = decode_point(self.pred, shape, hl, self.spec, rule)

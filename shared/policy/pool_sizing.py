@@ -181,33 +181,33 @@ def long_prompt_time(pred: Predictor, shape: PoolShape, prompt: float, rule: Clo
 
 
 def prefill_point(pred: Predictor, shape: PoolShape, load: WindowLoad, spec: ClusterSpec, rule: ClockRule,
-                  max_utilisation: float = 0.6) -> tuple[OperatingPoint | None, float]:
-    """The prefill pool's planned operating point (None: no prefill load) and its predicted power (W):
-    busy share at the chosen clocks, idle share at their context-idle power."""
+                  max_utilisation: float = 0.6) -> tuple[OperatingPoint | None, float, float]:
+    """The prefill pool's planned operating point (None: no prefill load, or none feasible), its predicted
+    power (W: busy share at the chosen clocks, idle share at their context-idle power) and that busy share."""
     rate = load.rate_rps * load.mean_prompt
     if rate <= 0:
-        return None, shape.gpus * spec.parked_power_w
+        return None, shape.gpus * spec.parked_power_w, 0.0
     if load.p90_prompt > 0:
         t_long = long_prompt_time(pred, shape, load.p90_prompt)
         if t_long > spec.ttft_budget_s:
-            return None, INFEASIBLE * 10 * t_long / spec.ttft_budget_s
-    best, best_op = INFEASIBLE * 100, None
+            return None, INFEASIBLE * 10 * t_long / spec.ttft_budget_s, 0.0
+    over = INFEASIBLE * 100
     prompt = max(1.0, load.mean_prompt)
+    pq = prompt * prompt - prompt * (prompt - 1) / 2
     # an iteration that empties the queue lasts at most this share of the TTFT budget (the batching rule's cap)
     drain_s = SHARED_BATCHING.prefill_iter_frac * spec.ttft_budget_s or spec.ttft_budget_s
     for seqs in (1.0, 2.0, 4.0):  # the queue grows only until its batches keep up: the first that does forms
         chunk = seqs * prompt
-        pq = prompt * prompt - prompt * (prompt - 1) / 2
         stats = BatchStats("prefill", chunk, chunk, seqs * pq, seqs, prompt, prompt, pq, n_seqs=seqs)
         budget = min(spec.ttft_budget_s / 2.0, drain_s, max_utilisation * chunk / rate)
         op = choose_operating_point(pred, shape, stats, budget, rule)
         if not op.feasible:
-            best = min(best, INFEASIBLE * max(1.0, op.time_s / budget))
+            over = min(over, INFEASIBLE * max(1.0, op.time_s / budget))
             continue
         util = rate * op.time_s / chunk
         idle = idle_power_w(pred.profile, shape, op.clock_attention, op.clock_ffn)
-        return op, util * op.energy_j / op.time_s + (1 - util) * idle
-    return best_op, best
+        return op, util * op.energy_j / op.time_s + (1 - util) * idle, util
+    return None, over, 0.0
 
 
 def prefill_power(pred: Predictor, shape: PoolShape, load: WindowLoad, spec: ClusterSpec, rule: ClockRule,
@@ -216,20 +216,16 @@ def prefill_power(pred: Predictor, shape: PoolShape, load: WindowLoad, spec: Clu
 
 
 def mixed_power(pred: Predictor, shape: PoolShape, load: WindowLoad, spec: ClusterSpec, rule: ClockRule) -> float:
-    """Predicted power (W) of one pool serving prefill and decode: the decode pool's power, plus the prefill
-    pool's above its own idle (the GPUs are the same: while they do not prefill, they decode, which the
-    decode pool's power already counts). That is the prefill pool's power less its idle power at the clocks
-    it was priced at, not at the top clock: that would discount every GPU of a larger pool."""
+    """Predicted power (W) of one pool serving prefill and decode: for the prefill point's busy share `u`,
+    its mixed iterations' power, the decodes riding in them; the rest of the time, the decode pool's power.
+    (Charging the decode power through the prefill time as well over-priced colocated replicas by ~10%.)"""
     dp = decode_power(pred, shape, load, spec, rule)
-    op, pp = prefill_point(pred, shape, load, spec, rule)
+    op, pp, util = prefill_point(pred, shape, load, spec, rule)
     if dp >= INFEASIBLE or pp >= INFEASIBLE:
         return max(dp, pp)
     if op is None:  # no prefill load: the pool only decodes
         return dp
-    idle = idle_power_w(pred.profile, shape, op.clock_attention, op.clock_ffn)
-    busy = op.energy_j / op.time_s
-    util = (pp - idle) / (busy - idle) if busy > idle else 0.0
-    return (1.0 - util) * dp + util * busy
+    return (1.0 - util) * dp + util * op.energy_j / op.time_s
 
 
 def idle_power_w(prof: GPUProfile, shape: PoolShape, clock_attention: float, clock_ffn: float) -> float:
