@@ -267,6 +267,8 @@ class RegisterReply(Message):
     scheduler_id: str
     error: ErrorBody | None = None
     scheduler_instance: str = ""  # new at every scheduler start: a worker seeing it change drops its sequences
+    # the answer to a draining worker's heartbeat: nothing the scheduler placed is left on it (None: not asked)
+    drained: bool | None = None
 
 
 class Heartbeat(Message):
@@ -287,6 +289,8 @@ class Heartbeat(Message):
     # its GPU's energy counter (J, monotonic from the worker's start: NVML or the emulated GPU's model); the
     # global scheduler sums the mesh's to correct each plan kind's power. None: not reported
     gpu_energy_j: float | None = None
+    # stopping (SIGTERM): take no new work, let what it holds finish; the scheduler answers `drained`
+    draining: bool = False
 
 
 class WorkerInfo(Message):

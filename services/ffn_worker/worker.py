@@ -72,7 +72,8 @@ class FFNWorker:
         self.weight_bytes = parameter_bytes(self.model)
 
     async def run(self, stop: asyncio.Event | None = None) -> None:
-        """Serve until `stop` is set (or SIGTERM/SIGINT); then unsubscribe, serve what is queued, drain."""
+        """Serve until `stop` is set (or SIGTERM/SIGINT); then drain (`Presence.drain`: the scheduler sends its
+        microbatches elsewhere, or none are left), unsubscribe, serve what is queued, close."""
         stop = stop or asyncio.Event()
         with stop_on_signals(stop):
             if self.model is None:
@@ -110,6 +111,9 @@ class FFNWorker:
                     log.info("ffn worker %s serving %s, seam at %s (merge=%s)", self.worker_id, self.model_id,
                              seam.address, s.merge_microbatches)
                     await stop.wait()
+                    log.info("%s worker %s draining (up to %g s)", "ffn", self.worker_id, s.drain_timeout_s)
+                    if await presence.drain(s.drain_timeout_s):
+                        log.info("%s worker %s drained", "ffn", self.worker_id)
 
     async def _close_seam(self, seam: Seam) -> None:
         """Answer what is queued (for up to SHUTDOWN_GRACE_S), then close the seam."""

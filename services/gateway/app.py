@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import math
 import re
 import time
 import uuid
@@ -366,11 +367,16 @@ async def serve(settings: GatewaySettings, *, stop: asyncio.Event | None = None)
         await gateway.schedulers.subscribe(nc)
         beats = asyncio.create_task(liveness.heartbeat_loop(nc, gateway.gateway_id, settings.heartbeat_s))
         config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level.lower(),
-                                lifespan="off", access_log=False, timeout_graceful_shutdown=5)
+                                lifespan="off", access_log=False,
+                                timeout_graceful_shutdown=math.ceil(settings.drain_timeout_s))  # SIGTERM: streams end
         server = _Server(config)
 
         async def stop_when_asked() -> None:
+            """SIGTERM: uvicorn closes the listener (no new connections) and lets open responses end, streams
+            included, for up to drain_timeout_s."""
             await stop.wait()
+            log.info("gateway %s draining: %d connections open, up to %g s", gateway.gateway_id,
+                     len(server.server_state.connections), settings.drain_timeout_s)
             server.should_exit = True
 
         watcher = asyncio.create_task(stop_when_asked())
@@ -379,6 +385,8 @@ async def serve(settings: GatewaySettings, *, stop: asyncio.Event | None = None)
                      settings.host, settings.port, settings.nats_url)
             with stop_on_signals(stop):
                 await server.serve()
+            if stop.is_set() and not server.server_state.tasks:
+                log.info("gateway %s drained", gateway.gateway_id)
         finally:
             watcher.cancel()
             beats.cancel()

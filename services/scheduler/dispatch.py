@@ -114,7 +114,7 @@ class Dispatch:
             for p in group:
                 p.state.in_flight = True
                 p.state.first_pass_sent = True
-            fut = self.in_flight.track(mb_id, worker.worker_id, time.monotonic())
+            fut = self.in_flight.track(mb_id, worker.worker_id, time.monotonic(), ffn.worker_id)
             ffn_of[mb_id] = ffn.worker_id
             sent.append((mb_id, group, fut))
             await self.nc.publish(subjects.attn_mb(worker.worker_id), encode(desc))

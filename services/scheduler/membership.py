@@ -11,6 +11,7 @@ a `Change`, and who may end a request stays one place (dispatch).
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from services.scheduler.registry import Registry, Worker
@@ -49,10 +50,10 @@ class Membership:
     def __init__(self, registry: Registry, scheduler_id: str, run_token: str) -> None:
         self.registry, self.scheduler_id, self.run_token = registry, scheduler_id, run_token
 
-    def register_reply(self, ok: bool, error: str | None = None) -> bytes:
+    def register_reply(self, ok: bool, error: str | None = None, *, drained: bool | None = None) -> bytes:
         body = None if error is None else ErrorBody(type=ErrorType.INVALID_REQUEST, message=error)
         return encode(RegisterReply(ok=ok, scheduler_id=self.scheduler_id, error=body,
-                                    scheduler_instance=self.run_token))
+                                    scheduler_instance=self.run_token, drained=drained))
 
     def register(self, data: bytes, now: float) -> tuple[bytes, Change]:
         """A worker (re)registers: the reply to send it, and what its arrival changes."""
@@ -68,15 +69,28 @@ class Membership:
             change.restarted.append(worker)
         return self.register_reply(True), change
 
-    def heartbeat(self, hb: Heartbeat, now: float) -> tuple[bytes | None, Change]:
+    def heartbeat(self, hb: Heartbeat, now: float, in_flight: Callable[[str], bool]) -> tuple[bytes | None, Change]:
         """A worker's heartbeat: a reply asking it to register again (this scheduler does not know it
-        as registered, e.g. it is new), or None, and what its liveness changes."""
+        as registered, e.g. it is new), or telling a draining worker whether it is drained, or None; and
+        what its liveness changes. A worker that starts draining takes no new work from now on: its
+        unstarted requests go elsewhere, what it holds finishes there (as when it is parked)."""
         worker, revived = self.registry.heartbeat(hb, now)
-        reply = None if worker.registered else self.register_reply(False)
+        change = Change()
+        if hb.draining and not worker.draining:
+            worker.draining = True
+            log.info("worker %s (%s) is draining: no new work, what it holds finishes", worker.worker_id,
+                     worker.role)
+            change.reroute = [worker] if worker.attention_lane is not None else []
+        if not worker.registered:
+            reply: bytes | None = self.register_reply(False)
+        elif hb.draining:
+            reply = self.register_reply(True, drained=self.registry.drained(worker, in_flight))
+        else:
+            reply = None
         if not revived:
-            return reply, Change()
+            return reply, change
         log.info("worker %s is healthy again", worker.worker_id)
-        return reply, self._capacity(Change())
+        return reply, self._capacity(change)
 
     def expire(self, now: float, timeout_s: float) -> Change:
         """The workers silent for longer than `timeout_s` are lost."""

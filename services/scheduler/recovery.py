@@ -62,6 +62,7 @@ class Sent:
     done: asyncio.Future[MicrobatchDone]
     sent_at: float  # time.monotonic() its descriptor was published
     order: int  # its place among every descriptor sent
+    ffn_worker_id: str = ""  # the FFN worker its hops go to ("": colocated, or not said)
 
 
 class InFlight:
@@ -82,10 +83,14 @@ class InFlight:
             orders.popitem(last=False)
         return order
 
-    def track(self, mb_id: str, worker_id: str, now: float) -> asyncio.Future[MicrobatchDone]:
+    def track(self, mb_id: str, worker_id: str, now: float, ffn_worker_id: str = "") -> asyncio.Future[MicrobatchDone]:
         fut: asyncio.Future[MicrobatchDone] = asyncio.get_running_loop().create_future()
-        self.sent[mb_id] = Sent(worker_id, fut, now, self.note_sent(mb_id, worker_id))
+        self.sent[mb_id] = Sent(worker_id, fut, now, self.note_sent(mb_id, worker_id), ffn_worker_id)
         return fut
+
+    def holds(self, worker_id: str) -> bool:
+        """Whether a microbatch in flight runs on `worker_id` (its attention or its FFN side)."""
+        return any(worker_id in (s.worker_id, s.ffn_worker_id) for s in self.sent.values())
 
     def forget(self, mb_id: str) -> None:
         self.sent.pop(mb_id, None)

@@ -14,6 +14,7 @@ import logging
 import math
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from services.scheduler.state import RequestState
@@ -84,6 +85,7 @@ class Worker:
     halves: tuple[Role, ...] = ()  # what it loaded beyond its role's half (`Register.halves`)
     gpu_energy_j: float | None = None  # its GPU's energy counter, as its latest heartbeat said
     gpu_memory_bytes: float = 0.0  # as registered (0: unknown)
+    draining: bool = False  # stopping (its heartbeat says so): no new work; what it holds finishes there
 
     @property
     def can_colocate(self) -> bool:
@@ -159,6 +161,7 @@ class Registry:
         worker.kv_address = msg.kv_address
         worker.halves = tuple(msg.halves)
         worker.gpu_memory_bytes = msg.gpu_memory_bytes
+        worker.draining = False  # a new process: it drains again only when its heartbeat says so
         worker.last_seen = now
         worker.healthy = True
         return worker, restarted
@@ -206,20 +209,34 @@ class Registry:
         return [w for w in self.healthy("attention") if w.capacity_tokens > 0]
 
     def usable_attention(self) -> list[Worker]:
-        """The attention workers new requests may go to: registered, healthy, not parked."""
-        return [w for w in self.attention_workers() if not w.parked]
+        """The attention workers new requests may go to: registered, healthy, neither parked nor draining."""
+        return [w for w in self.attention_workers() if not (w.parked or w.draining)]
 
     def serving(self, role: Role) -> list[Worker]:
-        """Healthy workers of `role` the global scheduler has not parked."""
-        return [w for w in self.healthy(role) if not w.parked]
+        """Healthy workers of `role` that take new work: not parked by the global scheduler, not draining."""
+        return [w for w in self.healthy(role) if not (w.parked or w.draining)]
 
     @property
     def ready(self) -> bool:
-        return any(self.has_ffn(w) for w in self.usable_attention())
+        """New requests can be served: a usable attention worker with an FFN that is not draining."""
+        return any(w.assignment == "colocated" or any(not f.draining for f in self.healthy("ffn"))
+                   for w in self.usable_attention())
 
     def has_ffn(self, worker: Worker) -> bool:
-        """Whether `worker`'s microbatches have an FFN to go to: its own (colocated), or a healthy FFN worker."""
+        """Whether `worker`'s microbatches have an FFN to go to: its own (colocated), or a healthy FFN worker
+        (a draining one too: what is running finishes)."""
         return worker.assignment == "colocated" or bool(self.healthy("ffn"))
+
+    def drained(self, worker: Worker, in_flight: Callable[[str], bool]) -> bool:
+        """A draining worker may stop: nothing is in flight through it (`in_flight(worker_id)`) and nothing
+        more will be. An attention worker: its lane is empty. An FFN worker: another takes the microbatches
+        from now on, or no split request is left to send any (`next_ffn` falls back to draining ones)."""
+        if in_flight(worker.worker_id):
+            return False
+        if worker.role == "attention":
+            return worker.drained
+        return bool(self.serving("ffn")) or all(
+            w.drained or w.assignment == "colocated" for w in self.workers.values() if w.role == "attention")
 
     def ffn_for(self, worker: Worker) -> Worker | None:
         """The FFN worker of `worker`'s next microbatch: itself when it is colocated, else `next_ffn`."""

@@ -18,6 +18,7 @@ import uuid
 
 from nats.aio.client import Client
 from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
 
 from services.scheduler import beacon, recovery
 from services.scheduler.admission import RETRY_AFTER_S, Mesh, rejection, shed
@@ -49,6 +50,8 @@ from shared.transport import bus
 
 log = logging.getLogger("aflex.scheduler")
 
+DRAIN_POLL_S = 0.1  # how often a draining scheduler looks whether its requests have finished
+
 
 class Scheduler:
     def __init__(self, settings: SchedulerSettings, nc: Client, model: ModelInfo) -> None:
@@ -64,6 +67,7 @@ class Scheduler:
         self.membership = Membership(self.registry, settings.scheduler_id, self.run_token)
         self.provisioning = ProvisioningLoop(settings, nc, self.registry, self.governor, self._plan_changed) \
             if settings.provisioning == "aflex" else None
+        self._submissions: Subscription | None = None
         self.dispatch = Dispatch(settings, nc, model, self.registry, self.requests, self.placement, self.prefixes,
                                  self.governor, self.provisioning, self.tasks, self.run_token)
 
@@ -75,7 +79,8 @@ class Scheduler:
         await nc.subscribe(subjects.CONTROL_HEARTBEAT_ALL, cb=bus.guarded(self._on_heartbeat, log))
         await nc.subscribe(subjects.SCHED_DONE, cb=bus.guarded(self.dispatch.on_done, log))
         await nc.subscribe(subjects.SCHED_STATUS, cb=bus.guarded(self._on_status, log))
-        await nc.subscribe(subjects.REQ_SUBMIT, queue=subjects.SCHEDULER_QUEUE, cb=bus.guarded(self._on_submit, log))
+        self._submissions = await nc.subscribe(subjects.REQ_SUBMIT, queue=subjects.SCHEDULER_QUEUE,
+                                               cb=bus.guarded(self._on_submit, log))
         await nc.subscribe(subjects.REQ_CANCEL_ALL, cb=bus.guarded(self._on_cancel, log))
         await nc.subscribe(subjects.GATEWAY_HEARTBEAT, cb=bus.guarded(self.gateways.on_heartbeat, log))
         await nc.flush()
@@ -93,6 +98,22 @@ class Scheduler:
 
     async def stop(self) -> None:
         await self.tasks.cancel_all()
+
+    async def drain(self, timeout_s: float) -> bool:
+        """SIGTERM: take no new requests (submissions go to another scheduler of the queue group, or wait for
+        one), and let the admitted ones finish; True when they all did within `timeout_s`. It stops waiting
+        early when no attention worker is left to finish them (they would only be shed)."""
+        if self._submissions is not None:
+            await self._submissions.unsubscribe()
+            self._submissions = None
+        deadline = time.monotonic() + timeout_s
+        while (left := [s for s in self.requests.values() if not s.finished]) and self.registry.healthy("attention"):
+            if time.monotonic() >= deadline:
+                log.warning("scheduler %s: %d requests not finished within drain_timeout_s=%g",
+                            self.settings.scheduler_id, len(left), timeout_s)
+                return False
+            await asyncio.sleep(DRAIN_POLL_S)
+        return not left
 
     @property
     def queue_depth(self) -> int:
@@ -112,7 +133,7 @@ class Scheduler:
     async def _on_heartbeat(self, msg: Msg) -> None:
         hb = decode(Heartbeat, msg.data)
         now = time.monotonic()
-        reply, change = self.membership.heartbeat(hb, now)
+        reply, change = self.membership.heartbeat(hb, now, self.dispatch.in_flight.holds)
         if reply is not None and msg.reply:
             await msg.respond(reply)
         self._apply_change(change)

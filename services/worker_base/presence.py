@@ -6,6 +6,8 @@ answers or the registration timeout passes. Heartbeats are sent as requests: NAT
 nobody subscribes to with "no responders" at once, which is how a worker notices that the
 scheduler is gone (restarted) and registers again. A scheduler may reply to a heartbeat with a
 `RegisterReply(ok=False)` to ask an unknown worker to register again; it need not reply at all.
+A stopping worker drains (`Presence.drain`): its heartbeats say `draining`, the scheduler sends it no
+new work and answers each with whether what it placed here has finished.
 The global scheduler's `RoleAssignment`s come on `control.role.<wid>`: `RoleFollower` takes them
 (the telemetry's assignment, and the worker's cold parking).
 """
@@ -40,6 +42,11 @@ log = logging.getLogger("aflex.worker")
 REGISTER_ATTEMPT_TIMEOUT_S = 2.0  # one registration request; retried until register_timeout_s
 REGISTER_RETRY_WAIT_S = 0.5  # pause after "no responders" (no scheduler subscribed yet)
 HEARTBEAT_REPLY_WAIT_S = 0.25  # how long a heartbeat waits for an (optional) scheduler reply
+DRAIN_REPLY_WAIT_S = 0.5  # a draining worker's heartbeat waits this long for the scheduler's answer
+DRAIN_POLL_S = 0.2  # and asks again this often until drained
+# this many unanswered in a row: no scheduler is there (others hear heartbeats too, e.g. attention workers
+# watch the FFN workers', so "no responders" alone does not say it), and nothing is waited for
+DRAIN_UNANSWERED = 3
 
 
 class RegistrationError(AFlexError):
@@ -79,20 +86,24 @@ class Presence:
         self.period_s, self.register_timeout_s = period_s, register_timeout_s
         self.on_new_scheduler = on_new_scheduler  # registered with another scheduler run than before
         self.registered = False
+        self.draining = False  # set by `drain`: every heartbeat from then on says so
         self.scheduler_id: str | None = None
         self.scheduler_instance: str | None = None
         self._heartbeat_task: asyncio.Task[None] | None = None
+        self._halt = asyncio.Event()  # ends the heartbeats (`stop`): they go on while the worker drains
 
     async def start(self, stop: asyncio.Event) -> bool:
-        """Register (see `register`), then heartbeat in the background until `stop` is set or `stop()`;
-        False when `stop` was set before a scheduler accepted us."""
+        """Register (see `register`), then heartbeat in the background until `stop()` (a worker that is
+        asked to stop drains first, heartbeats going on); False when `stop` was set before a scheduler
+        accepted us."""
         if await self.register(stop) is None:
             return False
-        self._heartbeat_task = asyncio.create_task(self.heartbeat_loop(stop))
+        self._heartbeat_task = asyncio.create_task(self.heartbeat_loop(self._halt))
         return True
 
     async def stop(self) -> None:
-        """Stop heartbeating: the first step of every worker's shutdown (the scheduler then stops sending)."""
+        """Stop heartbeating: the scheduler then stops sending (and, once they time out, takes back what is here)."""
+        self._halt.set()
         task, self._heartbeat_task = self._heartbeat_task, None
         if task is not None:
             task.cancel()
@@ -136,11 +147,43 @@ class Presence:
             await wait_stop(stop, min(REGISTER_RETRY_WAIT_S, max(0.0, deadline - time.monotonic())))
         return None
 
+    async def drain(self, timeout_s: float) -> bool:
+        """SIGTERM: say `draining` in every heartbeat (the scheduler sends no new work here) until the scheduler
+        answers that nothing it placed here is left, or no scheduler is there to send any, or `timeout_s`
+        passes. True when drained in time."""
+        self.draining = True
+        subject = subjects.heartbeat(self.message.worker_id)
+        deadline = time.monotonic() + timeout_s
+        unanswered = 0
+        while True:
+            try:
+                reply = decode(RegisterReply, await bus.request(self.nc, subject, encode(self._message()),
+                                                                DRAIN_REPLY_WAIT_S))
+                unanswered = 0
+                if reply.drained or not reply.ok:  # a scheduler that does not know us placed nothing here
+                    return True
+            except bus.NoRespondersBusError:  # no scheduler: nothing more comes, nothing is waited for
+                return True
+            except Exception as exc:  # not answered (no scheduler, or disconnected): ask again, a few times
+                unanswered += 1
+                log.debug("%s: drain heartbeat not answered: %s", self.message.worker_id, exc)
+                if unanswered >= DRAIN_UNANSWERED:
+                    log.info("%s: no scheduler answers: nothing to drain", self.message.worker_id)
+                    return True
+            if time.monotonic() >= deadline:
+                log.warning("%s: not drained within drain_timeout_s=%g", self.message.worker_id, timeout_s)
+                return False
+            await asyncio.sleep(DRAIN_POLL_S)
+
+    def _message(self) -> Heartbeat:
+        beat = self.heartbeat()
+        return beat.model_copy(update={"draining": True}) if self.draining else beat
+
     async def _beat(self) -> bool:
         """Send one heartbeat; False when no scheduler is there (or it asks us to register again)."""
         subject = subjects.heartbeat(self.message.worker_id)
         try:
-            data = await bus.request(self.nc, subject, encode(self.heartbeat()),
+            data = await bus.request(self.nc, subject, encode(self._message()),
                                      min(HEARTBEAT_REPLY_WAIT_S, self.period_s / 2))
         except bus.NoRespondersBusError:
             return False

@@ -4,11 +4,21 @@ one avoidance rule of KV handoffs (recovery.SeamAvoidance)."""
 
 from __future__ import annotations
 
-from services.scheduler.membership import Membership
+from services.scheduler.membership import Change, Membership
 from services.scheduler.recovery import KV_SEAM_AVOID_S, SeamAvoidance
 from services.scheduler.registry import Registry
+from services.scheduler.state import RequestState
 from shared.error_types import KV_HANDOFF_UNREACHABLE, ErrorType
-from shared.messages import ErrorBody, Heartbeat, KVHandoffReply, Register, RegisterReply, decode, encode
+from shared.messages import (
+    ErrorBody,
+    Heartbeat,
+    KVHandoffReply,
+    Register,
+    RegisterReply,
+    SamplingSpec,
+    decode,
+    encode,
+)
 
 
 def _register(worker_id: str, role: str = "attention") -> bytes:
@@ -45,9 +55,11 @@ def test_silence_loses_a_worker_and_its_heartbeat_brings_capacity_back() -> None
     assert membership.expire(now=2.0, timeout_s=5.0).lost == []
     lost = membership.expire(now=10.0, timeout_s=5.0).lost
     assert [w.worker_id for w in lost] == ["attn-0"] and not lost[0].healthy
-    reply, change = membership.heartbeat(Heartbeat(worker_id="attn-0", role="attention", ts=0.0), now=11.0)
+    reply, change = membership.heartbeat(Heartbeat(worker_id="attn-0", role="attention", ts=0.0), now=11.0,
+                                         in_flight=lambda _: False)
     assert reply is None and change.capacity and [w.worker_id for w in change.start] == ["attn-0"]
-    reply, change = membership.heartbeat(Heartbeat(worker_id="attn-9", role="attention", ts=0.0), now=11.0)
+    reply, change = membership.heartbeat(Heartbeat(worker_id="attn-9", role="attention", ts=0.0), now=11.0,
+                                         in_flight=lambda _: False)
     assert reply is not None and not decode(RegisterReply, reply).ok  # unknown here: asked to register again
 
 
@@ -61,6 +73,51 @@ def test_a_plan_that_parks_or_makes_a_decode_worker_routes_its_unstarted_request
     change = membership.plan_changed([parked, decode_only, mixed])
     assert change.reroute == [parked, decode_only] and change.clocks == [parked, decode_only, mixed]
     assert parked not in change.start and mixed in change.start
+
+
+def _beat(membership: Membership, worker_id: str, role: str, busy: set[str], *, draining: bool = True
+          ) -> tuple[RegisterReply | None, Change]:
+    reply, change = membership.heartbeat(Heartbeat(worker_id=worker_id, role=role, ts=0.0, draining=draining),
+                                         now=2.0, in_flight=busy.__contains__)
+    return (None if reply is None else decode(RegisterReply, reply)), change
+
+
+def test_a_draining_attention_worker_takes_no_new_work_and_is_drained_once_its_lane_is_empty() -> None:
+    registry = Registry()
+    membership = Membership(registry, "sched-0", "run1")
+    for wid, role in (("attn-0", "attention"), ("attn-1", "attention"), ("ffn-0", "ffn")):
+        membership.register(_register(wid, role), now=1.0)
+    attn = registry.workers["attn-0"]
+    running = RequestState("r", [1, 2], SamplingSpec(), 0.0)
+    attn.lane.running.append(running)
+    reply, change = _beat(membership, "attn-0", "attention", set())
+    assert change.reroute == [attn]  # its unstarted requests go elsewhere
+    assert reply is not None and reply.ok and reply.drained is False  # r still runs there
+    assert attn not in registry.usable_attention() and registry.ready  # attn-1 takes the new ones
+    attn.lane.running.remove(running)
+    assert _beat(membership, "attn-0", "attention", {"attn-0"})[0].drained is False  # a microbatch in flight
+    reply, change = _beat(membership, "attn-0", "attention", set())
+    assert reply is not None and reply.drained is True and change.reroute == []  # told once
+    assert _beat(membership, "attn-1", "attention", set(), draining=False)[0] is None  # others: no answer
+    membership.register(_register("attn-0"), now=3.0)  # a new process under the same id
+    assert not attn.draining and attn in registry.usable_attention()
+
+
+def test_a_draining_ffn_worker_is_drained_once_another_takes_the_microbatches_or_none_are_left() -> None:
+    registry = Registry()
+    membership = Membership(registry, "sched-0", "run1")
+    for wid, role in (("attn-0", "attention"), ("ffn-0", "ffn"), ("ffn-1", "ffn")):
+        membership.register(_register(wid, role), now=1.0)
+    attn, ffn0, ffn1 = (registry.workers[w] for w in ("attn-0", "ffn-0", "ffn-1"))
+    attn.lane.running.append(RequestState("r", [1, 2], SamplingSpec(), 0.0))
+    assert _beat(membership, "ffn-0", "ffn", {"ffn-0"})[0].drained is False  # its hops are in flight
+    assert _beat(membership, "ffn-0", "ffn", set())[0].drained is True  # ffn-1 takes the next ones
+    assert all(registry.next_ffn() is ffn1 for _ in range(3))
+    assert _beat(membership, "ffn-1", "ffn", set())[0].drained is False  # the last one: r still needs it
+    assert not registry.ready and registry.has_ffn(attn)  # no new requests; r runs on
+    assert registry.next_ffn() in (ffn0, ffn1)
+    attn.lane.running.clear()
+    assert _beat(membership, "ffn-1", "ffn", set())[0].drained is True
 
 
 def test_a_kv_seam_out_of_reach_is_avoided_for_a_while_and_other_failures_are_not() -> None:

@@ -265,6 +265,7 @@ async def wait_for(predicate: Callable[[], bool], timeout_s: float = 5.0) -> Non
 async def mesh(url: str, attn: tuple[FakeAttention | str, ...] = ("a0",), ffn: tuple[str, ...] = ("f0",),
                **settings: object) -> AsyncIterator[Mesh]:
     stop = asyncio.Event()
+    settings = {"drain_timeout_s": 0.0, **settings}  # stopped at the end of a test: held requests are dropped
     task = asyncio.create_task(run(SchedulerSettings(nats_url=url, **settings), stop=stop,  # type: ignore[arg-type]
                                    model=MODEL))
     nc = await nats.connect(url)
