@@ -411,3 +411,7 @@ class SchedulerTelemetry(Message):
     kv_handoff_failures: int = 0
     kv_handoff_bytes: int = 0
     kv_handoff_s: float = 0.0
+    # by healthy attention worker: requests queued on it (routed, not yet admitted to a batch) and running on
+    # it; `queue_depth` is the waiting ones plus those no worker has taken yet
+    waiting_by_worker: dict[str, int] = Field(default_factory=dict)
+    running_by_worker: dict[str, int] = Field(default_factory=dict)

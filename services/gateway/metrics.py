@@ -126,6 +126,10 @@ class TelemetryCollector(Collector):
                                          "batches.", labels=["model_name"])
         vllm_waiting = GaugeMetricFamily("vllm:num_requests_waiting", "Number of requests waiting to be "
                                          "processed.", labels=["model_name"])
+        waiting_worker = GaugeMetricFamily("aflex_num_requests_waiting", "Requests queued on one attention worker "
+                                           "(routed there, not yet in a batch)", labels=["worker"])
+        running_worker = GaugeMetricFamily("aflex_num_requests_running", "Requests running on one attention "
+                                           "worker", labels=["worker"])
         schedulers: list[SchedulerTelemetry] = self._fresh(self.schedulers)
         if schedulers:
             latest = max(schedulers, key=lambda s: s.ts)
@@ -133,9 +137,13 @@ class TelemetryCollector(Collector):
             running.add_metric([], latest.running)
             vllm_waiting.add_metric([self.model_name], latest.queue_depth)
             vllm_running.add_metric([self.model_name], latest.running)
+            for worker_id, waiting in sorted(latest.waiting_by_worker.items()):
+                waiting_worker.add_metric([worker_id], waiting)
+            for worker_id, running_now in sorted(latest.running_by_worker.items()):
+                running_worker.add_metric([worker_id], running_now)
             if latest.slo_attainment is not None:
                 slo.add_metric([], latest.slo_attainment)
-        yield from (queue, running, slo, vllm_running, vllm_waiting)
+        yield from (queue, running, slo, vllm_running, vllm_waiting, waiting_worker, running_worker)
         yield from self._plan_metrics()
         yield from self._handoff_metrics(schedulers)
 

@@ -94,7 +94,7 @@ class Scheduler:
         if s.telemetry_hz > 0:
             self.tasks.spawn(beacon.telemetry_loop(nc, s.scheduler_id, s.telemetry_hz, lambda: self.governor.telemetry(
                 self.queue_depth, self.running_count, self.provisioning.plan_id if self.provisioning else 0
-            ).model_copy(update=self.dispatch.handoffs.figures())))
+            ).model_copy(update={**self.dispatch.handoffs.figures(), **self.lane_figures()})))
 
     async def stop(self) -> None:
         await self.tasks.cancel_all()
@@ -118,6 +118,12 @@ class Scheduler:
     @property
     def queue_depth(self) -> int:
         return len(self.placement.unplaced) + sum(len(lane.waiting) for lane in self.registry.lanes())
+
+    def lane_figures(self) -> dict[str, dict[str, int]]:
+        """Telemetry's per-worker load: what waits on and what runs on each healthy attention worker."""
+        workers = self.registry.healthy("attention")
+        return {"waiting_by_worker": {w.worker_id: len(w.lane.waiting) for w in workers},
+                "running_by_worker": {w.worker_id: len(w.lane.running) for w in workers}}
 
     @property
     def running_count(self) -> int:

@@ -102,7 +102,8 @@ def test_telemetry_gauges(h: Harness) -> None:
     ffn = attention(worker_id="ffn-0", role="ffn", clock_mhz=900, target_clock_mhz=None, power_w=250.0,
                     energy_j=9000.5, utilization=0.25, kv_blocks_used=0, kv_blocks_total=0, command_applied=False)
     scheduler = SchedulerTelemetry(scheduler_id="scheduler-0", ts=time.time(), queue_depth=4, running=9, finished=3,
-                                   slo_attainment=0.875, ttft_p90_ms=120.0, tpot_p90_ms=30.0)
+                                   slo_attainment=0.875, ttft_p90_ms=120.0, tpot_p90_ms=30.0,
+                                   waiting_by_worker={"attn-0": 3, "attn-1": 0}, running_by_worker={"attn-0": 9})
 
     async def publish() -> None:
         nc = h.nc
@@ -135,6 +136,9 @@ def test_telemetry_gauges(h: Harness) -> None:
     assert value(m, "aflex_slo_attainment") == 0.875
     vllm = {"model_name": MODEL}
     assert value(m, "vllm:num_requests_waiting", **vllm) == 4 and value(m, "vllm:num_requests_running", **vllm) == 9
+    assert value(m, "aflex_num_requests_waiting", worker="attn-0") == 3  # per attention worker (1 unplaced)
+    assert value(m, "aflex_num_requests_waiting", worker="attn-1") == 0
+    assert value(m, "aflex_num_requests_running", worker="attn-0") == 9
     assert value(m, "vllm:kv_cache_usage_perc", **vllm) == pytest.approx(17 / 256)  # the attention workers' KV
     assert value(m, "vllm:gpu_cache_usage_perc", **vllm) == pytest.approx(17 / 256)  # vLLM's older name
     assert value(m, "aflex_kv_cache_usage_perc", worker="attn-0") == pytest.approx(17 / 256)  # per worker

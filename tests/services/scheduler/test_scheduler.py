@@ -34,6 +34,7 @@ from shared.messages import (
     RegisterReply,
     SamplingSpec,
     SchedulerStatus,
+    SchedulerTelemetry,
     SeqResult,
     SubmitReply,
     SubmitRequest,
@@ -373,10 +374,19 @@ def test_depth_two_splits_and_ffn_round_robin(nats_url: str) -> None:
 def test_queue_full_is_overloaded(nats_url: str) -> None:
     async def main() -> None:
         attn = FakeAttention(None, "a0", hold=True)  # type: ignore[arg-type]
-        async with mesh(nats_url, attn=(attn,), max_queue=2, max_num_seqs=1) as m:
+        async with mesh(nats_url, attn=(attn,), max_queue=2, max_num_seqs=1, telemetry_hz=20) as m:
+            telemetry: list[SchedulerTelemetry] = []
+
+            async def on_telemetry(msg: Msg) -> None:
+                telemetry.append(decode(SchedulerTelemetry, msg.data))
+
+            await m.nc.subscribe(subjects.telemetry("scheduler", "scheduler-0"), cb=on_telemetry)
             for rid in ("q1", "q2", "q3"):
                 assert (await m.submit(rid, [1, 2], max_tokens=4)).accepted
             await wait_for(lambda: len(attn.descriptors) == 1)  # q1 running, q2 and q3 wait
+            # the per-worker gauges' figures (/metrics: aflex_num_requests_waiting{worker}, ..._running)
+            await wait_for(lambda: any(t.waiting_by_worker == {"a0": 2} and t.running_by_worker == {"a0": 1}
+                                       for t in telemetry))
             reply = await m.submit("q4", [1, 2], max_tokens=4)
             assert not reply.accepted and reply.error is not None
             assert reply.error.type == "overloaded_error" and reply.error.code == "queue_full"
