@@ -11,7 +11,7 @@ Layout, so that NATS per-user permissions can be written by prefix:
     aflex.v1.sched.*          workers -> scheduler
     aflex.v1.freq.<wid>       scheduler -> worker (only the scheduler may publish)
     aflex.v1.telemetry.>      anyone may read
-    aflex.v1.control.*        worker registration and heartbeats; roles (scheduler -> worker)
+    aflex.v1.control.*        worker registration, heartbeats and drains; roles (scheduler -> worker)
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ SCHED_HEARTBEAT = f"{PREFIX}.sched.heartbeat"  # every scheduler, every `heartbe
 GATEWAY_HEARTBEAT = f"{PREFIX}.gateway.heartbeat"  # every gateway: schedulers cancel a gone one's requests
 CONTROL_REGISTER = f"{PREFIX}.control.register"
 CONTROL_HEARTBEAT_ALL = f"{PREFIX}.control.heartbeat.*"
+CONTROL_DRAIN_ALL = f"{PREFIX}.control.drain.*"
 TELEMETRY_ALL = f"{PREFIX}.telemetry.>"
 
 # Queue groups: several schedulers could share submissions (only one runs today).
@@ -73,6 +74,12 @@ TELEMETRY_PLAN = f"{PREFIX}.telemetry.plan"  # the global scheduler's plan, ever
 
 def heartbeat(worker_id: str) -> str:
     return f"{PREFIX}.control.heartbeat.{worker_id}"
+
+
+def drain(worker_id: str) -> str:
+    """Where a stopping worker asks the scheduler whether it is drained: only the scheduler subscribes, so no
+    responders means no scheduler (heartbeats are heard by attention workers too, watching the FFN workers')."""
+    return f"{PREFIX}.control.drain.{worker_id}"
 
 
 def check_token(token: str) -> str:

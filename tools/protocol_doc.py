@@ -176,13 +176,14 @@ def _ordering() -> list[str]:
         "workers listen to the FFN workers' heartbeats too: a seam hop waiting on an FFN worker that has sent "
         f"none for `ffn_silence_s` ({default_s(AttentionWorkerSettings, 'ffn_silence_s')}) fails then, not at "
         f"`ffn_reply_timeout_s` ({default_s(AttentionWorkerSettings, 'ffn_reply_timeout_s')}).",
-        "11. **Draining.** A worker given SIGTERM sets `draining` in its heartbeats and waits, up to "
-        f"`drain_timeout_s` ({default_s(WorkerSettings, 'drain_timeout_s')}), for the scheduler's answer: "
-        "a `RegisterReply` with `drained: true` once nothing the scheduler placed on it is left (an attention "
+        "11. **Draining.** A worker given SIGTERM sets `draining` in its heartbeats and asks on "
+        "`aflex.v1.control.drain.<wid>`, up to "
+        f"`drain_timeout_s` ({default_s(WorkerSettings, 'drain_timeout_s')}), until the scheduler answers "
+        "a `RegisterReply` with `drained: true`: nothing the scheduler placed on it is left (an attention "
         "worker: no request queued or running there and no microbatch in flight; an FFN worker: no microbatch "
         "in flight through it, and another FFN worker takes the next ones or no split request is left). From "
         "the first such heartbeat the scheduler sends it no new work and routes its unstarted requests "
-        "elsewhere. A draining heartbeat nobody answers (three in a row) means no scheduler waits on it.",
+        "elsewhere. *No responders* there means no scheduler waits on it.",
         "",
     ]
 

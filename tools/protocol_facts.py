@@ -86,6 +86,11 @@ SUBJECTS: tuple[SubjectDoc, ...] = (
                "no registration of (a new scheduler run), with `ok: false`. A worker that gets *no responders* (no "
                "scheduler) or `ok: false` registers again, and an attention worker that finds a new "
                "`scheduler_instance` frees the sequences of the run before; a timeout is the normal case."),
+    SubjectDoc(("drain", "CONTROL_DRAIN_ALL"), subjects.drain("<wid>"), "attention / FFN worker → scheduler",
+               "request/reply", "—", "[`Heartbeat`](#heartbeat) (`draining: true`) → [`RegisterReply`](#registerreply)",
+               "A worker given SIGTERM asks here, every 0.2 s, until the reply says `drained: true` or its "
+               "`drain_timeout_s` passes. Only the scheduler subscribes: *no responders* means no scheduler, and "
+               "the worker stops at once. `ok: false` (a scheduler that does not know it) means drained too."),
     SubjectDoc(("SCHED_HEARTBEAT",), subjects.SCHED_HEARTBEAT, "scheduler → gateways", "publish", "—",
                "[`SchedulerHeartbeat`](#schedulerheartbeat)",
                "Every `heartbeat_s`. A request whose scheduler run (`SubmitReply.scheduler_instance`) sends neither "

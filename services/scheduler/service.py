@@ -77,6 +77,7 @@ class Scheduler:
         nc = self.nc
         await nc.subscribe(subjects.CONTROL_REGISTER, cb=bus.guarded(self._on_register, log))
         await nc.subscribe(subjects.CONTROL_HEARTBEAT_ALL, cb=bus.guarded(self._on_heartbeat, log))
+        await nc.subscribe(subjects.CONTROL_DRAIN_ALL, cb=bus.guarded(self._on_heartbeat, log))  # draining ones
         await nc.subscribe(subjects.SCHED_DONE, cb=bus.guarded(self.dispatch.on_done, log))
         await nc.subscribe(subjects.SCHED_STATUS, cb=bus.guarded(self._on_status, log))
         self._submissions = await nc.subscribe(subjects.REQ_SUBMIT, queue=subjects.SCHEDULER_QUEUE,

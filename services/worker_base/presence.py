@@ -7,7 +7,8 @@ nobody subscribes to with "no responders" at once, which is how a worker notices
 scheduler is gone (restarted) and registers again. A scheduler may reply to a heartbeat with a
 `RegisterReply(ok=False)` to ask an unknown worker to register again; it need not reply at all.
 A stopping worker drains (`Presence.drain`): its heartbeats say `draining`, the scheduler sends it no
-new work and answers each with whether what it placed here has finished.
+new work, and it asks on `control.drain.<wid>` (where only the scheduler listens) until the scheduler
+answers that what it placed here has finished.
 The global scheduler's `RoleAssignment`s come on `control.role.<wid>`: `RoleFollower` takes them
 (the telemetry's assignment, and the worker's cold parking).
 """
@@ -42,11 +43,8 @@ log = logging.getLogger("aflex.worker")
 REGISTER_ATTEMPT_TIMEOUT_S = 2.0  # one registration request; retried until register_timeout_s
 REGISTER_RETRY_WAIT_S = 0.5  # pause after "no responders" (no scheduler subscribed yet)
 HEARTBEAT_REPLY_WAIT_S = 0.25  # how long a heartbeat waits for an (optional) scheduler reply
-DRAIN_REPLY_WAIT_S = 0.5  # a draining worker's heartbeat waits this long for the scheduler's answer
-DRAIN_POLL_S = 0.2  # and asks again this often until drained
-# this many unanswered in a row: no scheduler is there (others hear heartbeats too, e.g. attention workers
-# watch the FFN workers', so "no responders" alone does not say it), and nothing is waited for
-DRAIN_UNANSWERED = 3
+DRAIN_REPLY_WAIT_S = 1.0  # a drain request waits this long for the scheduler's answer (then asks again)
+DRAIN_POLL_S = 0.2  # how often a draining worker asks until drained
 
 
 class RegistrationError(AFlexError):
@@ -152,24 +150,18 @@ class Presence:
         answers that nothing it placed here is left, or no scheduler is there to send any, or `timeout_s`
         passes. True when drained in time."""
         self.draining = True
-        subject = subjects.heartbeat(self.message.worker_id)
+        subject = subjects.drain(self.message.worker_id)  # only the scheduler answers there
         deadline = time.monotonic() + timeout_s
-        unanswered = 0
         while True:
             try:
                 reply = decode(RegisterReply, await bus.request(self.nc, subject, encode(self._message()),
                                                                 DRAIN_REPLY_WAIT_S))
-                unanswered = 0
                 if reply.drained or not reply.ok:  # a scheduler that does not know us placed nothing here
                     return True
             except bus.NoRespondersBusError:  # no scheduler: nothing more comes, nothing is waited for
                 return True
-            except Exception as exc:  # not answered (no scheduler, or disconnected): ask again, a few times
-                unanswered += 1
-                log.debug("%s: drain heartbeat not answered: %s", self.message.worker_id, exc)
-                if unanswered >= DRAIN_UNANSWERED:
-                    log.info("%s: no scheduler answers: nothing to drain", self.message.worker_id)
-                    return True
+            except Exception as exc:  # not answered in time (busy, or disconnected): ask again
+                log.debug("%s: drain request not answered: %s", self.message.worker_id, exc)
             if time.monotonic() >= deadline:
                 log.warning("%s: not drained within drain_timeout_s=%g", self.message.worker_id, timeout_s)
                 return False

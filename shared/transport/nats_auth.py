@@ -32,20 +32,22 @@ ROLES: dict[str, Permissions] = {
         publish=(f"{P}.freq.>", f"{P}.control.role.*", f"{P}.attn.*.mb", f"{P}.attn.*.kv",
                  f"{P}.req.*.out",
                  f"{P}.telemetry.scheduler.>", f"{P}.telemetry.plan", f"{P}.sched.heartbeat"),
-        subscribe=(f"{P}.control.register", f"{P}.control.heartbeat.*", f"{P}.sched.done", f"{P}.sched.status",
-                   f"{P}.req.submit", f"{P}.req.*.cancel", f"{P}.gateway.heartbeat", INBOX),
+        subscribe=(f"{P}.control.register", f"{P}.control.heartbeat.*", f"{P}.control.drain.*",
+                   f"{P}.sched.done", f"{P}.sched.status", f"{P}.req.submit", f"{P}.req.*.cancel",
+                   f"{P}.gateway.heartbeat", INBOX),
         responds=True),
     "gateway": Permissions(
         publish=(f"{P}.req.submit", f"{P}.req.*.cancel", f"{P}.sched.status", f"{P}.gateway.heartbeat"),
         subscribe=(f"{P}.req.*.out", f"{P}.telemetry.>", f"{P}.sched.heartbeat", INBOX)),
     "attention": Permissions(
-        publish=(f"{P}.control.register", f"{P}.control.heartbeat.*", f"{P}.sched.done",
+        publish=(f"{P}.control.register", f"{P}.control.heartbeat.*", f"{P}.control.drain.*", f"{P}.sched.done",
                  f"{P}.telemetry.attention.>", f"{P}.seam.*"),
         subscribe=(f"{P}.attn.*.mb", f"{P}.attn.*.kv", f"{P}.freq.*", f"{P}.control.role.*",
                    f"{P}.control.heartbeat.*", f"{P}.seam.*", INBOX),
         responds=True),
     "ffn": Permissions(
-        publish=(f"{P}.control.register", f"{P}.control.heartbeat.*", f"{P}.telemetry.ffn.>", f"{P}.seam.*"),
+        publish=(f"{P}.control.register", f"{P}.control.heartbeat.*", f"{P}.control.drain.*",
+                 f"{P}.telemetry.ffn.>", f"{P}.seam.*"),
         subscribe=(f"{P}.freq.*", f"{P}.control.role.*", f"{P}.seam.*", INBOX)),
     "telemetry": Permissions(publish=(), subscribe=(f"{P}.telemetry.>",)),
 }
