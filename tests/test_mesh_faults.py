@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -190,6 +191,29 @@ def test_a_killed_gateway_is_survived_by_the_other_and_its_requests_are_cancelle
     assert served == baseline
     assert all(isinstance(result, openai.APIError) for result in doomed), doomed  # their connection went
     assert "gateway-1 exited with status -9" in log
+
+
+def test_a_paused_gateway_taken_for_gone_continues_its_requests(tiny_chat_checkpoint: Path) -> None:
+    """Found by the fault campaign (benchmarks/chaos.py, seed 1): a gateway paused longer than the scheduler's
+    `gateway_silence_s` (SIGSTOP here; a long GC pause or a stalled host alike) is taken for gone and its
+    requests cancelled; when it runs again, its clients are still connected. It gets their ends as `abort`s
+    it never asked for, and takes each request over as a continuation of what it streamed: every stream
+    completes with exactly the no-fault text (before the fix: cut short, finish_reason "abort")."""
+    silence = {"AFLEX_GATEWAY_SILENCE_S": "1"}
+    with aflex_up(str(tiny_chat_checkpoint), env_extra=silence) as mesh:
+        baseline = asyncio.run(_run(mesh))
+
+        def pause_gateway() -> None:
+            pid = mesh.pid_of("gateway")
+            os.kill(pid, signal.SIGSTOP)
+            threading.Timer(2.5, os.kill, (pid, signal.SIGCONT)).start()  # the fault: a 2.5 s pause
+
+        after_fault = asyncio.run(_run(mesh, fault=pause_gateway))
+        log = mesh.output()
+    assert "is gone: cancelling its" in log  # the scheduler did take it for gone
+    assert [tokens for _, tokens in after_fault] == [MAX_TOKENS] * 8
+    assert after_fault == baseline
+    assert "taking this gateway for gone" in log
 
 
 def _wait_for(condition: Callable[[], bool], deadline_s: float = 60.0) -> None:

@@ -201,9 +201,10 @@ class Generation:
             return f"delta {self._next_index} is missing, later ones came"
         return None
 
-    async def _take_over(self, why: str) -> None:
+    async def _take_over(self, why: str, *, resync: bool = True) -> None:
         """Resubmit, as a continuation, until a scheduler takes it; `APIError` 503 at the failover deadline.
-        A scheduler that still holds it sends the missing deltas again (`resync`)."""
+        With `resync`, a scheduler that still holds it sends the missing deltas again; without, the scheduler
+        has ended it and takes it as a new request that goes on from the tokens streamed."""
         log.log(logging.DEBUG if why == QUIET else logging.WARNING, "%s: %s; resubmitting after %d streamed tokens",
                 self.request_id, why, len(self.output_ids))
         self._gap_since = None
@@ -211,7 +212,7 @@ class Generation:
         wait_s = FAILOVER_FIRST_WAIT_S
         while True:
             try:
-                reply = await self._ask(self._submission(resync=True))
+                reply = await self._ask(self._submission(resync=resync))
             except _Unanswered as exc:
                 reason = exc.reason
             except ProtocolError as exc:
@@ -274,6 +275,13 @@ class Generation:
             if delta.finish_reason is None:
                 if any(pieces):
                     yield event("".join(pieces))
+                continue
+            if delta.finish_reason == "abort" and not self.finished:
+                # Not ours to end: the scheduler took this gateway for gone (a pause longer than its
+                # gateway_silence_s) and cancelled it. The client is still here, so it goes on, a continuation.
+                if any(pieces):
+                    yield event("".join(pieces))
+                await self._take_over("the scheduler cancelled it, taking this gateway for gone", resync=False)
                 continue
             self.finished = True
             if delta.finish_reason == "error":
