@@ -1,0 +1,138 @@
+"""The fault campaign's requests: a fixed mix, each one repeatable, and what a client saw of it.
+
+Every request is a (kind, k) pair: the same pair always sends the same body, and greedy or seeded
+sampling makes its answer a function of the pair. The standard phase records each pair's answer with
+nothing failing; under faults every answer must equal it. `run` plays one pair the way an ordinary client
+behind a load balancer would: a connection the gateway dropped (it died) is tried again once on the other
+gateway, from the start; an OpenAI-style error is an answer too (typed); anything else is a failure the
+campaign counts: a hang past the bound, a 5xx without an error body, a stream that closed without its end.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import openai
+
+KINDS = ("chat-stream", "chat-seeded", "completion-logprobs", "chat-n2", "tool-call", "multi-turn")
+WEATHER_TOOL = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+HISTORY = [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "Blue."}]
+
+
+@dataclass
+class Outcome:
+    """What one request came to. `answer` is comparable across runs (texts, tool calls); `status` is one of ok,
+    mismatch, typed_error, untyped_error, cut (a stream that closed without its end), hung, bad_usage."""
+
+    kind: str
+    k: int
+    status: str = "ok"
+    answer: list[str] = field(default_factory=list)
+    error: str = ""  # the error code (typed) or what went wrong
+    retried: bool = False  # its gateway dropped the connection: tried again on the other one
+    started: float = 0.0  # time.monotonic()
+    ended: float = 0.0
+    ttft_s: float | None = None
+    tokens: int = 0
+
+    def to_json(self) -> dict[str, Any]:
+        return {"kind": self.kind, "k": self.k, "status": self.status, "error": self.error, "retried": self.retried,
+                "started": round(self.started, 3), "ended": round(self.ended, 3), "ttft_s": self.ttft_s,
+                "tokens": self.tokens}
+
+
+def _usage_ok(usage: Any) -> bool:
+    """`usage` with token counts and AFlex's `energy_j` (the energy the workers spent on it)."""
+    extra = getattr(usage, "model_extra", None) or {}
+    return usage is not None and usage.completion_tokens > 0 and isinstance(extra.get("energy_j"), int | float)
+
+
+async def _chat_stream(client: openai.AsyncOpenAI, model: str, out: Outcome, messages: list[dict[str, Any]],
+                       **extra: Any) -> None:
+    stream = await client.chat.completions.create(model=model, messages=messages, stream=True,  # type: ignore[call-overload]
+                                                  stream_options={"include_usage": True}, **extra)
+    text, finish, usage = "", None, None
+    async for chunk in stream:
+        if chunk.choices:
+            delta = chunk.choices[0].delta.content or ""
+            if delta and out.ttft_s is None:
+                out.ttft_s = time.monotonic() - out.started
+            text += delta
+            finish = chunk.choices[0].finish_reason or finish
+        usage = chunk.usage or usage
+    if finish is None:
+        out.status, out.error = "cut", "the stream ended without a finish_reason"
+        return
+    out.answer = [text, finish]
+    if not _usage_ok(usage):
+        out.status, out.error = "bad_usage", f"usage {usage}"
+        return
+    assert usage is not None
+    out.tokens = usage.completion_tokens
+
+
+async def _send(client: openai.AsyncOpenAI, model: str, out: Outcome) -> None:
+    k = out.k
+    if out.kind == "chat-stream":
+        await _chat_stream(client, model, out, [{"role": "user", "content": f"Tell me story number {k}."}],
+                           max_tokens=48, temperature=0)
+    elif out.kind == "multi-turn":  # the history's prefix is cached after its first turn
+        await _chat_stream(client, model, out, [*HISTORY, {"role": "user", "content": f"And number {k}?"}],
+                           max_tokens=32, temperature=0)
+    elif out.kind == "completion-logprobs":
+        answer = await client.completions.create(model=model, prompt=f"Once upon a time, {k}", max_tokens=32,
+                                                 temperature=0, logprobs=2)
+        choice = answer.choices[0]
+        if choice.logprobs is None or len(choice.logprobs.tokens or []) != answer.usage.completion_tokens:  # type: ignore[union-attr]
+            out.status, out.error = "bad_usage", "logprobs do not cover the tokens"
+        out.answer = [choice.text, str(choice.finish_reason)]
+        out.tokens = answer.usage.completion_tokens if answer.usage else 0
+        if out.status == "ok" and not _usage_ok(answer.usage):
+            out.status, out.error = "bad_usage", f"usage {answer.usage}"
+    else:
+        body: dict[str, Any] = {"chat-seeded": {"messages": [{"role": "user", "content": f"A word for {k}:"}],
+                                                "max_tokens": 24, "temperature": 0.8, "seed": 100 + k},
+                                "chat-n2": {"messages": [{"role": "user", "content": f"Count to {k + 3}."}],
+                                            "max_tokens": 24, "temperature": 0.9, "seed": 200 + k, "n": 2},
+                                "tool-call": {"messages": [{"role": "user", "content": f"Weather in city {k}?"}],
+                                              "max_tokens": 40, "temperature": 0, "tools": [WEATHER_TOOL],
+                                              "tool_choice": "required"}}[out.kind]
+        answer = await client.chat.completions.create(model=model, **body)
+        for choice in answer.choices:
+            calls = [json.dumps([c.function.name, c.function.arguments]) for c in choice.message.tool_calls or []]
+            out.answer += [choice.message.content or "", *calls, str(choice.finish_reason)]
+        out.tokens = answer.usage.completion_tokens if answer.usage else 0
+        if not _usage_ok(answer.usage):
+            out.status, out.error = "bad_usage", f"usage {answer.usage}"
+
+
+async def run(clients: list[openai.AsyncOpenAI], model: str, kind: str, k: int, first: int, bound_s: float
+              ) -> Outcome:
+    """Play (kind, k) on gateway `first` (of `clients`); again once on the next one if its connection dropped."""
+    out = Outcome(kind, k, started=time.monotonic())
+    for attempt in range(2):
+        client = clients[(first + attempt) % len(clients)]
+        out.status, out.error, out.answer, out.ttft_s = "ok", "", [], None
+        try:
+            await asyncio.wait_for(_send(client, model, out), bound_s - (time.monotonic() - out.started))
+        except TimeoutError:
+            out.status, out.error = "hung", f"no end within {bound_s:g} s"
+        except openai.APIStatusError as exc:
+            body = exc.body if isinstance(exc.body, dict) else {}
+            typed = isinstance(body.get("type"), str) or isinstance((body.get("error") or {}).get("type"), str)
+            out.status = "typed_error" if typed else "untyped_error"
+            out.error = f"{exc.status_code} {body.get('code') or (body.get('error') or {}).get('code') or ''}".strip()
+        except (openai.APIConnectionError, openai.APIResponseValidationError) as exc:
+            out.status, out.error = "cut", f"{type(exc).__name__}: {exc}"
+            if attempt == 0:
+                out.retried = True
+                continue
+        break
+    out.ended = time.monotonic()
+    return out
