@@ -21,6 +21,7 @@ import random
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -35,7 +36,7 @@ def mesh_args(nats_cluster: int) -> list[str]:
             *(["--nats-cluster", str(nats_cluster)] if nats_cluster > 1 else [])]
 
 
-def campaign(model: str, plan: Plan, nats_cluster: int = 1) -> dict[str, object]:
+def campaign(model: str, plan: Plan, nats_cluster: int = 1) -> dict[str, Any]:
     """Bring the mesh up, run `plan` against it, take it down; the report, with how long each part took."""
     start = time.monotonic()
     with aflex_up(model, *mesh_args(nats_cluster)) as mesh:
@@ -68,13 +69,13 @@ def main() -> int:
                 concurrency=args.concurrency, fault_gap_s=args.fault_gap_s, bound_s=args.bound_s)
     report = campaign(args.model, plan, args.nats_cluster)
     totals, faults = report["totals"], report["faults"]
-    print(json.dumps({"totals": totals, "faults": {k: v for k, v in faults.items() if k != "list"},  # type: ignore[union-attr]
+    print(json.dumps({"totals": totals, "faults": {k: v for k, v in faults.items() if k != "list"},
                       "phases": {name: {k: v for k, v in phase.items() if k != "failures"}
-                                 for name, phase in report["phases"].items()}}, indent=2))  # type: ignore[attr-defined]
+                                 for name, phase in report["phases"].items()}}, indent=2))
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(report, indent=2))
-    broken = sum(totals[k] for k in ("lost", "hung", "mismatched", "bad_usage"))  # type: ignore[index]
+    broken = sum(totals[k] for k in ("lost", "hung", "mismatched", "bad_usage"))
     return 1 if broken else 0
 
 
