@@ -3,9 +3,10 @@
 Every request is a (kind, k) pair: the same pair always sends the same body, and greedy or seeded
 sampling makes its answer a function of the pair. The standard phase records each pair's answer with
 nothing failing; under faults every answer must equal it. `run` plays one pair the way an ordinary client
-behind a load balancer would: a connection the gateway dropped (it died) is tried again once on the other
-gateway, from the start; an OpenAI-style error is an answer too (typed); anything else is a failure the
-campaign counts: a hang past the bound, a 5xx without an error body, a stream that closed without its end.
+behind a load balancer would: a connection the gateway dropped (it died) is tried again on the other gateway,
+from the start, with a backoff, while the bound allows; an OpenAI-style error is an answer too (typed);
+anything else is a failure the campaign counts: a hang past the bound, a 5xx without an error body, a
+stream that closed without its end, a connection no gateway took within the bound.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ KINDS = ("chat-stream", "chat-seeded", "completion-logprobs", "chat-n2", "tool-c
 WEATHER_TOOL = {"type": "function", "function": {
     "name": "get_weather", "description": "The weather in a city",
     "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+RETRY_FIRST_WAIT_S, RETRY_MAX_WAIT_S = 0.5, 4.0  # a dropped connection is tried again after these
 HISTORY = [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "Blue."}]
 
 
@@ -114,9 +116,12 @@ async def _send(client: openai.AsyncOpenAI, model: str, out: Outcome) -> None:
 
 async def run(clients: list[openai.AsyncOpenAI], model: str, kind: str, k: int, first: int, bound_s: float
               ) -> Outcome:
-    """Play (kind, k) on gateway `first` (of `clients`); again once on the next one if its connection dropped."""
+    """Play (kind, k) on gateway `first` (of `clients`). A dropped connection (its gateway died) is tried
+    again from the start on the next gateway, after a backoff that doubles (0.5 s, up to 4 s), while the
+    bound allows: what a client behind a load balancer does when every gateway may be restarting."""
     out = Outcome(kind, k, started=time.monotonic())
-    for attempt in range(2):
+    attempt = 0
+    while True:
         client = clients[(first + attempt) % len(clients)]
         out.status, out.error, out.answer, out.ttft_s = "ok", "", [], None
         try:
@@ -129,9 +134,11 @@ async def run(clients: list[openai.AsyncOpenAI], model: str, kind: str, k: int, 
             out.status = "typed_error" if typed else "untyped_error"
             out.error = f"{exc.status_code} {body.get('code') or (body.get('error') or {}).get('code') or ''}".strip()
         except (openai.APIConnectionError, openai.APIResponseValidationError) as exc:
-            out.status, out.error = "cut", f"{type(exc).__name__}: {exc}"
-            if attempt == 0:
-                out.retried = True
+            out.status, out.error = "cut", f"{type(exc).__name__}: {exc} (after {attempt + 1} attempts)"
+            backoff_s = min(RETRY_MAX_WAIT_S, RETRY_FIRST_WAIT_S * 2 ** attempt)
+            if time.monotonic() + backoff_s - out.started < bound_s:
+                out.retried, attempt = True, attempt + 1
+                await asyncio.sleep(backoff_s)
                 continue
         break
     out.ended = time.monotonic()
