@@ -17,7 +17,8 @@ PACKAGES="python3,python3-venv,python3-dev,g++,ca-certificates,tini"
 
 if ! command -v mmdebstrap >/dev/null; then
   echo "docker_base: installing mmdebstrap" >&2
-  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq mmdebstrap >/dev/null
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq mmdebstrap >/dev/null \
+    || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq mmdebstrap >/dev/null; }
 fi
 
 work="$(mktemp -d)"
