@@ -162,9 +162,7 @@ class AttentionWorker:
                 if await presence.start(stop):
                     log.info("attention worker %s serving %s on %s", self.worker_id, self.model_id, self.subject)
                     await stop.wait()
-                    log.info("%s worker %s draining (up to %g s)", "attention", self.worker_id, s.drain_timeout_s)
-                    if await presence.drain(s.drain_timeout_s):
-                        log.info("%s worker %s drained", "attention", self.worker_id)
+                    await presence.drain(s.drain_timeout_s)
 
     async def _finish_in_flight(self) -> None:
         """Take no more descriptors; let those in flight end (for up to SHUTDOWN_GRACE_S) and send their Dones."""

@@ -111,9 +111,7 @@ class FFNWorker:
                     log.info("ffn worker %s serving %s, seam at %s (merge=%s)", self.worker_id, self.model_id,
                              seam.address, s.merge_microbatches)
                     await stop.wait()
-                    log.info("%s worker %s draining (up to %g s)", "ffn", self.worker_id, s.drain_timeout_s)
-                    if await presence.drain(s.drain_timeout_s):
-                        log.info("%s worker %s drained", "ffn", self.worker_id)
+                    await presence.drain(s.drain_timeout_s)
 
     async def _close_seam(self, seam: Seam) -> None:
         """Answer what is queued (for up to SHUTDOWN_GRACE_S), then close the seam."""

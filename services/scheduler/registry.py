@@ -219,8 +219,8 @@ class Registry:
     @property
     def ready(self) -> bool:
         """New requests can be served: a usable attention worker with an FFN that is not draining."""
-        return any(w.assignment == "colocated" or any(not f.draining for f in self.healthy("ffn"))
-                   for w in self.usable_attention())
+        ffn_takes_new = any(not f.draining for f in self.healthy("ffn"))
+        return any(ffn_takes_new or w.assignment == "colocated" for w in self.usable_attention())
 
     def has_ffn(self, worker: Worker) -> bool:
         """Whether `worker`'s microbatches have an FFN to go to: its own (colocated), or a healthy FFN worker

@@ -150,20 +150,25 @@ class Presence:
         answers that nothing it placed here is left, or no scheduler is there to send any, or `timeout_s`
         passes. True when drained in time."""
         self.draining = True
-        subject = subjects.drain(self.message.worker_id)  # only the scheduler answers there
+        role, worker_id = self.message.role, self.message.worker_id
+        log.info("%s worker %s draining (up to %g s)", role, worker_id, timeout_s)
+        subject = subjects.drain(worker_id)  # only the scheduler answers there
         deadline = time.monotonic() + timeout_s
         while True:
             try:
                 reply = decode(RegisterReply, await bus.request(self.nc, subject, encode(self._message()),
                                                                 DRAIN_REPLY_WAIT_S))
-                if reply.drained or not reply.ok:  # a scheduler that does not know us placed nothing here
-                    return True
+                drained = reply.drained or not reply.ok  # a scheduler that does not know us placed nothing here
             except bus.NoRespondersBusError:  # no scheduler: nothing more comes, nothing is waited for
-                return True
+                drained = True
             except Exception as exc:  # not answered in time (busy, or disconnected): ask again
-                log.debug("%s: drain request not answered: %s", self.message.worker_id, exc)
+                log.debug("%s: drain request not answered: %s", worker_id, exc)
+                drained = False
+            if drained:
+                log.info("%s worker %s drained", role, worker_id)
+                return True
             if time.monotonic() >= deadline:
-                log.warning("%s: not drained within drain_timeout_s=%g", self.message.worker_id, timeout_s)
+                log.warning("%s: not drained within drain_timeout_s=%g", worker_id, timeout_s)
                 return False
             await asyncio.sleep(DRAIN_POLL_S)
 

@@ -21,6 +21,7 @@ from typing import Any
 
 import openai
 
+from services.scheduler.window_clocks import percentile
 from tools.chaos.faults import Fault, Injector
 from tools.chaos.requests import KINDS, Outcome, run
 
@@ -39,11 +40,9 @@ class Plan:
     bound_s: float  # a request not ended by then is hung
 
 
-def percentile(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    ordered = sorted(values)
-    return round(ordered[min(len(ordered) - 1, int(q / 100 * len(ordered)))], 3)
+def _percentile(values: list[float], q: float) -> float | None:
+    value = percentile(values, q)
+    return None if value is None else round(value, 3)
 
 
 def phase_figures(outcomes: list[Outcome], seconds: float) -> dict[str, Any]:
@@ -56,9 +55,9 @@ def phase_figures(outcomes: list[Outcome], seconds: float) -> dict[str, Any]:
             "by_status": dict(statuses), "retried": sum(o.retried for o in outcomes),
             "typed_errors": dict(Counter(o.error for o in outcomes if o.status == "typed_error")),
             "failures": [o.to_json() | {"detail": o.error} for o in outcomes if o.status in FAILURES],
-            "ttft_p50_s": percentile(ttfts, 50), "ttft_p99_s": percentile(ttfts, 99),
-            "tpot_p50_s": percentile(tpots, 50), "tpot_p99_s": percentile(tpots, 99),
-            "latency_p50_s": percentile(latencies, 50), "latency_p99_s": percentile(latencies, 99)}
+            "ttft_p50_s": _percentile(ttfts, 50), "ttft_p99_s": _percentile(ttfts, 99),
+            "tpot_p50_s": _percentile(tpots, 50), "tpot_p99_s": _percentile(tpots, 99),
+            "latency_p50_s": _percentile(latencies, 50), "latency_p99_s": _percentile(latencies, 99)}
 
 
 class Campaign:
