@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import signal
 import threading
 import time
@@ -198,20 +199,32 @@ def test_a_paused_gateway_taken_for_gone_continues_its_requests(tiny_chat_checkp
     `gateway_silence_s` (SIGSTOP here; a long GC pause or a stalled host alike) is taken for gone and its
     requests cancelled; when it runs again, its clients are still connected. It gets their ends as `abort`s
     it never asked for, and takes each request over as a continuation of what it streamed: every stream
-    completes with exactly the no-fault text (before the fix: cut short, finish_reason "abort")."""
+    completes with exactly the no-fault text (before the fix: cut short, finish_reason "abort"). The streams
+    are long, so that they still run when the scheduler gives the gateway up."""
     silence = {"AFLEX_GATEWAY_SILENCE_S": "1"}
     with aflex_up(str(tiny_chat_checkpoint), env_extra=silence) as mesh:
-        baseline = asyncio.run(_run(mesh))
+
+        async def stories(fault: Callable[[], None] | None) -> list[tuple[str, int]]:
+            client = openai.AsyncOpenAI(base_url=mesh.base_url, api_key="unused", max_retries=0, timeout=300)
+            model = (await client.models.list()).data[0].id
+            started = [asyncio.Event() for _ in range(4)]
+            streams = [asyncio.create_task(stream_story(client, model, i, started[i], DOOMED_TOKENS))
+                       for i in range(4)]
+            if fault is not None:
+                await asyncio.gather(*(e.wait() for e in started))
+                fault()
+            return [(story.text, story.tokens) for story in await asyncio.gather(*streams)]
 
         def pause_gateway() -> None:
             pid = mesh.pid_of("gateway")
             os.kill(pid, signal.SIGSTOP)
             threading.Timer(2.5, os.kill, (pid, signal.SIGCONT)).start()  # the fault: a 2.5 s pause
 
-        after_fault = asyncio.run(_run(mesh, fault=pause_gateway))
+        baseline = asyncio.run(stories(None))
+        after_fault = asyncio.run(stories(pause_gateway))
         log = mesh.output()
-    assert "is gone: cancelling its" in log  # the scheduler did take it for gone
-    assert [tokens for _, tokens in after_fault] == [MAX_TOKENS] * 8
+    assert re.search(r"is gone: cancelling its [1-9]", log)  # the scheduler did take it for gone, mid-stream
+    assert [tokens for _, tokens in after_fault] == [DOOMED_TOKENS] * 4
     assert after_fault == baseline
     assert "taking this gateway for gone" in log
 
