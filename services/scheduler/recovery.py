@@ -182,9 +182,9 @@ def evacuate(worker: Worker) -> list[RequestState]:
     moved = [s for s in states if s.worker_id == worker.worker_id and not s.finished]
     for state in moved:
         take_back(worker, state, failure=False, reason=f"worker {worker.worker_id} lost")
-    if not worker.healthy:
-        lane.pending_release.clear()
-        lane.pending_release.extend(s.request_id for s in states)
+    if not worker.healthy:  # every sequence it may hold, and what was already to be released there (those of
+        pending = set(lane.pending_release)  # the microbatch it went silent in, taken back before this)
+        lane.pending_release.extend(s.request_id for s in states if s.request_id not in pending)
     return moved
 
 

@@ -11,6 +11,7 @@ import asyncio
 import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
+from urllib.parse import unquote, urlsplit
 
 import nats
 from nats.aio.client import Client
@@ -41,6 +42,18 @@ class NoRespondersBusError(BusError):
     def __init__(self, subject: str) -> None:
         super().__init__(f"nobody is subscribed to {subject}")
         self.subject = subject
+
+
+def url_credentials(url: str) -> tuple[str, str]:
+    """The user and password of the first server in `url` that names both, or ("", "") (a token alone stays in
+    the URL, where nats-py takes it from). Passed as options, not left in the URL: nats-py sends a URL's
+    credentials to that URL's server only, and nothing to the nodes a cluster tells it of (which it fails
+    over to), where the login then fails (`Authorization Violation`)."""
+    for server in server_list(url):
+        parts = urlsplit(server)
+        if parts.username and parts.password is not None:
+            return unquote(parts.username), unquote(parts.password)
+    return "", ""
 
 
 def server_list(url: str) -> list[str]:
@@ -76,7 +89,9 @@ async def connect(url: str, name: str, *, connect_timeout_s: float = 5.0, first_
     async def closed_cb() -> None:
         log.info("%s: NATS connection closed", name)
 
-    if user:  # else whatever the URL carries (nats://user:password@host:port), or no auth
+    if not user:  # the URL's own (nats://user:password@host:port), for every server: see url_credentials
+        user, password = url_credentials(url)
+    if user:
         options |= {"user": user, "password": password}
     try:
         nc: Client = await asyncio.wait_for(nats.connect(

@@ -6,14 +6,18 @@
 Every request is checked (`requests.run`): its answer must equal the recorded one token for token, or it
 must end with an OpenAI-style error. The report counts, per phase, what each request came to, the typed
 errors by code, TTFT and latency percentiles; per fault, the time until a request sent after it completed
-whole. One seed fixes the requests, the faults and their times (the mesh's own timing still varies).
+whole (`answered_s`) and the time until the mesh served at the standard phase's rate again (`recovered_s`:
+until the start of the first `RATE_WINDOW_S` in which it completed at least `RATE_SHARE` of the standard
+phase's requests per second; later faults inside that time count against it, as they would in production).
+One seed fixes the requests, the faults, their kinds and times (the mesh's own timing still varies).
 """
 
 from __future__ import annotations
 
 import asyncio
+import bisect
 import random
-import statistics
+import re
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -22,10 +26,11 @@ from typing import Any
 import openai
 
 from services.scheduler.window_clocks import percentile
-from tools.chaos.faults import Fault, Injector
+from tools.chaos.faults import TARGETED, Fault, Injector
 from tools.chaos.requests import KINDS, Outcome, run
 
 PAIRS_PER_KIND = 3
+RATE_WINDOW_S, RATE_SHARE = 10.0, 0.8  # "serving at the standard rate again": 80 % of it over 10 s
 FAILURES = ("mismatch", "untyped_error", "cut", "hung", "bad_usage")  # the statuses that break the promise
 
 
@@ -54,7 +59,8 @@ def phase_figures(outcomes: list[Outcome], seconds: float) -> dict[str, Any]:
     return {"requests": len(outcomes), "served_per_s": round(statuses["ok"] / seconds, 3) if seconds else None,
             "by_status": dict(statuses), "retried": sum(o.retried for o in outcomes),
             "typed_errors": dict(Counter(o.error for o in outcomes if o.status == "typed_error")),
-            "failures": [o.to_json() | {"detail": o.error} for o in outcomes if o.status in FAILURES],
+            "failures": [o.to_json() for o in outcomes if o.status in FAILURES],
+            "typed_error_list": [o.to_json() for o in outcomes if o.status == "typed_error"],
             "ttft_p50_s": _percentile(ttfts, 50), "ttft_p99_s": _percentile(ttfts, 99),
             "tpot_p50_s": _percentile(tpots, 50), "tpot_p99_s": _percentile(tpots, 99),
             "latency_p50_s": _percentile(latencies, 50), "latency_p99_s": _percentile(latencies, 99)}
@@ -94,38 +100,55 @@ class Campaign:
             if time.monotonic() + gap_s >= until:
                 return
             await asyncio.sleep(gap_s)
-            self.faults.append(await asyncio.to_thread(self.injector.inject, rng.choice(self.injector.kinds())))
+            kind = rng.choice(self.injector.kinds())
+            self.faults.append(await self.injector.inject_targeted(kind, until) if kind in TARGETED
+                               else await asyncio.to_thread(self.injector.inject, kind))
 
     async def run(self) -> dict[str, Any]:
         p = self.plan
         model = (await self.clients[0].models.list()).data[0].id
+        if self.injector.watch is not None:
+            await self.injector.watch.open()
         await self._record_references(model)
         t0 = time.monotonic()
         bounds = [t0, t0 + p.standard_s, t0 + p.standard_s + p.fault_s, t0 + p.standard_s + p.fault_s + p.recovery_s]
         await asyncio.gather(self._faults(bounds[1], bounds[2]),
                              *(self._client(model, i, bounds[3]) for i in range(p.concurrency)))
+        if self.injector.watch is not None:  # while the NATS nodes it restarted still run
+            await self.injector.watch.close()
         await asyncio.to_thread(self.injector.close)
         for client in self.clients:
             await client.close()
-        return self.report(bounds)
+        return self.report(bounds, self.injector.mesh.output())
 
-    def report(self, bounds: list[float]) -> dict[str, Any]:
+    def report(self, bounds: list[float], mesh_log: str = "") -> dict[str, Any]:
+        """`mesh_log`: what the mesh printed, where each targeted fault's failure is looked up (`evidence`)."""
+        for fault in self.faults:  # the id whole: kv1 is not kv12
+            named = re.compile(re.escape(fault.key) + r"(?![\w-])") if fault.key else None
+            fault.evidence = next((line.strip()[:400] for line in mesh_log.splitlines()
+                                   if named is not None and "failed" in line and named.search(line)), "")
+        served = sorted(o.ended for o in self.outcomes if o.status == "ok")
+        standard_rps = sum(bounds[0] <= t < bounds[1] for t in served) / (bounds[1] - bounds[0])
         for fault in self.faults:
             after = [o.ended - fault.at for o in self.outcomes if o.started >= fault.at and o.status == "ok"]
-            fault.recovered_s = round(min(after), 3) if after else None
+            fault.answered_s = round(min(after), 3) if after else None
+            fault.recovered_s = recovered_s(served, fault.at, standard_rps, bounds[3])
         phases = {}
         for name, start, end in zip(("standard", "fault", "recovery"), bounds, bounds[1:], strict=False):
             phases[name] = phase_figures([o for o in self.outcomes if start <= o.started < end], end - start)
         injected = [f for f in self.faults if not f.skipped]
-        recovered = [f.recovered_s for f in injected if f.recovered_s is not None]
         return {
             "plan": self.plan.__dict__, "phases": phases,
             "faults": {"injected": len(injected), "skipped": len(self.faults) - len(injected),
+                       "skipped_by_reason": dict(Counter(f"{f.kind}: {f.skipped}" for f in self.faults if f.skipped)),
                        "by_kind": dict(Counter(f.kind for f in injected)),
                        "by_target": dict(Counter(f"{f.kind} {f.target}" for f in injected)),
-                       "recovered_p50_s": statistics.median(recovered) if recovered else None,
-                       "recovered_max_s": max(recovered) if recovered else None,
-                       "never_recovered": sum(f.recovered_s is None for f in injected),
+                       "standard_rps": round(standard_rps, 3),
+                       "recovery_rule": f"{RATE_SHARE:.0%} of standard_rps over {RATE_WINDOW_S:g} s",
+                       "recovery_by_kind": {kind: recovery_figures([f for f in injected if f.kind == kind])
+                                            for kind in sorted({f.kind for f in injected})},
+                       **recovery_figures(injected),
+                       "targeted_with_evidence": sum(bool(f.evidence) for f in injected),
                        "list": [f.to_json() for f in self.faults]},
             "totals": {"requests": len(self.outcomes),
                        "lost": sum(o.status in ("cut", "untyped_error") for o in self.outcomes),
@@ -134,3 +157,24 @@ class Campaign:
                        "bad_usage": sum(o.status == "bad_usage" for o in self.outcomes),
                        "typed_errors": sum(o.status == "typed_error" for o in self.outcomes)},
         }
+
+
+def recovered_s(served: list[float], at: float, standard_rps: float, end: float) -> float | None:
+    """From `at` until the first `RATE_WINDOW_S` (starting at `at` or at a completion after it) in which the
+    completions in `served` (sorted) reach `RATE_SHARE` of `standard_rps`; None if none did before `end`."""
+    wanted = RATE_SHARE * standard_rps * RATE_WINDOW_S
+    for start in (at, *served[bisect.bisect_right(served, at):]):
+        if start + RATE_WINDOW_S > end:
+            return None
+        if bisect.bisect_right(served, start + RATE_WINDOW_S) - bisect.bisect_right(served, start) >= wanted:
+            return round(start - at, 3)
+    return None
+
+
+def recovery_figures(faults: list[Fault]) -> dict[str, Any]:
+    answered = [f.answered_s for f in faults if f.answered_s is not None]
+    recovered = [f.recovered_s for f in faults if f.recovered_s is not None]
+    return {"answered_p50_s": _percentile(answered, 50), "answered_max_s": max(answered, default=None),
+            "recovered_p50_s": _percentile(recovered, 50), "recovered_p90_s": _percentile(recovered, 90),
+            "recovered_max_s": max(recovered, default=None),
+            "never_recovered": sum(f.recovered_s is None for f in faults)}

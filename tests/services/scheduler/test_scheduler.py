@@ -158,6 +158,10 @@ class FakeAttention:
         if self._hb:
             self._hb.cancel()
 
+    def resume_heartbeat(self) -> None:
+        """Heard from again without having restarted (a paused process let go): its KV as it was."""
+        self._hb = asyncio.create_task(heartbeat(self.nc, self.worker_id, "attention", self.kv_total_blocks))
+
     async def _on_mb(self, msg: Msg) -> None:
         desc = decode(MicrobatchDescriptor, msg.data)
         if desc.seqs and self.drop > 0:
@@ -503,6 +507,35 @@ def test_lost_attention_worker_requests_finish_elsewhere(nats_url: str) -> None:
             assert moved[0].start_pos == 0 and moved[0].sampling is not None and moved[0].generated_ids
             status = await m.status()
             assert {w.worker_id: w.healthy for w in status.workers}["a0"] is False
+    asyncio.run(main())
+
+
+def test_a_paused_worker_back_frees_what_it_ran_before_it_runs_it_again(nats_url: str) -> None:
+    """A worker silent past `heartbeat_timeout_s` mid-microbatch (SIGSTOP, found by the fault campaign) is
+    taken for lost; its sequences are taken back. Heard from again, not restarted, it still holds their KV:
+    it must be told to release them before any runs there again from start_pos 0 (else it refuses them,
+    `start_pos_mismatch`, and each refusal counts toward the request's failure limit)."""
+    async def main() -> None:
+        a0 = FakeAttention(None, "a0", delay_s=0.02)  # type: ignore[arg-type]
+        async with mesh(nats_url, attn=(a0,), heartbeat_timeout_s=0.4) as m:
+            queue = await m.stream("h1")
+            assert (await m.submit("h1", [1, 2, 3], max_tokens=8)).accepted
+            first = [await asyncio.wait_for(queue.get(), 5) for _ in range(3)]
+            a0.hold = True  # paused: no answers, no heartbeats
+            a0.stop_heartbeat()
+            deadline = time.monotonic() + 5
+            while {w.worker_id: w.healthy for w in (await m.status()).workers}["a0"]:  # until taken for lost
+                assert time.monotonic() < deadline
+                await asyncio.sleep(0.05)
+            paused_at = len(a0.descriptors)
+            a0.hold = False
+            a0.resume_heartbeat()
+            rest = await collect(queue)
+            assert tokens(first + rest) == [100 + i for i in range(8)]
+            after = a0.descriptors[paused_at:]
+            fed_again = next(i for i, d in enumerate(after) if any(s.seq_id == "h1" and s.start_pos == 0
+                                                                    for s in d.seqs))
+            assert any("h1" in d.release for d in after[:fed_again + 1]), [(d.release, d.seqs) for d in after]
     asyncio.run(main())
 
 
