@@ -60,6 +60,11 @@ def test_a_function_call_and_its_output_round_trip(client: openai.OpenAI, chat_m
                                                    stream=True)]
     done = [e.arguments for e in streamed if e.type == "response.function_call_arguments.done"]
     assert done == [calls[0].arguments]  # seeded: the same call, streamed
+    pieces = [e.delta for e in streamed if e.type == "response.function_call_arguments.delta"]
+    assert len(pieces) > 1 and "".join(pieces) == done[0]  # the arguments as they were generated
+    added = next(e for e in streamed if e.type == "response.output_item.added")
+    assert added.item.type == "function_call" and added.item.name == "get_weather" and not added.item.arguments
+    assert streamed.index(added) < streamed.index(next(e for e in streamed if e.type.endswith("arguments.delta")))
     assert not [e for e in streamed if e.type == "response.output_text.delta"]  # no call syntax as text
     history: Any = [{"role": "user", "content": "Weather in Paris?"},
                     {"type": "function_call", "call_id": calls[0].call_id, "name": calls[0].name,

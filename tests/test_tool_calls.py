@@ -61,20 +61,55 @@ def test_a_named_function_is_the_one_called(client: openai.OpenAI, chat_model: s
         jsonschema.validate(json.loads(c.function.arguments), SCHEMAS["get_time"])
 
 
+def _streamed_calls(chunks: Any) -> tuple[list[Any], str | None, list[list[Any]]]:
+    """A stream's calls put together from their deltas (OpenAI's way: a call's first delta has its id, type and
+    name, later ones add to its arguments), its finish reason, and each call's deltas. No content goes out."""
+    deltas: dict[int, list[Any]] = {}
+    finish = None
+    for chunk in chunks:
+        for c in chunk.choices:
+            assert not c.delta.content  # no call syntax leaks out as text
+            for d in c.delta.tool_calls or []:
+                deltas.setdefault(d.index, []).append(d)
+            finish = c.finish_reason or finish
+    calls = []
+    for index in sorted(deltas):
+        first, *rest = deltas[index]
+        assert first.id and first.type == "function" and first.function.name  # the name in the first delta
+        assert all(d.id is None and d.function.name is None for d in rest)
+        arguments = "".join(d.function.arguments or "" for d in deltas[index])
+        calls.append(openai.types.chat.ChatCompletionMessageToolCall(
+            id=first.id, type="function", function={"name": first.function.name, "arguments": arguments}))
+    return calls, finish, [deltas[k] for k in sorted(deltas)]
+
+
+def test_50_streamed_required_calls_name_first_arguments_as_they_come(client: openai.OpenAI, chat_model: str
+                                                                      ) -> None:
+    """`max_tokens` from 8 to 57 cuts some calls short: those end `length` with the call so far, never its
+    markup as content; the whole ones end `tool_calls` and their arguments validate against the schema."""
+    cut = whole = 0
+    for seed in range(50):
+        calls, finish, deltas = _streamed_calls(client.chat.completions.create(
+            model=chat_model, messages=ASK, tools=TOOLS, tool_choice="required", parallel_tool_calls=False,
+            max_tokens=8 + seed, seed=seed, temperature=1.0, stream=True))
+        if finish == "length":
+            cut += 1
+            continue
+        assert finish == "tool_calls" and len(calls) == 1, (finish, calls)
+        whole += 1
+        jsonschema.validate(json.loads(calls[0].function.arguments), SCHEMAS[calls[0].function.name])
+        assert len([d for d in deltas[0] if d.function.arguments]) > 1  # in pieces, as the tokens came
+    assert cut and whole, (cut, whole)
+
+
 def _round_trip(client: openai.OpenAI, model: str, stream: bool) -> tuple[Any, str, str | None]:
     """(the call, the final answer's text, its finish reason), streamed or not."""
     kw: Any = {"model": model, "tools": TOOLS, "max_tokens": 120, "seed": 7, "temperature": 1.0}
     if stream:
-        deltas: list[Any] = []
-        finish = None
-        for chunk in client.chat.completions.create(messages=ASK, tool_choice="required", parallel_tool_calls=False,
-                                                    stream=True, **kw):
-            for c in chunk.choices:
-                deltas += c.delta.tool_calls or []
-                finish = c.finish_reason or finish
-                assert not c.delta.content  # no call syntax leaks out as text
-        assert finish == "tool_calls" and len(deltas) == 1 and deltas[0].index == 0
-        call = deltas[0]
+        calls, finish, _ = _streamed_calls(client.chat.completions.create(
+            messages=ASK, tool_choice="required", parallel_tool_calls=False, stream=True, **kw))
+        assert finish == "tool_calls" and len(calls) == 1
+        call = calls[0]
     else:
         first = client.chat.completions.create(messages=ASK, tool_choice="required", parallel_tool_calls=False, **kw)
         assert first.choices[0].finish_reason == "tool_calls"

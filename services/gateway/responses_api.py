@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Annotated, Any, Literal
 
 import orjson
@@ -23,8 +23,8 @@ from pydantic import Field, Strict
 from services.gateway.errors import APIError, invalid
 from services.gateway.openai_schema import Bool, ChatCompletionRequest, _bounds, _Model
 from services.gateway.streaming import ChoiceEvents
-from services.gateway.tool_call_syntax import Function, ToolCallStream
-from services.gateway.tool_calling import call_dicts
+from services.gateway.tool_call_stream import CallDelta, ToolCallStream
+from services.gateway.tool_call_syntax import Function
 
 
 class TextFormat(_Model):
@@ -213,40 +213,63 @@ async def response_events(view: ResponseView, events: ChoiceEvents, first: Any,
     yield ev("response.in_progress", response=view.response([], "in_progress", None))
     reader = ToolCallStream(functions) if functions is not None else None
     text, opened, output = "", False, []
+    calls: dict[int, tuple[int, dict[str, Any]]] = {}  # call index -> (output index, its item)
     where = {"item_id": view.message_id, "output_index": 0, "content_index": 0}
+
+    def close_message() -> Iterator[bytes]:
+        nonlocal opened
+        if opened:
+            opened = False
+            part = {"type": "output_text", "text": text, "annotations": []}
+            yield ev("response.output_text.done", **where, text=text, logprobs=[])
+            yield ev("response.content_part.done", **where, part=part)
+            output.append(view.message(text))
+            yield ev("response.output_item.done", output_index=0, item=output[-1])
+
     try:
         item = first
         while item is not None:
             _, event = item
-            delta, calls = (event.text, ()) if reader is None else reader.take(event.text,
-                                                                                event.finish_reason is not None)
-            if delta and not opened:
+            final = event.finish_reason is not None
+            delta, deltas = event.text, list[CallDelta]()
+            if reader is not None:  # content up to where a call may begin; each call as it is written
+                delta, deltas = reader.feed(event.text)
+                if final:
+                    rest, more = reader.finish()
+                    delta, deltas = delta + rest, deltas + more
+            if delta and not opened and not output:
                 opened = True
                 yield ev("response.output_item.added", output_index=0, item=view.message("", "in_progress"))
                 yield ev("response.content_part.added", **where, part={"type": "output_text", "text": "",
                                                                        "annotations": []})
-            if delta:
+            if delta and opened:
                 text += delta
                 yield ev("response.output_text.delta", **where, delta=delta, logprobs=[])
-            if event.finish_reason is not None:
-                if opened:
-                    part = {"type": "output_text", "text": text, "annotations": []}
-                    yield ev("response.output_text.done", **where, text=text, logprobs=[])
-                    yield ev("response.content_part.done", **where, part=part)
-                    output.append(view.message(text))
-                    yield ev("response.output_item.done", output_index=0, item=output[-1])
-                for call in call_dicts(calls):
-                    done = view.function_call(call)
-                    at = len(output)
-                    yield ev("response.output_item.added", output_index=at,
-                             item={**done, "arguments": "", "status": "in_progress"})
-                    yield ev("response.function_call_arguments.delta", item_id=done["id"], output_index=at,
-                             delta=done["arguments"])
-                    yield ev("response.function_call_arguments.done", item_id=done["id"], output_index=at,
-                             arguments=done["arguments"])
-                    output.append(done)
-                    yield ev("response.output_item.done", output_index=at, item=done)
-                finish = "tool_calls" if calls else event.finish_reason
+            for d in deltas:
+                if d.name is not None:
+                    for chunk in close_message():
+                        yield chunk
+                    call = view.function_call({"id": f"call_{uuid.uuid4().hex[:24]}",
+                                               "function": {"name": d.name, "arguments": ""}}, "in_progress")
+                    calls[d.index] = (len(output), call)
+                    output.append(call)
+                    yield ev("response.output_item.added", output_index=len(output) - 1, item=dict(call))
+                at, call = calls[d.index]
+                if d.arguments:
+                    call["arguments"] += d.arguments
+                    yield ev("response.function_call_arguments.delta", item_id=call["id"], output_index=at,
+                             delta=d.arguments)
+            if final:
+                for chunk in close_message():
+                    yield chunk
+                for at, call in calls.values():
+                    call["status"] = "completed"
+                    yield ev("response.function_call_arguments.done", item_id=call["id"], output_index=at,
+                             arguments=call["arguments"])
+                    yield ev("response.output_item.done", output_index=at, item=call)
+                finish = event.finish_reason
+                if calls and finish != "length":
+                    finish = "tool_calls"
                 status = "incomplete" if finish == "length" else "completed"
                 kind = "response.incomplete" if status == "incomplete" else "response.completed"
                 yield ev(kind, response=view.response(output, status, event.usage or {}, finish))

@@ -23,8 +23,9 @@ from starlette.types import Receive, Scope, Send
 from services.gateway.errors import SERVER_ERROR, APIError
 from services.gateway.generation import Generation, TextEvent, usage_dict
 from services.gateway.logprobs import Entry, LogprobFormat, prompt_entries
-from services.gateway.tool_call_syntax import Function, ToolCall, ToolCallStream, parse_tool_calls
-from services.gateway.tool_calling import call_dicts
+from services.gateway.tool_call_stream import ToolCallStream, read_calls
+from services.gateway.tool_call_syntax import Function, ToolCall, parse_tool_calls
+from services.gateway.tool_calling import call_dicts, delta_dicts
 
 DONE = b"data: [DONE]\n\n"
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -70,9 +71,9 @@ class ResponseShape:
                                   [self.choice(text, finish_reason, index=index, delta=delta, logprobs=logprobs)])
         return self._envelope("text_completion", [self.choice(text, finish_reason, index=index, logprobs=logprobs)])
 
-    def tool_chunk(self, calls: tuple[ToolCall, ...], *, index: int = 0) -> dict[str, Any]:
-        """A streamed answer's calls, each whole in one delta (the openai client's stream accumulates them)."""
-        delta = {"tool_calls": call_dicts(calls, stream=True)}
+    def tool_chunk(self, calls: list[dict[str, Any]], *, index: int = 0) -> dict[str, Any]:
+        """Pieces of a streamed answer's calls (`delta_dicts`: a call's first names it, later ones add arguments)."""
+        delta = {"tool_calls": calls}
         return self._envelope("chat.completion.chunk", [self.choice("", None, index=index, delta=delta)])
 
     def usage_chunk(self, usage: dict[str, Any]) -> dict[str, Any]:
@@ -117,10 +118,17 @@ async def _collect_one(shape: ResponseShape, index: int, generation: Generation,
         entries += new
         if event.finish_reason is not None:
             text, logprobs = "".join(texts), extras.render(entries)
-            parsed = parse_tool_calls(text, extras.functions) if extras.functions is not None else None
-            if parsed is not None and parsed.calls:
-                return (shape.choice(parsed.content, "tool_calls", index=index, logprobs=logprobs,
-                                     tool_calls=call_dicts(parsed.calls)), event.usage or {})
+            content: str | None = text
+            calls: tuple[ToolCall, ...] = ()
+            if extras.functions is not None:
+                parsed = parse_tool_calls(text, extras.functions)
+                content, calls = parsed.content, parsed.calls
+                if not calls and event.finish_reason == "length":  # a call cut short is still a call
+                    content, calls = read_calls(text, extras.functions)
+            if calls:
+                finish = "length" if event.finish_reason == "length" else "tool_calls"
+                return (shape.choice(content, finish, index=index, logprobs=logprobs,
+                                     tool_calls=call_dicts(calls)), event.usage or {})
             return shape.choice(text, event.finish_reason, index=index, logprobs=logprobs), event.usage or {}
     raise AssertionError("events() ended without a finish reason")
 
@@ -243,6 +251,7 @@ async def stream(shape: ResponseShape, events: ChoiceEvents, first: tuple[int, T
     started = [False] * len(generations)
     usages: list[dict[str, Any]] = [{}] * len(generations)
     calls = [None if e.functions is None else ToolCallStream(e.functions) for e in extras]
+    ids: list[dict[int, str]] = [{} for _ in extras]  # each choice's call ids, by call index
     try:
         item = first
         while item is not None:
@@ -255,15 +264,23 @@ async def stream(shape: ResponseShape, events: ChoiceEvents, first: tuple[int, T
             reader = calls[index]
             if reader is None:
                 yield sse({**shape.chunk(text, event.finish_reason, index=index, logprobs=logprobs), **extra()})
-            else:  # content up to where a call may begin; the calls once the answer is whole
-                text, found = reader.take(text, event.finish_reason is not None)
-                if found:
+            else:  # content up to where a call may begin; each call's name, then its arguments as they come
+                final = event.finish_reason is not None
+                text, deltas = reader.feed(text)
+                if final:
+                    rest, more = reader.finish()
+                    text, deltas = text + rest, deltas + more
+                finish = event.finish_reason
+                if reader.called and final:  # a cut call stays `length`, as OpenAI's does
+                    finish = "length" if finish == "length" else "tool_calls"
+                if deltas:
                     if text or logprobs:
                         yield sse({**shape.chunk(text, index=index, logprobs=logprobs), **extra()})
-                    yield sse({**shape.tool_chunk(found, index=index), **extra()})
-                    yield sse({**shape.chunk("", "tool_calls", index=index), **extra()})
-                else:
-                    yield sse({**shape.chunk(text, event.finish_reason, index=index, logprobs=logprobs), **extra()})
+                        text, logprobs = "", None
+                    for group in delta_dicts(deltas, ids[index]):
+                        yield sse({**shape.tool_chunk([group], index=index), **extra()})
+                if text or logprobs or finish is not None or not deltas:
+                    yield sse({**shape.chunk(text, finish, index=index, logprobs=logprobs), **extra()})
             if event.finish_reason is not None:
                 usages[index] = event.usage or {}
             item = await events.next()

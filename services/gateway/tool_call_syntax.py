@@ -107,53 +107,6 @@ def parse_tool_calls(text: str, functions: Sequence[Function]) -> Parsed:
     return _hermes(text, names) or _llama_json(text, names) or Parsed(text, (), len(text))
 
 
-class ToolCallStream:
-    """A streamed answer's text, let out only up to where a tool call may begin; the rest waits for `finish`.
-
-    Text that could start a call (a `<tool_call>` or a part of one at the end, or an answer that opens
-    with `{` or `<|python_tag|>`) is held back, so a client never sees call syntax as content."""
-
-    def __init__(self, functions: Sequence[Function]) -> None:
-        self.functions = tuple(functions)
-        self.text = ""
-        self.sent = 0  # characters let out as content
-
-    def _safe_end(self) -> int:
-        head = self.text.lstrip()
-        if not self.sent and (head.startswith(("{", PYTHON_TAG)) or PYTHON_TAG.startswith(head)):
-            return 0  # a Llama 3.x JSON answer is one from its first character
-        at = self.text.find(OPEN, self.sent)
-        if at >= 0:
-            return at
-        for k in range(min(len(OPEN) - 1, len(self.text)), 0, -1):  # a marker cut at the end of the text
-            if OPEN.startswith(self.text[-k:]):
-                return len(self.text) - k
-        return len(self.text)
-
-    def feed(self, text: str) -> str:
-        """The content that may go out now, after `text` came."""
-        self.text += text
-        end = max(self.sent, self._safe_end())
-        out, self.sent = self.text[self.sent:end], end
-        return out
-
-    def take(self, text: str, final: bool) -> tuple[str, tuple[ToolCall, ...]]:
-        """One event's text as (the content that may go out, the calls): calls only once the answer is `final`."""
-        out = self.feed(text)
-        if not final:
-            return out, ()
-        rest, calls = self.finish()
-        return out + rest, calls
-
-    def finish(self) -> tuple[str, tuple[ToolCall, ...]]:
-        """(the content not yet let out, the calls), once the answer is whole."""
-        parsed = parse_tool_calls(self.text, self.functions)
-        end = parsed.start if parsed.calls else len(self.text)
-        rest = self.text[self.sent:end] if parsed.content is not None else ""
-        self.sent = max(self.sent, end)
-        return rest, parsed.calls
-
-
 def call_grammar(functions: Sequence[Function], parallel: bool = True) -> str:
     """An llguidance grammar for one (or, `parallel`, one or more) Hermes call blocks to `functions`."""
     if not functions:
