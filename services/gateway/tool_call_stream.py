@@ -111,7 +111,7 @@ class ToolCallStream:
                     self.at = max(self.at, len(self.text) - (len(OPEN) - 1))
                 elif self._llama_json():
                     self.held = True
-                elif (head := self.text.lstrip()) and PYTHON_TAG.startswith(head):
+                elif (lead := self.text.lstrip()) and PYTHON_TAG.startswith(lead):
                     pass  # it may become a Llama 3.x tag, or a `<tool_call>`: wait
                 else:
                     end = self._safe_end()
