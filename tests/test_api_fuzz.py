@@ -44,7 +44,7 @@ def narrowed(spec: dict[str, Any], model: str) -> dict[str, Any]:
     Responses API's budget too: without it a tiny random model writes to the end of its context (75 of
     the positive run's 78 s went to nine such answers)."""
     for name, budget in (("ChatCompletionRequest", "max_tokens"), ("CompletionRequest", "max_tokens"),
-                         ("ResponsesRequest", "max_output_tokens")):
+                         ("ResponsesRequest", "max_output_tokens"), ("MessagesRequest", "max_tokens")):
         properties = spec["components"]["schemas"][name]["properties"]
         properties["model"] = {"type": "string", "enum": [model]}
         for field in ("max_tokens", "max_completion_tokens", "max_output_tokens"):

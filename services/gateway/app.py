@@ -46,6 +46,8 @@ from services.gateway.errors import (
 )
 from services.gateway.generation import Generation
 from services.gateway.logprobs import LogprobFormat
+from services.gateway.messages_api import CountTokensRequest, MessagesRequest, MessageView
+from services.gateway.messages_api import chat_request as messages_chat_request
 from services.gateway.openai_schema import ChatCompletionRequest, CompletionRequest, _GenerationRequest
 from services.gateway.openapi_doc import document
 from services.gateway.responses_api import ResponsesRequest, ResponseView, chat_request, response_events
@@ -153,6 +155,25 @@ async def responses(body: ResponsesRequest, request: Request, gateway: GatewayDe
     return await _generate(request, gateway, chat, prompt_ids, chat=True, param="input", tools=tools, responses=body)
 
 
+@api.post("/messages")
+async def messages(body: MessagesRequest, request: Request, gateway: GatewayDep) -> Response:
+    """Anthropic's Messages API, stateless (services.gateway.messages_api)."""
+    chat = messages_chat_request(body)
+    _check_common(gateway, chat)
+    tools, prompt_ids = await _chat_prompt(gateway, chat)
+    return await _generate(request, gateway, chat, prompt_ids, chat=True, param="messages", tools=tools,
+                           messages=body)
+
+
+@api.post("/messages/count_tokens")
+async def count_tokens(body: CountTokensRequest, gateway: GatewayDep) -> Response:
+    """The input tokens a Messages request would have: its conversation and tools, rendered."""
+    chat = messages_chat_request(body)
+    check_model(gateway, chat.model)
+    _, prompt_ids = await _chat_prompt(gateway, chat)
+    return JSONResponse({"input_tokens": len(prompt_ids)})
+
+
 @api.post("/completions")
 async def completions(body: CompletionRequest, request: Request, gateway: GatewayDep) -> Response:
     _check_common(gateway, body)
@@ -208,12 +229,13 @@ def _max_tokens(gateway: Gateway, body: _GenerationRequest, n_prompt: int, param
 
 async def _generate(request: Request, gateway: Gateway, body: _GenerationRequest, prompt_ids: list[int], *,
                     chat: bool, param: str, echo_text: str | None = None, tools: ToolRequest | None = None,
-                    responses: ResponsesRequest | None = None) -> Response:
-    """Submit the request's choices and answer as a chat completion, a completion, or (`responses`) a Response."""
+                    responses: ResponsesRequest | None = None, messages: MessagesRequest | None = None) -> Response:
+    """Submit the request's choices and answer as a chat completion, a completion, (`responses`) a Response or
+    (`messages`) an Anthropic message."""
     max_tokens = _max_tokens(gateway, body, len(prompt_ids), param, chat)
     sampling = _checked(dataclasses.replace(body.sampling(max_tokens), grammar=await _grammar(gateway, body, tools)))
     client_id = request.headers.get("x-request-id")  # vLLM's: the request's id, echoed back
-    kind = "resp" if responses is not None else "chatcmpl" if chat else "cmpl"
+    kind = "resp" if responses is not None else "msg" if messages is not None else "chatcmpl" if chat else "cmpl"
     request_id = f"{kind}-{client_id or uuid.uuid4().hex}"
     if client_id is not None and not REQUEST_ID.fullmatch(client_id):
         raise invalid("the x-request-id header may hold 1 to 128 letters, digits, '-', '_' or ':'", "x-request-id")
@@ -235,6 +257,7 @@ async def _generate(request: Request, gateway: Gateway, body: _GenerationRequest
               for _ in generations]
     headers = {"X-Request-Id": client_id or request_id}
     view = None if responses is None else ResponseView(responses, shape.model, request_id)
+    message = None if messages is None else MessageView(messages, shape.model, request_id)
     try:
         for generation in generations:  # choice 0 first: the others may share its prompt's KV
             await generation.submit()
@@ -256,8 +279,9 @@ async def _generate(request: Request, gateway: Gateway, body: _GenerationRequest
             if isinstance(exc, APIError):
                 exc.headers.update(headers)
             raise
-        body_bytes = stream(shape, events, first, include_usage, continuous, extras) if view is None else \
-            response_events(view, events, first, extras[0].functions)
+        body_bytes = (response_events(view, events, first, extras[0].functions) if view is not None
+                      else message.events(events, first, extras[0].functions, len(prompt_ids)) if message is not None
+                      else stream(shape, events, first, include_usage, continuous, extras))
         return ChoiceStreamResponse(events, body_bytes, media_type="text/event-stream",
                                     headers={**SSE_HEADERS, **headers})
     try:
@@ -268,7 +292,9 @@ async def _generate(request: Request, gateway: Gateway, body: _GenerationRequest
     finally:
         for generation in generations:
             await asyncio.shield(generation.release("client_disconnected"))
-    return JSONResponse(result if view is None else view.from_chat(result), headers=headers)
+    answer = view.from_chat(result) if view is not None else message.from_chat(result) if message is not None \
+        else result
+    return JSONResponse(answer, headers=headers)
 
 
 def _checked(sampling: SamplingSpec) -> SamplingSpec:

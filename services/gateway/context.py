@@ -54,11 +54,13 @@ def check_api_key(request: Request) -> None:
     if not keys:
         return
     scheme, _, key = request.headers.get("authorization", "").partition(" ")
+    if "x-api-key" in request.headers:  # Anthropic's clients send the key so
+        scheme, key = "bearer", request.headers["x-api-key"]
     given = key.strip().encode()
     # every key compared, in constant time each: which one matched (or none) does not show in the timing
     matches = [secrets.compare_digest(given, expected.encode()) for expected in keys]
     if scheme.lower() != "bearer" or not any(matches):
-        raise APIError(401, "Incorrect or missing API key: send `Authorization: Bearer <key>`.",
+        raise APIError(401, "Incorrect or missing API key: send `Authorization: Bearer <key>` (or `x-api-key`).",
                        type=AUTHENTICATION, code="invalid_api_key")
 
 

@@ -2,7 +2,8 @@
 
 Every error the gateway returns has the body `{"error": {"message", "type", "param", "code"}}`, also
 FastAPI's request-validation errors (OpenAI answers 400 where FastAPI would answer 422) and Starlette's
-404/405 for unknown routes.
+404/405 for unknown routes; on the Messages API's routes (`/v1/messages...`) the same errors take
+Anthropic's shape, `{"type": "error", "error": {"type", "message"}}`.
 """
 
 from __future__ import annotations
@@ -57,8 +58,23 @@ class APIError(Exception):
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
-    def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+    def response(self, anthropic: bool = False) -> JSONResponse:
+        body = self.anthropic_body() if anthropic else self.body()
+        return JSONResponse(body, status_code=self.status, headers=self.headers)
+
+    def anthropic_body(self) -> dict[str, Any]:
+        """The error as Anthropic's Messages API sends it: `{"type": "error", "error": {"type", "message"}}`."""
+        kind = ANTHROPIC_TYPES.get(self.type, self.type)
+        return {"type": "error", "error": {"type": kind, "message": self.message}}
+
+
+ANTHROPIC_TYPES: dict[str, str] = {SERVICE_UNAVAILABLE: "api_error", SERVER_ERROR: "api_error",
+                                   TIMEOUT: "api_error"}  # Anthropic's names; the other types are theirs too
+
+
+def _anthropic(request: Request) -> bool:
+    """Whether `request` is on the Messages API's routes, whose errors take Anthropic's shape."""
+    return request.url.path.startswith("/v1/messages")
 
 
 def invalid(message: str, param: str | None = None, code: str | None = None) -> APIError:
@@ -88,7 +104,7 @@ def _where(loc: tuple[Any, ...]) -> tuple[str | None, str]:
 
 async def _api_error_handler(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, APIError)
-    return exc.response()
+    return exc.response(_anthropic(request))
 
 
 async def _validation_error_handler(request: Request, exc: Exception) -> Response:
@@ -98,25 +114,27 @@ async def _validation_error_handler(request: Request, exc: Exception) -> Respons
     loc = tuple(first.get("loc", ()))
     if first.get("type") == "json_invalid":
         message = f"request body is not valid JSON: {first.get('ctx', {}).get('error', 'parse error')}"
-        return invalid(message).response()
+        return invalid(message).response(_anthropic(request))
     param, path = _where(loc)
     if param is None:
-        return invalid(f"request body must be a JSON object: {first.get('msg', 'invalid body')}").response()
+        return invalid(f"request body must be a JSON object: {first.get('msg', 'invalid body')}").response(
+            _anthropic(request))
     message = f"{path}: {first.get('msg', 'invalid value')}"
     if len(errors) > 1:
         message += f" (and {len(errors) - 1} more error{'s' if len(errors) > 2 else ''})"
-    return invalid(message, param).response()
+    return invalid(message, param).response(_anthropic(request))
 
 
 async def _http_error_handler(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, StarletteHTTPException)
     kind = NOT_FOUND if exc.status_code == 404 else INVALID_REQUEST
-    return APIError(exc.status_code, str(exc.detail), type=kind, headers=dict(exc.headers or {})).response()
+    return APIError(exc.status_code, str(exc.detail), type=kind, headers=dict(exc.headers or {})).response(
+        _anthropic(request))
 
 
 async def _unexpected_error_handler(request: Request, exc: Exception) -> Response:
     log.exception("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
-    return APIError(500, f"internal error: {type(exc).__name__}", type=SERVER_ERROR).response()
+    return APIError(500, f"internal error: {type(exc).__name__}", type=SERVER_ERROR).response(_anthropic(request))
 
 
 def install_error_handlers(app: FastAPI) -> None:

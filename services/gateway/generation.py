@@ -79,6 +79,7 @@ class TextEvent:
     usage: dict[str, Any] | None = None
     logprobs: list[tuple[int, TokenLogprob | None]] = field(default_factory=list)
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    stop_sequence: str | None = None  # the stop string that ended the answer (Anthropic's `stop_sequence`)
 
 
 def usage_dict(prompt_tokens: int, completion_tokens: int, energy_j: float | None = None,
@@ -270,7 +271,9 @@ class Generation:
                     await self.cancel("stop_string")
                     usage = usage_dict(len(self.prompt_ids), n_tokens)
                     self._record(usage)
-                    yield event("".join(pieces), "stop", usage)
+                    ended = event("".join(pieces), "stop", usage)
+                    ended.stop_sequence = matcher.matched
+                    yield ended
                     return
             if delta.finish_reason is None:
                 if any(pieces):

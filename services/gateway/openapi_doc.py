@@ -206,6 +206,55 @@ class Ready(_Body):
     reason: str | None = None
 
 
+
+class AnthropicErrorDetail(_Body):
+    type: str
+    message: str
+
+
+class AnthropicErrorResponse(_Body):
+    """The Messages API's routes answer errors in Anthropic's shape."""
+
+    type: Literal["error"]
+    error: AnthropicErrorDetail
+
+
+class AnthropicUsage(_Body):
+    input_tokens: int
+    output_tokens: int
+    cache_read_input_tokens: int  # prompt tokens the prefix cache held
+    cache_creation_input_tokens: int
+    energy_j: float | None = None  # AFlex's extension
+
+
+class AnthropicTextBlock(_Body):
+    type: Literal["text"]
+    text: str
+
+
+class AnthropicToolUseBlock(_Body):
+    type: Literal["tool_use"]
+    id: str
+    name: str
+    input: dict[str, Any]
+
+
+class AnthropicMessage(_Body):
+    """A `/v1/messages` answer (Anthropic's Messages API, stateless)."""
+
+    id: str
+    type: Literal["message"]
+    role: Literal["assistant"]
+    model: str
+    content: list[AnthropicTextBlock | AnthropicToolUseBlock]
+    stop_reason: Literal["end_turn", "max_tokens", "stop_sequence", "tool_use"]
+    stop_sequence: str | None
+    usage: AnthropicUsage
+
+
+class TokenCount(_Body):
+    input_tokens: int
+
 # Why each error status can come back (the descriptions /openapi.json shows).
 ERROR_STATUSES = {
     400: "invalid request: bad JSON, a field out of range, a NUL in the text, too long for the context",
@@ -228,6 +277,8 @@ ROUTES: dict[tuple[str, str], tuple[type[BaseModel], tuple[int, ...], bool]] = {
     ("/v1/chat/completions", "post"): (ChatCompletion, GENERATION_ERRORS, True),
     ("/v1/completions", "post"): (Completion, GENERATION_ERRORS, True),
     ("/v1/responses", "post"): (ResponseObject, GENERATION_ERRORS, True),
+    ("/v1/messages", "post"): (AnthropicMessage, GENERATION_ERRORS, True),
+    ("/v1/messages/count_tokens", "post"): (TokenCount, (400, 401, 404, 413), False),
     ("/tokenize", "post"): (Tokenized, (400, 401, 404, 413), False),
     ("/detokenize", "post"): (Detokenized, (400, 401, 404, 413), False),
     ("/tokenizer_info", "get"): (TokenizerInfo, (401,), False),
@@ -245,6 +296,12 @@ def _ref(model: type[BaseModel]) -> dict[str, str]:
     return {"$ref": f"#/components/schemas/{model.__name__}"}
 
 
+def _error_body(path: str) -> type[BaseModel]:
+    if path == "/ready":
+        return Ready
+    return AnthropicErrorResponse if path.startswith("/v1/messages") else ErrorResponse
+
+
 def document(app: FastAPI) -> None:
     """Give `app` an /openapi.json whose responses are the ones the routes really send."""
 
@@ -253,7 +310,8 @@ def document(app: FastAPI) -> None:
             return app.openapi_schema
         spec = get_openapi(title=app.title, version=app.version, routes=app.routes)
         schemas = spec.setdefault("components", {}).setdefault("schemas", {})
-        models: list[type[BaseModel]] = [ErrorResponse, *dict.fromkeys(m for m, _, _ in ROUTES.values())]
+        models: list[type[BaseModel]] = [ErrorResponse, AnthropicErrorResponse,
+                                         *dict.fromkeys(m for m, _, _ in ROUTES.values())]
         for model in models:
             for name, schema in model.model_json_schema(ref_template="#/components/schemas/{model}").get(
                     "$defs", {}).items():
@@ -269,8 +327,7 @@ def document(app: FastAPI) -> None:
                 ok["text/event-stream"] = {"schema": SSE_EVENT}
             operation["responses"] = {"200": {"description": "OK", "content": ok}} | {
                 str(status): {"description": ERROR_STATUSES[status],
-                              "content": {"application/json": {"schema": _ref(Ready if path == "/ready"
-                                                                              else ErrorResponse)}}}
+                              "content": {"application/json": {"schema": _ref(_error_body(path))}}}
                 for status in errors}
         app.openapi_schema = spec
         return spec

@@ -23,7 +23,7 @@ from pydantic import Field, Strict
 from services.gateway.errors import APIError, invalid
 from services.gateway.openai_schema import Bool, ChatCompletionRequest, _bounds, _Model
 from services.gateway.streaming import ChoiceEvents
-from services.gateway.tool_call_stream import CallDelta, ToolCallStream
+from services.gateway.tool_call_stream import ToolCallStream
 from services.gateway.tool_call_syntax import Function
 
 
@@ -231,12 +231,8 @@ async def response_events(view: ResponseView, events: ChoiceEvents, first: Any,
         while item is not None:
             _, event = item
             final = event.finish_reason is not None
-            delta, deltas = event.text, list[CallDelta]()
-            if reader is not None:  # content up to where a call may begin; each call as it is written
-                delta, deltas = reader.feed(event.text)
-                if final:
-                    rest, more = reader.finish()
-                    delta, deltas = delta + rest, deltas + more
+            # content up to where a call may begin; each call as it is written
+            delta, deltas = reader.take(event.text, final) if reader is not None else (event.text, [])
             if delta and not opened and not output:
                 opened = True
                 yield ev("response.output_item.added", output_index=0, item=view.message("", "in_progress"))

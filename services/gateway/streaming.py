@@ -129,7 +129,8 @@ async def _collect_one(shape: ResponseShape, index: int, generation: Generation,
                 finish = "length" if event.finish_reason == "length" else "tool_calls"
                 return (shape.choice(content, finish, index=index, logprobs=logprobs,
                                      tool_calls=call_dicts(calls)), event.usage or {})
-            return shape.choice(text, event.finish_reason, index=index, logprobs=logprobs), event.usage or {}
+            return ({**shape.choice(text, event.finish_reason, index=index, logprobs=logprobs),
+                     "stop_reason": event.stop_sequence}, event.usage or {})  # vLLM's: the stop string hit
     raise AssertionError("events() ended without a finish reason")
 
 
@@ -266,10 +267,7 @@ async def stream(shape: ResponseShape, events: ChoiceEvents, first: tuple[int, T
                 yield sse({**shape.chunk(text, event.finish_reason, index=index, logprobs=logprobs), **extra()})
             else:  # content up to where a call may begin; each call's name, then its arguments as they come
                 final = event.finish_reason is not None
-                text, deltas = reader.feed(text)
-                if final:
-                    rest, more = reader.finish()
-                    text, deltas = text + rest, deltas + more
+                text, deltas = reader.take(text, final)
                 finish = event.finish_reason
                 if reader.called and final:  # a cut call stays `length`, as OpenAI's does
                     finish = "length" if finish == "length" else "tool_calls"

@@ -134,6 +134,14 @@ class ToolCallStream:
                 deltas.append(CallDelta(self.calls - 1, None, piece))
         return content, deltas
 
+    def take(self, text: str, final: bool) -> tuple[str, list[CallDelta]]:
+        """`feed`, and on the answer's last event (`final`) `finish` too."""
+        content, deltas = self.feed(text)
+        if final:
+            rest, more = self.finish()
+            content, deltas = content + rest, deltas + more
+        return content, deltas
+
     def _llama_json(self) -> bool:
         """A Llama 3.x JSON answer: one from its first character (a JSON object, or the python tag)."""
         return self.text.lstrip().startswith(("{", PYTHON_TAG))

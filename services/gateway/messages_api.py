@@ -1,0 +1,266 @@
+"""`POST /v1/messages`, Anthropic's Messages API, stateless: served as the chat completion it amounts to, and
+answered in the Messages shape (`text` and `tool_use` content blocks), whole or as its event stream.
+
+Claude Code and other agents speak it. The request: `system` (text or text blocks), `messages` whose content
+is text or blocks (`text`; `tool_use` in assistant turns; `tool_result` in user turns), `tools` with
+`input_schema`, `tool_choice` (`auto`, `any`, `tool` with a `name`, `none`; `disable_parallel_tool_use`),
+`max_tokens` (required), `stop_sequences`, `temperature`, `top_p`, `top_k`, `stream`. The stream's events
+are Anthropic's: `message_start`, `content_block_start`, `content_block_delta` (`text_delta`,
+`input_json_delta`: a tool call's input as it is generated), `content_block_stop`, `message_delta` (with
+`stop_reason`: `end_turn`, `max_tokens`, `stop_sequence`, `tool_use`), `message_stop`. Usage has
+`input_tokens`, `output_tokens`, `cache_read_input_tokens` (the prompt tokens the prefix cache held) and
+AFlex's `energy_j`. Errors come in Anthropic's shape (errors.APIError.anthropic_body); `x-api-key` is accepted
+where `--api-key` is set (context.check_api_key). `POST /v1/messages/count_tokens` counts a request's input.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import AsyncIterator
+from typing import Annotated, Any
+
+import orjson
+from pydantic import Field, Strict
+
+from services.gateway.errors import APIError, invalid
+from services.gateway.openai_schema import Bool, ChatCompletionRequest, _bounds, _Model
+from services.gateway.streaming import ChoiceEvents
+from services.gateway.tool_call_stream import CallDelta, ToolCallStream
+from services.gateway.tool_call_syntax import Function
+
+STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
+
+
+class MessagesRequest(_Model):
+    model: str | None = None
+    messages: list[dict[str, Any]]
+    max_tokens: Annotated[int, Strict(), _bounds("max_tokens")]
+    system: str | list[dict[str, Any]] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: dict[str, Any] | None = None
+    stop_sequences: list[str] | None = None
+    temperature: Annotated[float, Strict(), Field(ge=0.0, le=1.0)] | None = None
+    top_p: Annotated[float, Strict(), _bounds("top_p")] | None = None
+    top_k: Annotated[int, Strict(), _bounds("top_k")] | None = None
+    stream: Bool = False
+    metadata: dict[str, Any] | None = None
+    seed: Annotated[int, Strict()] | None = None  # not Anthropic's: reproducible answers, as chat has it
+
+
+class CountTokensRequest(_Model):
+    model: str | None = None
+    messages: list[dict[str, Any]]
+    system: str | list[dict[str, Any]] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: dict[str, Any] | None = None
+
+
+def _text(content: Any, where: str) -> str:
+    """Text, or text blocks joined; anything else (an image, a document) is a 400."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise invalid(f"{where} must be text or a list of content blocks", "messages")
+    texts = []
+    for k, block in enumerate(content):
+        if not isinstance(block, dict) or block.get("type") != "text" or not isinstance(block.get("text"), str):
+            kind = block.get("type") if isinstance(block, dict) else type(block).__name__
+            raise invalid(f"{where}[{k}] of type {kind!r} is not supported here (text blocks only)", "messages")
+        texts.append(block["text"])
+    return "".join(texts)
+
+
+def _turns(body: MessagesRequest | CountTokensRequest) -> list[dict[str, Any]]:
+    """The conversation as chat messages: an assistant turn's `tool_use` blocks its tool_calls, a user turn's
+    `tool_result` blocks `tool` turns (before the user's own text, as they answer the calls before it)."""
+    out: list[dict[str, Any]] = [{"role": "system", "content": _text(body.system, "system")}] if body.system else []
+    for i, message in enumerate(body.messages):
+        role, content, where = message.get("role"), message.get("content"), f"messages[{i}].content"
+        if role not in ("user", "assistant"):
+            raise invalid(f"messages[{i}].role must be user or assistant, got {role!r}", "messages")
+        if isinstance(content, str):
+            out.append({"role": role, "content": content})
+            continue
+        if not isinstance(content, list):
+            raise invalid(f"{where} must be text or a list of content blocks", "messages")
+        texts, calls, results = [], [], []
+        for k, block in enumerate(content):
+            kind = block.get("type") if isinstance(block, dict) else None
+            if kind == "text":
+                texts.append(_text([block], f"{where}[{k}]"))
+            elif kind == "tool_use" and role == "assistant":
+                if not (isinstance(block.get("id"), str) and isinstance(block.get("name"), str)
+                        and isinstance(block.get("input", {}), dict)):
+                    raise invalid(f"{where}[{k}]: a tool_use block needs a string id and name and an object "
+                                  "input", "messages")
+                calls.append({"id": block["id"], "type": "function", "function": {
+                    "name": block["name"], "arguments": json.dumps(block.get("input", {}))}})
+            elif kind == "tool_result" and role == "user":
+                if not isinstance(block.get("tool_use_id"), str):
+                    raise invalid(f"{where}[{k}]: a tool_result block needs the tool_use_id it answers", "messages")
+                result = block.get("content", "")
+                results.append({"role": "tool", "tool_call_id": block["tool_use_id"],
+                                "content": _text(result, f"{where}[{k}].content") if result else ""})
+            else:
+                raise invalid(f"{where}[{k}] of type {kind!r} is not supported in a {role} turn (text, tool_use "
+                              "in assistant turns, tool_result in user turns)", "messages")
+        out += results
+        if texts or calls:
+            out.append({"role": role, "content": "".join(texts) or None, **({"tool_calls": calls} if calls else {})})
+    return out
+
+
+def _tools(body: MessagesRequest | CountTokensRequest) -> tuple[list[dict[str, Any]], Any, bool]:
+    """(the tools as chat functions, chat's tool_choice, parallel calls allowed)."""
+    tools = []
+    for k, tool in enumerate(body.tools or []):
+        if not isinstance(tool.get("name"), str) or tool.get("type") not in (None, "custom"):
+            raise invalid(f"tools[{k}] must be a client tool with a name and an input_schema (server tools, "
+                          f"here of type {tool.get('type')!r}, cannot run here)", "tools")
+        function = {"name": tool["name"], "parameters": tool.get("input_schema") or {"type": "object"},
+                    **({"description": tool["description"]} if "description" in tool else {})}
+        tools.append({"type": "function", "function": function})
+    choice = body.tool_choice or {"type": "auto"}
+    kinds: dict[str, Any] = {"auto": "auto", "any": "required", "none": "none"}
+    if choice.get("type") == "tool":
+        if not isinstance(choice.get("name"), str):
+            raise invalid("tool_choice of type tool needs the tool's name", "tool_choice")
+        picked: Any = {"type": "function", "function": {"name": choice["name"]}}
+    elif choice.get("type") in kinds:
+        picked = kinds[choice["type"]]
+    else:
+        raise invalid("tool_choice.type must be auto, any, tool or none", "tool_choice")
+    return tools, (picked if tools else None), not choice.get("disable_parallel_tool_use", False)
+
+
+def chat_request(body: MessagesRequest | CountTokensRequest) -> ChatCompletionRequest:
+    """The chat completion a Messages request amounts to (count_tokens: its prompt only)."""
+    tools, choice, parallel = _tools(body)
+    fields: dict[str, Any] = {"model": body.model, "messages": _turns(body), "tools": tools or None,
+                              "tool_choice": choice, "parallel_tool_calls": parallel}
+    if isinstance(body, MessagesRequest):
+        fields |= {"max_completion_tokens": body.max_tokens, "stop": body.stop_sequences, "top_p": body.top_p,
+                   "temperature": body.temperature, "top_k": body.top_k, "stream": body.stream, "seed": body.seed}
+    if not fields["messages"]:
+        raise invalid("messages must be a non-empty list", "messages")
+    try:
+        return ChatCompletionRequest.model_validate({k: v for k, v in fields.items() if v is not None})
+    except ValueError as exc:
+        raise invalid(f"messages: {exc}", "messages") from None
+
+
+def usage_of(usage: dict[str, Any]) -> dict[str, Any]:
+    cached = usage.get("prompt_tokens_details", {}).get("cached_tokens", 0)
+    out = {"input_tokens": usage["prompt_tokens"], "output_tokens": usage["completion_tokens"],
+           "cache_read_input_tokens": cached, "cache_creation_input_tokens": 0}
+    if "energy_j" in usage:
+        out["energy_j"] = usage["energy_j"]  # AFlex's, as on chat completions
+    return out
+
+
+def _tool_use(call_id: str, name: str, arguments: str) -> dict[str, Any]:
+    try:
+        data = json.loads(arguments) if arguments else {}
+    except json.JSONDecodeError:  # cut short by max_tokens: what was written, as text (Anthropic's partial input)
+        data = {}
+    return {"type": "tool_use", "id": "toolu_" + call_id.removeprefix("call_"), "name": name, "input": data}
+
+
+class MessageView:
+    """One Messages answer: its identity, and its content blocks whole or as events."""
+
+    def __init__(self, body: MessagesRequest, model: str, request_id: str) -> None:
+        self.body, self.model = body, model
+        self.id = "msg_" + request_id.split("-", 1)[-1]
+
+    def message(self, content: list[dict[str, Any]], finish: str | None, stop_sequence: str | None,
+                usage: dict[str, Any]) -> dict[str, Any]:
+        return {"id": self.id, "type": "message", "role": "assistant", "model": self.model, "content": content,
+                "stop_reason": stop_reason(finish, stop_sequence), "stop_sequence": stop_sequence, "usage": usage}
+
+    def from_chat(self, result: dict[str, Any]) -> dict[str, Any]:
+        choice = result["choices"][0]
+        message = choice["message"]
+        content = [{"type": "text", "text": message["content"]}] if message.get("content") else []
+        content += [_tool_use(c["id"], c["function"]["name"], c["function"]["arguments"])
+                    for c in message.get("tool_calls") or []]
+        return self.message(content, choice["finish_reason"], choice.get("stop_reason"), usage_of(result["usage"]))
+
+    async def events(self, events: ChoiceEvents, first: Any, functions: tuple[Function, ...] | None,
+                     prompt_tokens: int) -> AsyncIterator[bytes]:
+        """The Messages event stream of one answer, from its `first` event on."""
+        yield _event("message_start", message=self.message([], None, None, usage_of(
+            {"prompt_tokens": prompt_tokens, "completion_tokens": 0})))
+        reader = ToolCallStream(functions) if functions is not None else None
+        blocks = _Blocks()
+        try:
+            item = first
+            while item is not None:
+                _, event = item
+                final = event.finish_reason is not None
+                # text up to where a call may begin; each call as it is written
+                text, deltas = reader.take(event.text, final) if reader is not None else (event.text, [])
+                for chunk in [*blocks.text(text), *(c for d in deltas for c in blocks.call(d))]:
+                    yield chunk
+                if final:
+                    for chunk in blocks.close():
+                        yield chunk
+                    finish = event.finish_reason
+                    if reader is not None and reader.called and finish != "length":
+                        finish = "tool_calls"
+                    usage = usage_of(event.usage or {"prompt_tokens": prompt_tokens, "completion_tokens": 0})
+                    yield _event("message_delta", delta={"stop_reason": stop_reason(finish, event.stop_sequence),
+                                                         "stop_sequence": event.stop_sequence}, usage=usage)
+                    yield _event("message_stop")
+                item = await events.next()
+        except APIError as exc:  # the status line is sent already: an error event ends the stream
+            yield _event("error", error=exc.anthropic_body()["error"])
+        finally:
+            await events.close("client_disconnected")
+
+
+def stop_reason(finish: str | None, stop_sequence: str | None) -> str | None:
+    if finish is None:
+        return None
+    return "stop_sequence" if stop_sequence else STOP_REASONS.get(finish, "end_turn")
+
+
+class _Blocks:
+    """The content blocks of a streamed answer: a text block while text comes, a tool_use block per call
+    (its input as JSON pieces), each closed when the next opens or the answer ends."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.text_open = False
+
+    def text(self, text: str) -> list[bytes]:
+        if not text:
+            return []
+        out = []
+        if not self.text_open:
+            out += self.close()
+            self.text_open, self.count = True, self.count + 1
+            out.append(_event("content_block_start", index=self.count - 1, content_block={"type": "text", "text": ""}))
+        return [*out, _event("content_block_delta", index=self.count - 1, delta={"type": "text_delta", "text": text})]
+
+    def call(self, delta: CallDelta) -> list[bytes]:
+        out = []
+        if delta.name is not None:
+            out += self.close()
+            self.count += 1
+            out.append(_event("content_block_start", index=self.count - 1, content_block={
+                "type": "tool_use", "id": f"toolu_{uuid.uuid4().hex[:24]}", "name": delta.name, "input": {}}))
+        if delta.arguments:
+            out.append(_event("content_block_delta", index=self.count - 1,
+                              delta={"type": "input_json_delta", "partial_json": delta.arguments}))
+        return out
+
+    def close(self) -> list[bytes]:
+        """The open block's end (none before the first)."""
+        self.text_open = False
+        return [_event("content_block_stop", index=self.count - 1)] if self.count else []
+
+
+def _event(kind: str, **fields: Any) -> bytes:
+    return b"event: " + kind.encode() + b"\ndata: " + orjson.dumps({"type": kind, **fields}) + b"\n\n"
