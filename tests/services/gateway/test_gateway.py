@@ -468,6 +468,10 @@ def test_api_key(h: Harness, keys: str) -> None:
             assert (await c.get("/health")).status_code == 200
             for path in ("/ready", "/metrics"):
                 assert (await c.get(path)).status_code != 401, path
+            assert (await c.get("/v1/models", headers={"x-api-key": "sekret"})).status_code == 200  # Anthropic's
+            refused = await c.post("/v1/messages/count_tokens", json={"messages": []}, headers={"x-api-key": "no"})
+            assert refused.status_code == 401  # in Anthropic's shape on its routes
+            assert refused.json()["type"] == "error" and refused.json()["error"]["type"] == "authentication_error"
 
     asyncio.run(check())
 
