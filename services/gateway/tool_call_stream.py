@@ -201,15 +201,12 @@ class ToolCallStream:
 def read_calls(text: str, functions: Sequence[Function]) -> tuple[str | None, tuple[ToolCall, ...]]:
     """A finished answer's content and calls as a stream would have given them: a block cut short (by
     `max_tokens`) is a call with the arguments written so far (parse_tool_calls leaves it as text)."""
-    reader = ToolCallStream(functions)
-    content, deltas = reader.feed(text)
-    rest, more = reader.finish()
+    content, deltas = ToolCallStream(functions).take(text, final=True)
     names: dict[int, str] = {}
     arguments: dict[int, str] = {}
-    for d in deltas + more:
+    for d in deltas:
         if d.name is not None:
             names[d.index] = d.name
         arguments[d.index] = arguments.get(d.index, "") + d.arguments
     calls = tuple(ToolCall(names[k], arguments[k]) for k in sorted(names))
-    content += rest
     return (content if content.strip() or not calls else None), calls
