@@ -166,3 +166,12 @@ def chat_model(chat_mesh: Mesh) -> str:
     """The model name `chat_mesh` serves."""
     return chat_mesh.served_model()
 
+
+
+@pytest.fixture(scope="session")
+def reasoning_checkpoint(tmp_path_factory: pytest.TempPathFactory, smollm2_hf_tokenizer: Any) -> Path:
+    """A tiny Qwen3 taught to reason before it answers (tests/reasoning_model.py)."""
+    from tests.reasoning_model import make_reasoning_checkpoint
+
+    return make_reasoning_checkpoint(tmp_path_factory.mktemp("reasoning") / "tiny-qwen3-reasoning",
+                                     smollm2_hf_tokenizer)

@@ -21,6 +21,7 @@ import uuid
 from collections.abc import Coroutine, Iterator
 from typing import Any, TypeVar
 
+import llguidance
 import uvicorn
 from fastapi import APIRouter, Depends, FastAPI, Request
 from nats.aio.client import Client
@@ -50,6 +51,7 @@ from services.gateway.messages_api import CountTokensRequest, MessagesRequest, M
 from services.gateway.messages_api import chat_request as messages_chat_request
 from services.gateway.openai_schema import ChatCompletionRequest, CompletionRequest, _GenerationRequest
 from services.gateway.openapi_doc import document
+from services.gateway.reasoning import ReasoningSplitter, Start
 from services.gateway.responses_api import ResponsesRequest, ResponseView, chat_request, response_events
 from services.gateway.streaming import (
     SSE_HEADERS,
@@ -143,6 +145,7 @@ async def _chat_prompt(gateway: Gateway, body: ChatCompletionRequest) -> tuple[T
     """The request's tools, checked, and its conversation's prompt ids with them."""
     tools = tool_request(body)
     messages, variables = template_messages(body.messages, tools, gateway.tokenizer)
+    variables |= body.template_variables()
     return tools, await run_in_threadpool(lambda: render_chat(gateway.tokenizer, messages, **variables))
 
 
@@ -233,7 +236,10 @@ async def _generate(request: Request, gateway: Gateway, body: _GenerationRequest
     """Submit the request's choices and answer as a chat completion, a completion, (`responses`) a Response or
     (`messages`) an Anthropic message."""
     max_tokens = _max_tokens(gateway, body, len(prompt_ids), param, chat)
-    sampling = _checked(dataclasses.replace(body.sampling(max_tokens), grammar=await _grammar(gateway, body, tools)))
+    think = gateway.think_tokens if chat else None  # completions answer as the text comes
+    start = None if think is None else think.start(prompt_ids, gateway.tokenizer)
+    grammar = await _grammar(gateway, body, tools, start)
+    sampling = _checked(dataclasses.replace(body.sampling(max_tokens), grammar=grammar))
     client_id = request.headers.get("x-request-id")  # vLLM's: the request's id, echoed back
     kind = "resp" if responses is not None else "msg" if messages is not None else "chatcmpl" if chat else "cmpl"
     request_id = f"{kind}-{client_id or uuid.uuid4().hex}"
@@ -247,13 +253,14 @@ async def _generate(request: Request, gateway: Gateway, body: _GenerationRequest
         watch=gateway.schedulers, gateway_id=gateway.gateway_id,
         scheduler_silence_s=gateway.settings.scheduler_silence_s,
         failover_deadline_s=gateway.settings.failover_deadline_s, fork_of=request_id if i else "",
-        priority=body.priority,
+        priority=body.priority, reasoning=None if start is None else ReasoningSplitter(start, think),
     ) for i in range(body.n)]
     shape = ResponseShape(request_id, int(time.time()), body.model or gateway.served_model, chat)
     top_n = sampling.logprobs
     extras = [Extras(None if top_n is None else LogprobFormat(gateway.tokenizer, chat=chat, top_n=top_n,
                                                                 as_ids=body.return_tokens_as_token_ids),
-                     echo_text, tuple(prompt_ids), tools.functions if tools is not None and tools.parses else None)
+                     echo_text, tuple(prompt_ids), tools.functions if tools is not None and tools.parses else None,
+                     reasoning=start is not None)
               for _ in generations]
     headers = {"X-Request-Id": client_id or request_id}
     view = None if responses is None else ResponseView(responses, shape.model, request_id)
@@ -306,17 +313,22 @@ def _checked(sampling: SamplingSpec) -> SamplingSpec:
         raise invalid(str(exc), exc.param) from None
 
 
-async def _grammar(gateway: Gateway, body: _GenerationRequest, tools: ToolRequest | None) -> str | None:
+async def _grammar(gateway: Gateway, body: _GenerationRequest, tools: ToolRequest | None,
+                   start: Start | None) -> str | None:
     """The grammar of a forced tool call or of `response_format`, checked against the vocabulary (a bad
-    schema is a 400 here)."""
+    schema is a 400 here); with a reasoning model (`start`), it applies after the reasoning block."""
     form = body.response_format
     param = "tools" if tools is not None and tools.choice in ("required", "function") else "response_format"
+    rule = "start" if start is None else "answer"
     try:
-        grammar = tools.grammar() if tools is not None else None
-        if grammar is None and form is not None and form.type != "text":
-            grammar = structured.grammar_for(form.type, form.json_schema.schema_ if form.json_schema else None)
-        if grammar is None:
+        lark = tools.lark(rule, gateway.call_marker_ids) if tools is not None else None
+        if lark is None and form is not None and form.type != "text":
+            lark = structured.json_lark(form.type, form.json_schema.schema_ if form.json_schema else None, rule)
+        if lark is None:
             return None
+        if start is not None and gateway.think_tokens is not None:
+            lark = gateway.think_tokens.grammar(lark, start)
+        grammar = str(llguidance.LLMatcher.grammar_from_lark(lark))
         tokenizer = await run_in_threadpool(structured.llg_tokenizer, gateway.tokenizer, gateway.card.args.vocab_size)
         await run_in_threadpool(structured.check, grammar, tokenizer, param)
     except InvalidRequestError as exc:

@@ -3,6 +3,7 @@ check, the model-name check and the chat template, shared by the OpenAI routes a
 
 from __future__ import annotations
 
+import functools
 import secrets
 import uuid
 from dataclasses import dataclass, field
@@ -13,6 +14,8 @@ from nats.aio.client import Client
 
 from services.gateway.errors import AUTHENTICATION, NOT_FOUND, APIError, invalid
 from services.gateway.liveness import SchedulerWatch
+from services.gateway.reasoning import ThinkTokens
+from services.gateway.tool_call_syntax import CLOSE, OPEN
 from shared.errors import InvalidRequestError, TokenizerError
 from shared.model.checkpoint import ModelCard
 from shared.model.tokenizer import Tokenizer
@@ -35,6 +38,17 @@ class Gateway:
     started: int
     schedulers: SchedulerWatch = field(default_factory=SchedulerWatch)  # subscribed by `serve`
     gateway_id: str = field(default_factory=new_gateway_id)  # this run's
+
+    @functools.cached_property
+    def think_tokens(self) -> ThinkTokens | None:
+        """The reasoning markers, where the served model reasons (services.gateway.reasoning)."""
+        return ThinkTokens.of(self.tokenizer)
+
+    @functools.cached_property
+    def call_marker_ids(self) -> tuple[int, int] | None:
+        """`<tool_call>` and `</tool_call>` where they are tokens of the vocabulary (a forced call names them)."""
+        ids = [self.tokenizer.token_to_id(marker) for marker in (OPEN, CLOSE)]
+        return None if None in ids else (ids[0], ids[1])  # type: ignore[return-value]  # both ints here
 
     @property
     def max_seq_len(self) -> int:

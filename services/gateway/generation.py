@@ -47,6 +47,7 @@ from shared.transport.bus import BusError, BusTimeoutError, NoRespondersBusError
 if TYPE_CHECKING:
     from services.gateway.liveness import SchedulerWatch
     from services.gateway.metrics import GatewayMetrics
+    from services.gateway.reasoning import ReasoningSplitter
 
 log = logging.getLogger("aflex.gateway")
 
@@ -80,6 +81,7 @@ class TextEvent:
     logprobs: list[tuple[int, TokenLogprob | None]] = field(default_factory=list)
     prompt_logprobs: list[TokenLogprob | None] | None = None
     stop_sequence: str | None = None  # the stop string that ended the answer (Anthropic's `stop_sequence`)
+    reasoning: str = ""  # a reasoning model's reasoning, split from `text` (services.gateway.reasoning)
 
 
 def usage_dict(prompt_tokens: int, completion_tokens: int, energy_j: float | None = None,
@@ -118,6 +120,7 @@ class Generation:
     failover_deadline_s: float = 30.0
     fork_of: str = ""  # one of n choices: choice 0's request id, whose prompt KV it may share
     priority: int = 0  # vLLM's: lower is served first
+    reasoning: ReasoningSplitter | None = None  # a reasoning model's answer: its reasoning split from the text
     output_ids: list[int] = field(default_factory=list, init=False)  # every token streamed so far
     failovers: int = field(default=0, init=False)  # times the request was resubmitted (taken over or resynced)
     _instance: str = field(default="", init=False)  # the scheduler run that holds it
@@ -247,9 +250,20 @@ class Generation:
 
         def event(text: str, finish_reason: str | None = None, usage: dict[str, Any] | None = None) -> TextEvent:
             nonlocal consumed, prompt_logprobs
-            made = TextEvent(text, finish_reason, usage, consumed, prompt_logprobs)
+            reasoning = ""
+            if self.reasoning is not None:
+                reasoning, text = self.reasoning.feed(text)
+                if finish_reason is not None:
+                    more_reasoning, more_text = self.reasoning.finish()
+                    reasoning, text = reasoning + more_reasoning, text + more_text
+                    if usage is not None:
+                        usage["completion_tokens_details"] = {"reasoning_tokens": self.reasoning.reasoning_tokens}
+            made = TextEvent(text, finish_reason, usage, consumed, prompt_logprobs, reasoning=reasoning)
             consumed, prompt_logprobs = [], None
             return made
+
+        def said(made: TextEvent) -> bool:  # text held back (a marker may begin) makes no event yet
+            return bool(made.text or made.reasoning or any(lp is not None for _, lp in made.logprobs))
 
         while True:
             delta = await self._next_delta()
@@ -264,6 +278,8 @@ class Generation:
             pieces: list[str] = []
             for i, token_id in enumerate(delta.token_ids):
                 n_tokens += 1
+                if self.reasoning is not None:
+                    self.reasoning.count(token_id)
                 consumed.append((token_id, logprobs[i] if i < len(logprobs) else None))
                 text, hit = matcher.feed(detok.push(token_id))
                 pieces.append(text)
@@ -276,14 +292,14 @@ class Generation:
                     yield ended
                     return
             if delta.finish_reason is None:
-                if any(pieces):
-                    yield event("".join(pieces))
+                if any(pieces) and said(made := event("".join(pieces))):
+                    yield made
                 continue
             if delta.finish_reason == "abort" and not self.finished:
                 # Not ours to end: the scheduler took this gateway for gone (a pause longer than its
                 # gateway_silence_s) and cancelled it. The client is still here, so it goes on, a continuation.
-                if any(pieces):
-                    yield event("".join(pieces))
+                if any(pieces) and said(made := event("".join(pieces))):
+                    yield made
                 await self._take_over("the scheduler cancelled it, taking this gateway for gone", resync=False)
                 continue
             self.finished = True

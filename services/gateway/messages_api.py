@@ -4,8 +4,10 @@ answered in the Messages shape (`text` and `tool_use` content blocks), whole or 
 Claude Code and other agents speak it. The request: `system` (text or text blocks), `messages` whose content
 is text or blocks (`text`; `tool_use` in assistant turns; `tool_result` in user turns), `tools` with
 `input_schema`, `tool_choice` (`auto`, `any`, `tool` with a `name`, `none`; `disable_parallel_tool_use`),
-`max_tokens` (required), `stop_sequences`, `temperature`, `top_p`, `top_k`, `stream`. The stream's events
-are Anthropic's: `message_start`, `content_block_start`, `content_block_delta` (`text_delta`,
+`max_tokens` (required), `stop_sequences`, `temperature`, `top_p`, `top_k`, `stream`, and `thinking` for a
+reasoning model (services.gateway.reasoning): its reasoning comes as a `thinking` block before the answer, and
+earlier turns' `thinking` blocks go back to the template as their reasoning. The stream's events
+are Anthropic's: `message_start`, `content_block_start`, `content_block_delta` (`thinking_delta`, `text_delta`,
 `input_json_delta`: a tool call's input as it is generated), `content_block_stop`, `message_delta` (with
 `stop_reason`: `end_turn`, `max_tokens`, `stop_sequence`, `tool_use`), `message_stop`. Usage has
 `input_tokens`, `output_tokens`, `cache_read_input_tokens` (the prompt tokens the prefix cache held) and
@@ -46,6 +48,7 @@ class MessagesRequest(_Model):
     stream: Bool = False
     metadata: dict[str, Any] | None = None
     seed: Annotated[int, Strict()] | None = None  # not Anthropic's: reproducible answers, as chat has it
+    thinking: dict[str, Any] | None = None  # {"type": "enabled"|"adaptive"|"disabled", "budget_tokens": ...}
 
 
 class CountTokensRequest(_Model):
@@ -54,6 +57,21 @@ class CountTokensRequest(_Model):
     system: str | list[dict[str, Any]] | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: dict[str, Any] | None = None
+    thinking: dict[str, Any] | None = None
+
+
+def _thinking(body: MessagesRequest | CountTokensRequest) -> dict[str, Any] | None:
+    """The template switch `thinking` sets: `enable_thinking` on (enabled, adaptive) or off (disabled); left
+    out, the template's default. `budget_tokens` is taken as given: `max_tokens` bounds reasoning and answer."""
+    if body.thinking is None:
+        return None
+    kind = body.thinking.get("type")
+    if kind not in ("enabled", "adaptive", "disabled"):
+        raise invalid("thinking.type must be enabled, adaptive or disabled", "thinking")
+    budget = body.thinking.get("budget_tokens")
+    if kind == "enabled" and (not isinstance(budget, int) or isinstance(budget, bool) or budget < 1):
+        raise invalid("thinking of type enabled needs budget_tokens, a positive integer", "thinking.budget_tokens")
+    return {"enable_thinking": kind != "disabled"}
 
 
 def _text(content: Any, where: str) -> str:
@@ -84,11 +102,15 @@ def _turns(body: MessagesRequest | CountTokensRequest) -> list[dict[str, Any]]:
             continue
         if not isinstance(content, list):
             raise invalid(f"{where} must be text or a list of content blocks", "messages")
-        texts, calls, results = [], [], []
+        texts, calls, results, thoughts = [], [], [], []
         for k, block in enumerate(content):
             kind = block.get("type") if isinstance(block, dict) else None
             if kind == "text":
                 texts.append(_text([block], f"{where}[{k}]"))
+            elif kind == "thinking" and role == "assistant" and isinstance(block.get("thinking"), str):
+                thoughts.append(block["thinking"])  # the turn's reasoning (a template may render it)
+            elif kind == "redacted_thinking" and role == "assistant":
+                continue  # another server's encrypted reasoning: nothing here can read it
             elif kind == "tool_use" and role == "assistant":
                 if not (isinstance(block.get("id"), str) and isinstance(block.get("name"), str)
                         and isinstance(block.get("input", {}), dict)):
@@ -103,11 +125,12 @@ def _turns(body: MessagesRequest | CountTokensRequest) -> list[dict[str, Any]]:
                 results.append({"role": "tool", "tool_call_id": block["tool_use_id"],
                                 "content": _text(result, f"{where}[{k}].content") if result else ""})
             else:
-                raise invalid(f"{where}[{k}] of type {kind!r} is not supported in a {role} turn (text, tool_use "
-                              "in assistant turns, tool_result in user turns)", "messages")
+                raise invalid(f"{where}[{k}] of type {kind!r} is not supported in a {role} turn (text, thinking "
+                              "and tool_use in assistant turns, tool_result in user turns)", "messages")
         out += results
         if texts or calls:
-            out.append({"role": role, "content": "".join(texts) or None, **({"tool_calls": calls} if calls else {})})
+            out.append({"role": role, "content": "".join(texts) or None, **({"tool_calls": calls} if calls else {}),
+                        **({"reasoning_content": "".join(thoughts)} if thoughts else {})})
     return out
 
 
@@ -138,7 +161,8 @@ def chat_request(body: MessagesRequest | CountTokensRequest) -> ChatCompletionRe
     """The chat completion a Messages request amounts to (count_tokens: its prompt only)."""
     tools, choice, parallel = _tools(body)
     fields: dict[str, Any] = {"model": body.model, "messages": _turns(body), "tools": tools or None,
-                              "tool_choice": choice, "parallel_tool_calls": parallel}
+                              "tool_choice": choice, "parallel_tool_calls": parallel,
+                              "chat_template_kwargs": _thinking(body)}
     if isinstance(body, MessagesRequest):
         fields |= {"max_completion_tokens": body.max_tokens, "stop": body.stop_sequences, "top_p": body.top_p,
                    "temperature": body.temperature, "top_k": body.top_k, "stream": body.stream, "seed": body.seed}
@@ -182,7 +206,8 @@ class MessageView:
     def from_chat(self, result: dict[str, Any]) -> dict[str, Any]:
         choice = result["choices"][0]
         message = choice["message"]
-        content = [{"type": "text", "text": message["content"]}] if message.get("content") else []
+        content = [_thinking_block(message["reasoning_content"])] if message.get("reasoning_content") else []
+        content += [{"type": "text", "text": message["content"]}] if message.get("content") else []
         content += [_tool_use(c["id"], c["function"]["name"], c["function"]["arguments"])
                     for c in message.get("tool_calls") or []]
         return self.message(content, choice["finish_reason"], choice.get("stop_reason"), usage_of(result["usage"]))
@@ -199,9 +224,10 @@ class MessageView:
             while item is not None:
                 _, event = item
                 final = event.finish_reason is not None
-                # text up to where a call may begin; each call as it is written
+                # reasoning; text up to where a call may begin; each call as it is written
                 text, deltas = reader.take(event.text, final) if reader is not None else (event.text, [])
-                for chunk in [*blocks.text(text), *(c for d in deltas for c in blocks.call(d))]:
+                for chunk in [*blocks.text(event.reasoning, "thinking"), *blocks.text(text),
+                              *(c for d in deltas for c in blocks.call(d))]:
                     yield chunk
                 if final:
                     for chunk in blocks.close():
@@ -226,23 +252,32 @@ def stop_reason(finish: str | None, stop_sequence: str | None) -> str | None:
     return "stop_sequence" if stop_sequence else STOP_REASONS.get(finish, "end_turn")
 
 
+def _thinking_block(text: str) -> dict[str, Any]:
+    """A reasoning model's reasoning; unsigned (`signature` empty): it is the model's own text, not encrypted."""
+    return {"type": "thinking", "thinking": text, "signature": ""}
+
+
 class _Blocks:
-    """The content blocks of a streamed answer: a text block while text comes, a tool_use block per call
-    (its input as JSON pieces), each closed when the next opens or the answer ends."""
+    """The content blocks of a streamed answer: a thinking block while reasoning comes, a text block while
+    text comes, a tool_use block per call (its input as JSON pieces), each closed when the next opens or the
+    answer ends."""
 
     def __init__(self) -> None:
         self.count = 0
-        self.text_open = False
+        self.open_kind: str | None = None  # "text" or "thinking" while such a block is open
 
-    def text(self, text: str) -> list[bytes]:
+    def text(self, text: str, kind: str = "text") -> list[bytes]:
         if not text:
             return []
         out = []
-        if not self.text_open:
+        if self.open_kind != kind:
             out += self.close()
-            self.text_open, self.count = True, self.count + 1
-            out.append(_event("content_block_start", index=self.count - 1, content_block={"type": "text", "text": ""}))
-        return [*out, _event("content_block_delta", index=self.count - 1, delta={"type": "text_delta", "text": text})]
+            self.open_kind, self.count = kind, self.count + 1
+            start = _thinking_block("") if kind == "thinking" else {"type": "text", "text": ""}
+            out.append(_event("content_block_start", index=self.count - 1, content_block=start))
+        delta = {"type": "thinking_delta", "thinking": text} if kind == "thinking" else \
+            {"type": "text_delta", "text": text}
+        return [*out, _event("content_block_delta", index=self.count - 1, delta=delta)]
 
     def call(self, delta: CallDelta) -> list[bytes]:
         out = []
@@ -258,7 +293,7 @@ class _Blocks:
 
     def close(self) -> list[bytes]:
         """The open block's end (none before the first)."""
-        self.text_open = False
+        self.open_kind = None
         return [_event("content_block_stop", index=self.count - 1)] if self.count else []
 
 

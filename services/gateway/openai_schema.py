@@ -30,6 +30,7 @@ def _bounds(name: str) -> Any:
         return Field(gt=allowed.low, le=allowed.high)
     return Field(ge=allowed.low, le=allowed.high)
 MAX_N = 16  # choices per request
+ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"]
 
 
 class _Model(BaseModel):
@@ -65,6 +66,7 @@ class ChatMessage(_Model):
     name: str | None = None
     tool_calls: list[ToolCallSpec] | None = None  # assistant turns
     tool_call_id: str | None = None  # tool turns: the call this result answers
+    reasoning_content: str | None = None  # assistant turns: their reasoning, sent back (a template may render it)
 
     def text(self) -> str:
         """The content as one string; content-part arrays may only hold text parts."""
@@ -186,6 +188,27 @@ class ChatCompletionRequest(_GenerationRequest):
     tools: list[ToolSpec] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: Bool = True
+    # reasoning models: "none" turns thinking off through the template's `enable_thinking`; the others turn
+    # it on and reach the template as `reasoning_effort` (templates that grade effort read it)
+    reasoning_effort: ReasoningEffort | None = None
+    chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: extra variables for the chat template
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _no_reserved_variables(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        taken = sorted(set(value or ()) & {"messages", "tools", "add_generation_prompt", "add_special_tokens"})
+        if taken:
+            raise ValueError(f"chat_template_kwargs may not set {', '.join(taken)}: the request's own fields do")
+        return value
+
+    def template_variables(self) -> dict[str, Any]:
+        """The chat template's extra variables this request sets (`reasoning_effort`, `chat_template_kwargs`)."""
+        variables: dict[str, Any] = {}
+        if self.reasoning_effort is not None:
+            variables["enable_thinking"] = self.reasoning_effort != "none"
+            if self.reasoning_effort != "none":
+                variables["reasoning_effort"] = self.reasoning_effort
+        return variables | (self.chat_template_kwargs or {})
 
     def logprob_counts(self) -> tuple[int | None, int | None]:
         return (self.top_logprobs or 0) if self.logprobs else None, None

@@ -21,7 +21,7 @@ import orjson
 from pydantic import Field, Strict
 
 from services.gateway.errors import APIError, invalid
-from services.gateway.openai_schema import Bool, ChatCompletionRequest, _bounds, _Model
+from services.gateway.openai_schema import Bool, ChatCompletionRequest, ReasoningEffort, _bounds, _Model
 from services.gateway.streaming import ChoiceEvents
 from services.gateway.tool_call_stream import ToolCallStream
 from services.gateway.tool_call_syntax import Function
@@ -39,6 +39,11 @@ class TextConfig(_Model):
     format: TextFormat | None = None
 
 
+class ReasoningConfig(_Model):
+    effort: ReasoningEffort | None = None  # "none": no reasoning (the template's `enable_thinking`)
+    summary: str | None = None  # the whole reasoning is given as reasoning text; no summaries are made
+
+
 class ResponsesRequest(_Model):
     model: str | None = None
     input: str | list[dict[str, Any]]
@@ -50,6 +55,7 @@ class ResponsesRequest(_Model):
     temperature: Annotated[float, Strict(), _bounds("temperature")] | None = None
     top_p: Annotated[float, Strict(), _bounds("top_p")] | None = None
     text: TextConfig | None = None
+    reasoning: ReasoningConfig | None = None
     stream: Bool = False
     store: Bool | None = None
     previous_response_id: str | None = None
@@ -76,17 +82,22 @@ def _text_of(content: Any, where: str) -> str:
 
 def _messages(body: ResponsesRequest) -> list[dict[str, Any]]:
     """The input items as chat messages: consecutive function calls become one assistant turn's tool_calls,
-    their outputs `tool` turns."""
+    their outputs `tool` turns; a reasoning item is the `reasoning_content` of the assistant turn after it."""
     out: list[dict[str, Any]] = [{"role": "system", "content": body.instructions}] if body.instructions else []
     items = [{"role": "user", "content": body.input}] if isinstance(body.input, str) else body.input
+    reasoning: str | None = None  # a reasoning item's text, for the next assistant turn
     for k, item in enumerate(items):
         kind = item.get("type", "message")
         where = f"input[{k}]"
-        if kind == "message":
+        if kind == "reasoning":
+            reasoning = _reasoning_text(item, where)
+        elif kind == "message":
             role = item.get("role")
             if role not in ("user", "system", "developer", "assistant"):
                 raise invalid(f"{where}.role must be user, system, developer or assistant, got {role!r}", "input")
             out.append({"role": role, "content": _text_of(item.get("content"), where)})
+            if role == "assistant" and reasoning is not None:
+                out[-1]["reasoning_content"], reasoning = reasoning, None
         elif kind == "function_call":
             call = {"id": item.get("call_id"), "type": "function",
                     "function": {"name": item.get("name"), "arguments": item.get("arguments")}}
@@ -95,14 +106,24 @@ def _messages(body: ResponsesRequest) -> list[dict[str, Any]]:
                 last["tool_calls"].append(call)
             else:
                 out.append({"role": "assistant", "content": None, "tool_calls": [call]})
+                if reasoning is not None:
+                    out[-1]["reasoning_content"], reasoning = reasoning, None
         elif kind == "function_call_output":
             output = item.get("output")
             out.append({"role": "tool", "tool_call_id": item.get("call_id"),
                         "content": output if isinstance(output, str) else orjson.dumps(output).decode()})
         else:
-            raise invalid(f"{where} of type {kind!r} is not supported (message, function_call and "
+            raise invalid(f"{where} of type {kind!r} is not supported (message, reasoning, function_call and "
                           "function_call_output items only)", "input")
     return out
+
+
+def _reasoning_text(item: dict[str, Any], where: str) -> str:
+    """A reasoning item's text: its reasoning_text parts (else its summary's text)."""
+    parts = item.get("content") or item.get("summary") or []
+    if not isinstance(parts, list) or not all(isinstance(p, dict) and isinstance(p.get("text"), str) for p in parts):
+        raise invalid(f"{where}.content must be a list of reasoning_text parts", "input")
+    return "".join(p["text"] for p in parts)
 
 
 def chat_request(body: ResponsesRequest) -> ChatCompletionRequest:
@@ -135,7 +156,10 @@ def chat_request(body: ResponsesRequest) -> ChatCompletionRequest:
     fields = {"model": body.model, "messages": _messages(body), "tools": tools or None, "tool_choice": choice,
               "parallel_tool_calls": body.parallel_tool_calls, "max_completion_tokens": body.max_output_tokens,
               "temperature": body.temperature, "top_p": body.top_p, "response_format": response_format,
-              "stream": body.stream, "seed": body.seed, "user": body.user, "priority": body.priority}
+              "stream": body.stream, "seed": body.seed, "user": body.user, "priority": body.priority,
+              "reasoning_effort": body.reasoning.effort if body.reasoning is not None else None}
+    if not fields["messages"]:
+        raise invalid("input must hold at least one message", "input")
     try:
         return ChatCompletionRequest.model_validate({k: v for k, v in fields.items() if v is not None})
     except ValueError as exc:
@@ -145,7 +169,8 @@ def chat_request(body: ResponsesRequest) -> ChatCompletionRequest:
 def _usage(usage: dict[str, Any]) -> dict[str, Any]:
     cached = usage.get("prompt_tokens_details", {}).get("cached_tokens", 0)
     out = {"input_tokens": usage["prompt_tokens"], "input_tokens_details": {"cached_tokens": cached},
-           "output_tokens": usage["completion_tokens"], "output_tokens_details": {"reasoning_tokens": 0},
+           "output_tokens": usage["completion_tokens"], "output_tokens_details": {
+               "reasoning_tokens": usage.get("completion_tokens_details", {}).get("reasoning_tokens", 0)},
            "total_tokens": usage["total_tokens"]}
     if "energy_j" in usage:
         out["energy_j"] = usage["energy_j"]  # AFlex extension, as on chat completions
@@ -160,6 +185,12 @@ class ResponseView:
         self.id = "resp_" + request_id.split("-", 1)[-1]
         self.created_at = int(time.time())
         self.message_id = f"msg_{uuid.uuid4().hex[:24]}"
+        self.reasoning_id = f"rs_{uuid.uuid4().hex[:24]}"
+
+    def reasoning(self, text: str, status: str = "completed") -> dict[str, Any]:
+        """A reasoning item: the model's whole reasoning as reasoning text (no summary is made)."""
+        content = [{"type": "reasoning_text", "text": text}] if status != "in_progress" else []
+        return {"type": "reasoning", "id": self.reasoning_id, "summary": [], "content": content, "status": status}
 
     def message(self, text: str, status: str = "completed") -> dict[str, Any]:
         content = [{"type": "output_text", "text": text, "annotations": []}] if status == "completed" else []
@@ -188,9 +219,10 @@ class ResponseView:
         """A whole chat completion's answer as a Response."""
         choice = result["choices"][0]
         message = choice["message"]
-        output = [self.message(message["content"])] if message.get("content") else []
-        output += [self.function_call(c) for c in message.get("tool_calls") or []]
         status = "incomplete" if choice["finish_reason"] == "length" else "completed"
+        output = [self.reasoning(message["reasoning_content"], status)] if message.get("reasoning_content") else []
+        output += [self.message(message["content"])] if message.get("content") else []
+        output += [self.function_call(c) for c in message.get("tool_calls") or []]
         return self.response(output, status, result["usage"], choice["finish_reason"])
 
 
@@ -201,7 +233,8 @@ def _event(kind: str, n: int, **fields: Any) -> bytes:
 
 async def response_events(view: ResponseView, events: ChoiceEvents, first: Any,
                           functions: tuple[Function, ...] | None) -> AsyncIterator[bytes]:
-    """The Responses event stream of one answer (one choice), from its `first` event on."""
+    """The Responses event stream of one answer (one choice), from its `first` event on: a reasoning item
+    (a reasoning model's), then the message, then each function call, each output item as it is written."""
     n = 0
 
     def ev(kind: str, **fields: Any) -> bytes:
@@ -212,38 +245,60 @@ async def response_events(view: ResponseView, events: ChoiceEvents, first: Any,
     yield ev("response.created", response=view.response([], "in_progress", None))
     yield ev("response.in_progress", response=view.response([], "in_progress", None))
     reader = ToolCallStream(functions) if functions is not None else None
-    text, opened, output = "", False, []
+    output: list[dict[str, Any]] = []  # the items so far; an open one as its in_progress self
+    texts = {"reasoning": "", "message": ""}
+    open_at: dict[str, int] = {}  # "reasoning"/"message": output index of the open text item
     calls: dict[int, tuple[int, dict[str, Any]]] = {}  # call index -> (output index, its item)
-    where = {"item_id": view.message_id, "output_index": 0, "content_index": 0}
+    kinds = {"reasoning": ("reasoning_text", view.reasoning_id), "message": ("output_text", view.message_id)}
 
-    def close_message() -> Iterator[bytes]:
-        nonlocal opened
-        if opened:
-            opened = False
-            part = {"type": "output_text", "text": text, "annotations": []}
-            yield ev("response.output_text.done", **where, text=text, logprobs=[])
-            yield ev("response.content_part.done", **where, part=part)
-            output.append(view.message(text))
-            yield ev("response.output_item.done", output_index=0, item=output[-1])
+    def part(kind: str, text: str) -> dict[str, Any]:
+        return {"type": "reasoning_text", "text": text} if kind == "reasoning" else \
+            {"type": "output_text", "text": text, "annotations": []}
+
+    def add_text(kind: str, delta: str) -> Iterator[bytes]:
+        """Open the `kind` item (once: a later one is not streamed), then its piece of text."""
+        if kind not in open_at:
+            if any(item["type"] == kind for item in output):
+                return
+            yield from close_items()
+            open_at[kind] = len(output)
+            output.append(view.reasoning("", "in_progress") if kind == "reasoning" else
+                          view.message("", "in_progress"))
+            yield ev("response.output_item.added", output_index=open_at[kind], item=output[-1])
+            yield ev("response.content_part.added", **where(kind), part=part(kind, ""))
+        texts[kind] += delta
+        extra: dict[str, Any] = {} if kind == "reasoning" else {"logprobs": []}
+        yield ev(f"response.{kinds[kind][0]}.delta", **where(kind), delta=delta, **extra)
+
+    def where(kind: str) -> dict[str, Any]:
+        return {"item_id": kinds[kind][1], "output_index": open_at[kind], "content_index": 0}
+
+    def close_items() -> Iterator[bytes]:
+        for kind in list(open_at):
+            text = texts[kind]
+            extra: dict[str, Any] = {} if kind == "reasoning" else {"logprobs": []}
+            yield ev(f"response.{kinds[kind][0]}.done", **where(kind), text=text, **extra)
+            yield ev("response.content_part.done", **where(kind), part=part(kind, text))
+            at = open_at.pop(kind)
+            output[at] = view.reasoning(text) if kind == "reasoning" else view.message(text)
+            yield ev("response.output_item.done", output_index=at, item=output[at])
 
     try:
         item = first
         while item is not None:
             _, event = item
             final = event.finish_reason is not None
+            if event.reasoning:
+                for chunk in add_text("reasoning", event.reasoning):
+                    yield chunk
             # content up to where a call may begin; each call as it is written
             delta, deltas = reader.take(event.text, final) if reader is not None else (event.text, [])
-            if delta and not opened and not output:
-                opened = True
-                yield ev("response.output_item.added", output_index=0, item=view.message("", "in_progress"))
-                yield ev("response.content_part.added", **where, part={"type": "output_text", "text": "",
-                                                                       "annotations": []})
-            if delta and opened:
-                text += delta
-                yield ev("response.output_text.delta", **where, delta=delta, logprobs=[])
+            if delta and not calls:
+                for chunk in add_text("message", delta):
+                    yield chunk
             for d in deltas:
                 if d.name is not None:
-                    for chunk in close_message():
+                    for chunk in close_items():
                         yield chunk
                     call = view.function_call({"id": f"call_{uuid.uuid4().hex[:24]}",
                                                "function": {"name": d.name, "arguments": ""}}, "in_progress")
@@ -256,7 +311,7 @@ async def response_events(view: ResponseView, events: ChoiceEvents, first: Any,
                     yield ev("response.function_call_arguments.delta", item_id=call["id"], output_index=at,
                              delta=d.arguments)
             if final:
-                for chunk in close_message():
+                for chunk in close_items():
                     yield chunk
                 for at, call in calls.values():
                     call["status"] = "completed"
@@ -274,4 +329,3 @@ async def response_events(view: ResponseView, events: ChoiceEvents, first: Any,
         yield ev("error", code=exc.code, message=exc.message, param=exc.param)
     finally:
         await events.close("client_disconnected")
-

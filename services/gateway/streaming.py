@@ -71,6 +71,13 @@ class ResponseShape:
                                   [self.choice(text, finish_reason, index=index, delta=delta, logprobs=logprobs)])
         return self._envelope("text_completion", [self.choice(text, finish_reason, index=index, logprobs=logprobs)])
 
+    def reasoning_chunk(self, reasoning: str, *, index: int = 0, logprobs: dict[str, Any] | None = None
+                        ) -> dict[str, Any]:
+        """A piece of a reasoning model's reasoning (vLLM's `reasoning_content` delta)."""
+        delta = {"reasoning_content": reasoning}
+        return self._envelope("chat.completion.chunk",
+                              [self.choice(None, None, index=index, delta=delta, logprobs=logprobs)])
+
     def tool_chunk(self, calls: list[dict[str, Any]], *, index: int = 0) -> dict[str, Any]:
         """Pieces of a streamed answer's calls (`delta_dicts`: a call's first names it, later ones add arguments)."""
         delta = {"tool_calls": calls}
@@ -89,6 +96,7 @@ class Extras:
     echo_text: str | None = None  # None: no echo
     prompt_ids: tuple[int, ...] = ()
     functions: tuple[Function, ...] | None = None  # the offered functions, when the answer is read for calls
+    reasoning: bool = False  # the model reasons: the message carries `reasoning_content` (None when it did not)
 
     def first(self, event: TextEvent) -> tuple[str, list[Entry]]:
         """The first event's text and entries, with the echoed prompt (and its logprobs) before them."""
@@ -104,34 +112,50 @@ def total_usage(usages: list[dict[str, Any]]) -> dict[str, Any]:
     """The n choices' usage as one: the prompt counted once (as vLLM does), the completions summed."""
     energies = [u.get("energy_j") for u in usages]
     energy_j = None if any(e is None for e in energies) else sum(e for e in energies if e is not None)
-    return usage_dict(usages[0]["prompt_tokens"], sum(u["completion_tokens"] for u in usages), energy_j,
-                      usages[0].get("prompt_tokens_details", {}).get("cached_tokens", 0))
+    total = usage_dict(usages[0]["prompt_tokens"], sum(u["completion_tokens"] for u in usages), energy_j,
+                       usages[0].get("prompt_tokens_details", {}).get("cached_tokens", 0))
+    if any("completion_tokens_details" in u for u in usages):  # a reasoning model's
+        total["completion_tokens_details"] = {"reasoning_tokens": sum(
+            u.get("completion_tokens_details", {}).get("reasoning_tokens", 0) for u in usages)}
+    return total
 
 
 async def _collect_one(shape: ResponseShape, index: int, generation: Generation, extras: Extras
                        ) -> tuple[dict[str, Any], dict[str, Any]]:
     texts: list[str] = []
+    reasoning: list[str] = []
     entries: list[Entry] = []
     async for event in generation.events():
         text, new = extras.first(event) if not texts else (event.text, event.logprobs)
         texts.append(text)
+        reasoning.append(event.reasoning)
         entries += new
         if event.finish_reason is not None:
-            text, logprobs = "".join(texts), extras.render(entries)
-            content: str | None = text
-            calls: tuple[ToolCall, ...] = ()
-            if extras.functions is not None:
-                parsed = parse_tool_calls(text, extras.functions)
-                content, calls = parsed.content, parsed.calls
-                if not calls and event.finish_reason == "length":  # a call cut short is still a call
-                    content, calls = read_calls(text, extras.functions)
-            if calls:
-                finish = "length" if event.finish_reason == "length" else "tool_calls"
-                return (shape.choice(content, finish, index=index, logprobs=logprobs,
-                                     tool_calls=call_dicts(calls)), event.usage or {})
-            return ({**shape.choice(text, event.finish_reason, index=index, logprobs=logprobs),
-                     "stop_reason": event.stop_sequence}, event.usage or {})  # vLLM's: the stop string hit
+            choice, usage = _answer(shape, index, "".join(texts), event, extras.render(entries), extras)
+            if extras.reasoning:
+                message = choice["message"]
+                message["reasoning_content"] = "".join(reasoning) or None
+                message["content"] = message["content"] or None  # all reasoning: no answer yet
+            return choice, usage
     raise AssertionError("events() ended without a finish reason")
+
+
+def _answer(shape: ResponseShape, index: int, text: str, event: TextEvent, logprobs: dict[str, Any] | None,
+            extras: Extras) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A finished choice (its calls read from the answer where functions were offered), and its usage."""
+    content: str | None = text
+    calls: tuple[ToolCall, ...] = ()
+    if extras.functions is not None:
+        parsed = parse_tool_calls(text, extras.functions)
+        content, calls = parsed.content, parsed.calls
+        if not calls and event.finish_reason == "length":  # a call cut short is still a call
+            content, calls = read_calls(text, extras.functions)
+    if calls:
+        finish = "length" if event.finish_reason == "length" else "tool_calls"
+        return (shape.choice(content, finish, index=index, logprobs=logprobs,
+                             tool_calls=call_dicts(calls)), event.usage or {})
+    return ({**shape.choice(text, event.finish_reason, index=index, logprobs=logprobs),
+             "stop_reason": event.stop_sequence}, event.usage or {})  # vLLM's: the stop string hit
 
 
 async def collect(shape: ResponseShape, generations: list[Generation], extras: list[Extras]) -> dict[str, Any]:
@@ -262,6 +286,12 @@ async def stream(shape: ResponseShape, events: ChoiceEvents, first: tuple[int, T
             text, entries = extras[index].first(event) if not started[index] else (event.text, event.logprobs)
             started[index] = True
             logprobs = extras[index].render(entries)
+            if event.reasoning:  # reasoning first: its pieces never hold call syntax or the answer
+                yield sse({**shape.reasoning_chunk(event.reasoning, index=index, logprobs=logprobs), **extra()})
+                logprobs = None
+                if not text and event.finish_reason is None:
+                    item = await events.next()
+                    continue
             reader = calls[index]
             if reader is None:
                 yield sse({**shape.chunk(text, event.finish_reason, index=index, logprobs=logprobs), **extra()})
@@ -277,7 +307,7 @@ async def stream(shape: ResponseShape, events: ChoiceEvents, first: tuple[int, T
                         text, logprobs = "", None
                     for group in delta_dicts(deltas, ids[index]):
                         yield sse({**shape.tool_chunk([group], index=index), **extra()})
-                if text or logprobs or finish is not None or not deltas:
+                if text or logprobs or finish is not None:
                     yield sse({**shape.chunk(text, finish, index=index, logprobs=logprobs), **extra()})
             if event.finish_reason is not None:
                 usages[index] = event.usage or {}

@@ -109,6 +109,16 @@ def parse_tool_calls(text: str, functions: Sequence[Function]) -> Parsed:
 
 def call_grammar(functions: Sequence[Function], parallel: bool = True) -> str:
     """An llguidance grammar for one (or, `parallel`, one or more) Hermes call blocks to `functions`."""
+    import llguidance  # the gateway and the attention worker have it; the parsers above need nothing
+
+    return str(llguidance.LLMatcher.grammar_from_lark(call_lark(functions, parallel)))
+
+
+def call_lark(functions: Sequence[Function], parallel: bool = True, rule: str = "start",
+              marker_ids: tuple[int, int] | None = None) -> str:
+    """`call_grammar`'s lark text, its calls in rule `rule` (a reasoning block may come before it).
+    `marker_ids`: the ids of `<tool_call>` and `</tool_call>` where the vocabulary has them as tokens of
+    their own (Qwen's): the grammar names those tokens, since llguidance will not spell an added token's text."""
     if not functions:
         raise ValueError("a forced tool call needs at least one function")
     bodies = [{"type": "object", "properties": {"name": {"const": f.name},
@@ -117,10 +127,9 @@ def call_grammar(functions: Sequence[Function], parallel: bool = True) -> str:
     body = {"anyOf": bodies, "x-guidance": _LAYOUT}
     calls = 'call ("\\n" call)*' if parallel else "call"
     begin, end = json.dumps(OPEN + "\n"), json.dumps("\n" + CLOSE)
-    lark = f"start: {calls}\ncall: {begin} %json {json.dumps(body)} {end}\n"
-    import llguidance  # the gateway and the attention worker have it; the parsers above need nothing
-
-    return str(llguidance.LLMatcher.grammar_from_lark(lark))
+    if marker_ids is not None:
+        begin, end = f'<[{marker_ids[0]}]> "\\n"', f'"\\n" <[{marker_ids[1]}]>'
+    return f"{rule}: {calls}\ncall: {begin} %json {json.dumps(body)} {end}\n"
 
 
 def hermes_block(call: ToolCall) -> str:

@@ -20,7 +20,7 @@ from typing import Any
 from services.gateway.errors import invalid
 from services.gateway.openai_schema import ChatCompletionRequest, ChatMessage, NamedToolChoice
 from services.gateway.tool_call_stream import CallDelta
-from services.gateway.tool_call_syntax import Function, ToolCall, call_grammar, hermes_block
+from services.gateway.tool_call_syntax import Function, ToolCall, call_lark, hermes_block
 from shared.model.tokenizer import Tokenizer
 
 TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for function names
@@ -47,12 +47,13 @@ class ToolRequest:
         """Whether the answer is read for calls (`none` leaves it text)."""
         return self.choice != "none"
 
-    def grammar(self) -> str | None:
-        """The grammar that forces a call (`required`: any function; a name: that one); None for auto/none."""
+    def lark(self, rule: str = "start", marker_ids: tuple[int, int] | None = None) -> str | None:
+        """The grammar that forces a call (`required`: any function; a name: that one), as lark text with the
+        calls in rule `rule`; None for auto/none."""
         if self.choice == "required":
-            return call_grammar(self.functions, self.parallel)
+            return call_lark(self.functions, self.parallel, rule, marker_ids)
         if self.choice == "function":
-            return call_grammar([f for f in self.functions if f.name == self.name], self.parallel)
+            return call_lark([f for f in self.functions if f.name == self.name], self.parallel, rule, marker_ids)
         return None
 
 
@@ -114,6 +115,8 @@ def template_messages(messages: list[ChatMessage], tools: ToolRequest | None,
                     "name": c.function.name, "arguments": _arguments(c.function.arguments)}} for c in m.tool_calls]
             if m.tool_call_id is not None:
                 item["tool_call_id"] = m.tool_call_id
+            if m.reasoning_content is not None:
+                item["reasoning_content"] = m.reasoning_content
             out.append(item)
         return out, {"tools": list(tools.specs)} if tools is not None else {}
     out = []

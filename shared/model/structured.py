@@ -32,15 +32,30 @@ _lock = threading.Lock()
 
 def grammar_for(kind: str, schema: dict[str, Any] | None = None) -> str | None:
     """The grammar of an OpenAI `response_format` of type `kind` (None for plain text)."""
+    checked = _schema_of(kind, schema)
+    if checked is None:
+        return None
+    return llguidance.LLMatcher.grammar_from_json_schema(json.dumps(checked), overrides=JSON_LAYOUT)
+
+
+def json_lark(kind: str, schema: dict[str, Any] | None = None, rule: str = "start") -> str | None:
+    """`grammar_for` as lark text, the JSON in rule `rule` (for a grammar that puts something before it)."""
+    checked = _schema_of(kind, schema)
+    if checked is None:
+        return None
+    return f"{rule}: %json {json.dumps({**checked, 'x-guidance': JSON_LAYOUT})}\n"
+
+
+def _schema_of(kind: str, schema: dict[str, Any] | None) -> dict[str, Any] | None:
     if kind == "text":
         return None
     if kind == "json_object":
-        return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, overrides=JSON_LAYOUT)
+        return {"type": "object"}
     if kind == "json_schema":
         if not isinstance(schema, dict):
             raise InvalidRequestError("response_format.json_schema.schema must be a JSON Schema object",
                                       "response_format")
-        return llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema), overrides=JSON_LAYOUT)
+        return schema
     raise InvalidRequestError(f"response_format.type must be text, json_object or json_schema, got {kind!r}",
                               "response_format")
 

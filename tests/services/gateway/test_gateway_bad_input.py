@@ -44,6 +44,12 @@ CASES = {
     "a float beyond double": ("chat/completions", chat(b"hi", b',"temperature":1e400'), "temperature"),
     "NaN": ("chat/completions", chat(b"hi", b',"temperature":NaN'), "temperature"),
     "a seed beyond 64 bits": ("chat/completions", chat(b"hi", b',"seed":' + b"9" * 30), "seed"),
+    "a reasoning effort unheard of": ("chat/completions", chat(b"hi", b',"reasoning_effort":"extreme"'),
+                                      "reasoning_effort"),
+    "template variables that are the request's own": (
+        "chat/completions", chat(b"hi", b',"chat_template_kwargs":{"messages":[]}'), "may not set messages"),
+    "thinking of no known type": ("messages", b'{"max_tokens":2,"messages":[{"role":"user","content":"hi"}],'
+                                  b'"thinking":{"type":"always"}}', "thinking.type"),
 }
 
 
