@@ -130,13 +130,13 @@ def tiny_chat_checkpoint(tmp_path_factory: pytest.TempPathFactory, smollm2_hf_to
 
 @pytest.fixture(scope="session")
 def plain_mesh(tiny_chat_checkpoint: Path) -> Iterator[Mesh]:
-    """One `aflex up` of the tiny chat checkpoint with the default settings, shared by the modules that
-    need only a served model and assert nothing about its history (the fuzzer, the client formats,
-    lm-eval, loadgen): a mesh takes seconds to start. Prefix caching counts hits from a fresh mesh and
-    starts its own."""
+    """One `aflex up` of the tiny chat checkpoint with the default settings (on this CPU host: the whole model
+    in one worker), shared by the modules that need only a served model and assert nothing about its history
+    (the fuzzer, the client formats, lm-eval, loadgen): a mesh takes seconds to start. Prefix caching counts
+    hits from a fresh mesh and starts its own."""
     from tools.launch import aflex_up
 
-    with aflex_up(str(tiny_chat_checkpoint)) as running:
+    with aflex_up(str(tiny_chat_checkpoint), split=False) as running:
         yield running
 
 

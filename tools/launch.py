@@ -135,13 +135,17 @@ def _free_port_run(count: int) -> int:
 
 @contextmanager
 def aflex_up(model: str, *extra: str, timeout_s: float = 300.0, nats_url: str | None = None,
-             env_extra: dict[str, str] | None = None, open_nats: bool = False) -> Iterator[Mesh]:
+             env_extra: dict[str, str] | None = None, open_nats: bool = False, split: bool = True) -> Iterator[Mesh]:
     """`nats_url`: use that server (`AFLEX_NATS_URL`) instead of the embedded one `aflex up` starts;
     `open_nats`: start one without users here (a benchmark that watches every subject), and use it;
-    `env_extra`: settings every service gets (`AFLEX_*` variables)."""
+    `env_extra`: settings every service gets (`AFLEX_*` variables); `split`: attention and FFN workers apart
+    (`--ffn-workers 1` unless `extra` says how), not `aflex up`'s CPU-host default of the whole model in one
+    worker (`split=False`: exactly what a user's `aflex up` starts)."""
+    if split and not {"--ffn-workers", "--provision-kinds"} & set(extra):
+        extra = (*extra, "--ffn-workers", "1")
     if open_nats and nats_url is None:
         with EmbeddedNatsServer() as server, aflex_up(model, *extra, timeout_s=timeout_s, nats_url=server.url,
-                                                      env_extra=env_extra) as mesh:
+                                                      env_extra=env_extra, split=split) as mesh:
             mesh.nats_port = server.port
             yield mesh
         return

@@ -273,7 +273,9 @@ def add_up_arguments(parser: argparse.ArgumentParser) -> None:
                         help="embedded nats-server nodes, joined by routes on loopback, the services spread "
                              "over them (3 survives losing one)")
     parser.add_argument("--attention-workers", type=_positive, default=1, metavar="N")
-    parser.add_argument("--ffn-workers", type=_positive, default=1, metavar="M")
+    parser.add_argument("--ffn-workers", type=_positive, default=None, metavar="M",
+                        help="FFN workers (default: 1; none where the whole model is served in one worker: "
+                             "workers on this host's CPU and no --provision-kinds, see `whole_model_here`)")
     parser.add_argument("--gateways", type=_positive, default=1, metavar="G",
                         help="gateways serving the same mesh, on --port, --port + 1, ...")
     # the services' own knobs, declared once in shared/settings.py and handed down as AFLEX_* variables
@@ -294,10 +296,37 @@ def _positive(text: str) -> int:
     return value
 
 
+WHOLE_MODEL_NOTE = ("the whole model in one worker: on this host's CPU the split's halves would share its cores "
+                    "and pay a hop a layer (--ffn-workers 1 splits it)")
+
+
+def whole_model_here(args: argparse.Namespace) -> bool:
+    """Whether `aflex up` serves the whole model in one worker (an attention worker holding the FFN half,
+    `colocated`, and no FFN worker): where nothing asks for a split (no `--ffn-workers`, no
+    `--provision-kinds`) and the workers compute on this host's CPU. There the halves cannot run apart: they
+    take turns on the same cores, and each layer pays a hop on top; measured on 2 cores, the split mesh
+    decodes at 0.5-0.7x the in-process engine (docs/benchmarks.md, "The whole model in one worker")."""
+    asked = args.ffn_workers is not None or args.provision_kinds is not None \
+        or bool(os.environ.get("AFLEX_PROVISION_KINDS"))
+    device = args.device or os.environ.get("AFLEX_DEVICE") or "cpu"
+    return not asked and device.startswith("cpu")
+
+
+def resolve_layout(args: argparse.Namespace) -> argparse.Namespace:
+    """`args` with the workers decided: `ffn_workers` 0 and `colocate` on where `whole_model_here`, else
+    `ffn_workers` as given (1 by default)."""
+    if args.ffn_workers is not None:
+        return args
+    whole = whole_model_here(args)
+    return argparse.Namespace(**{**vars(args), "ffn_workers": 0 if whole else 1,
+                                 "colocate": True if whole else args.colocate})
+
+
 def build_commands(args: argparse.Namespace) -> list[ChildSpec]:
     """The real services, in start order: `python -m services.launcher.cli <subcommand>`, each with its settings
     as `AFLEX_*` environment variables (a knob not given is left to the service: its env or default).
     NATS travels the same way, in `AFLEX_NATS_URL` (set by `up`)."""
+    args = resolve_layout(args)
     cli = [sys.executable, "-m", "services.launcher.cli"]
     model = {"model": str(args.model)}
     worker = {k: getattr(args, k) for k in WORKER_KNOBS}
@@ -389,8 +418,10 @@ def up(args: argparse.Namespace, *, command_builder: CommandBuilder = build_comm
         if stop.is_set():
             return 0
         model_id = served_model_id(base_url, fallback=str(args.model))
-        print(f"{SERVING_ANNOUNCEMENT} {model_id} at http://{args.host}:{args.port}/v1 "
-              f"({args.attention_workers} attention + {args.ffn_workers} FFN workers)", flush=True)
+        layout = resolve_layout(args)
+        workers = WHOLE_MODEL_NOTE if layout.ffn_workers == 0 else \
+            f"{layout.attention_workers} attention + {layout.ffn_workers} FFN workers"
+        print(f"{SERVING_ANNOUNCEMENT} {model_id} at http://{args.host}:{args.port}/v1 ({workers})", flush=True)
         return supervisor.serve(stop)
     finally:
         if supervisor is not None:

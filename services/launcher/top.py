@@ -156,6 +156,8 @@ def latency_text(msg: WorkerTelemetry) -> str:
 def role_text(msg: WorkerTelemetry) -> str:
     """The half it serves, and the global scheduler's assignment where it says more (`attention (parked-warm)`)."""
     said = msg.assignment
+    if said == "colocated":
+        return "whole model (colocated)"
     return msg.role if said is None or said in ("ffn", "mixed-attention") else f"{msg.role} ({said})"
 
 

@@ -42,6 +42,7 @@ class Change:
     capacity: bool = False  # usable capacity may have grown: place the unplaced requests, wake every loop
     start: list[Worker] = field(default_factory=list)  # usable attention workers whose loop is not running
     clocks: list[Worker] = field(default_factory=list)  # their clocks are sent now, not at the next window
+    whole: list[Worker] = field(default_factory=list)  # now `colocated`, with no FFN worker: they are told so
 
 
 class Membership:
@@ -64,7 +65,12 @@ class Membership:
             return self.register_reply(False, str(exc)), Change()
         worker, restarted = self.registry.register(reg, now)
         log.info("worker %s (%s) registered%s", reg.worker_id, reg.role, " again: restarted" if restarted else "")
-        change = self._capacity(Change(joined=[worker], clocks=[worker]))
+        change = Change(joined=[worker], clocks=[worker])
+        if worker.can_colocate and worker.assignment is None and not self.registry.healthy("ffn"):
+            worker.assignment = "colocated"  # no FFN worker to split with (`aflex up` on a CPU host): all here
+            change.whole.append(worker)
+            log.info("worker %s serves the whole model: no FFN worker is registered", worker.worker_id)
+        change = self._capacity(change)
         if worker.role == "attention" and restarted:
             change.restarted.append(worker)
         return self.register_reply(True), change

@@ -40,6 +40,7 @@ from shared.messages import (
     ErrorBody,
     Heartbeat,
     ProtocolError,
+    RoleAssignment,
     SubmitReply,
     SubmitRequest,
     decode,
@@ -136,6 +137,10 @@ class Scheduler:
         reply, change = self.membership.register(msg.data, time.monotonic())
         self._apply_change(change)
         await msg.respond(reply)
+        for worker in change.whole:  # as a plan would tell it (its telemetry, `aflex top`, say `colocated`)
+            await self.nc.publish(subjects.role(worker.worker_id), encode(RoleAssignment(
+                worker_id=worker.worker_id, assignment="colocated", plan_id=0, issued_ts=time.time(),
+                reason="the whole model here: no FFN worker is registered")))
 
     async def _on_heartbeat(self, msg: Msg) -> None:
         hb = decode(Heartbeat, msg.data)

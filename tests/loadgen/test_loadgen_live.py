@@ -46,7 +46,7 @@ def test_trace_replay_against_aflex_up(tiny_chat_checkpoint: Path, plain_mesh: M
     assert result["slo_attainment"] == 1.0
     # energy: the workers' telemetry counters over the run (emulated GPUs on CPU), and usage.energy_j per request
     assert result["energy_source"] == "telemetry" and result["energy_j"] > 0
-    assert set(result["telemetry_energy_per_worker_j"]) == {"attn-0", "ffn-0"}
+    assert set(result["telemetry_energy_per_worker_j"]) == {"attn-0"}  # the whole model in one worker
     assert result["energy_per_token_j"] == result["energy_j"] / result["total_output_tokens"]
     assert result["usage_energy_j"] > 0 and all(e is not None for e in result["energies_j"])
     chat_result = json.loads(chat_out.read_text())

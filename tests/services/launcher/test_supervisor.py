@@ -173,12 +173,36 @@ def test_torch_threads_given_by_flag_or_environment_are_not_split() -> None:
     def threads(specs: list[sup.ChildSpec]) -> dict[str, str | None]:
         return {s.name: s.env.get("AFLEX_TORCH_THREADS") for s in specs if s.role.endswith("worker")}
 
+    split = ("--ffn-workers", "1")
     with mock.patch.dict(os.environ, {"AFLEX_TORCH_THREADS": "3"}):
-        assert threads(sup.build_commands(up_args())) == {"attn-0": None, "ffn-0": None}  # the env reaches them
-    assert threads(sup.build_commands(up_args("--torch-threads", "3"))) == {"attn-0": "3", "ffn-0": "3"}
+        assert threads(sup.build_commands(up_args(*split))) == {"attn-0": None, "ffn-0": None}  # the env reaches them
+    assert threads(sup.build_commands(up_args(*split, "--torch-threads", "3"))) == {"attn-0": "3", "ffn-0": "3"}
     with mock.patch.dict(os.environ), mock.patch.object(os, "cpu_count", return_value=2):
         os.environ.pop("AFLEX_TORCH_THREADS", None)
-        assert threads(sup.build_commands(up_args())) == {"attn-0": "2", "ffn-0": "2"}
+        assert threads(sup.build_commands(up_args(*split))) == {"attn-0": "2", "ffn-0": "2"}
+
+
+@pytest.mark.parametrize(("argv", "env", "whole"), [
+    ((), {}, True),  # the defaults, workers on this host's CPU: the whole model in one worker
+    (("--attention-workers", "2"), {}, True),  # two whole-model replicas
+    (("--ffn-workers", "1"), {}, False),
+    (("--provision-kinds", "pd"), {}, False),
+    ((), {"AFLEX_PROVISION_KINDS": "mixed"}, False),
+    (("--device", "cuda:0"), {}, False),
+    ((), {"AFLEX_DEVICE": "cuda"}, False),
+])
+def test_on_a_cpu_host_the_default_is_the_whole_model_in_one_worker(argv: tuple[str, ...], env: dict[str, str],
+                                                                     whole: bool) -> None:
+    clean = {k: v for k, v in os.environ.items() if k not in ("AFLEX_PROVISION_KINDS", "AFLEX_DEVICE")}
+    with mock.patch.dict(os.environ, {**clean, **env}, clear=True):
+        specs = sup.build_commands(up_args(*argv))
+        assert sup.whole_model_here(up_args(*argv)) == whole
+    workers = [s for s in specs if s.role.endswith("worker")]
+    if whole:
+        assert all(s.role == "attention-worker" and s.env["AFLEX_COLOCATE"] == "true" for s in workers)
+    else:
+        assert [s.role for s in workers].count("ffn-worker") == 1
+        assert all(s.env.get("AFLEX_COLOCATE") != "true" for s in workers)
 
 
 def test_build_commands_leaves_unset_options_to_the_services() -> None:
@@ -240,7 +264,7 @@ def err(supervisor: sup.Supervisor) -> str:
 
 
 def make_supervisor(script: Path, modes: dict[str, list[str]], **kwargs: object) -> sup.Supervisor:
-    specs = dummy_builder(script, modes)(up_args())
+    specs = dummy_builder(script, modes)(up_args("--ffn-workers", "1"))
     return sup.Supervisor(specs, dict(os.environ, AFLEX_NATS_URL="nats://example:4222"),
                           stdout=io.StringIO(), stderr=io.StringIO(), **kwargs)  # type: ignore[arg-type]
 
