@@ -262,11 +262,12 @@ async def _connect(url: str, timeout_s: float) -> Any:
 
 async def run_top(url: str, *, json_lines: bool = False, once: bool = False, interval_s: float = 1.0,
                   out: IO[str] | None = None, stop: asyncio.Event | None = None,
-                  connect_timeout_s: float = CONNECT_TIMEOUT_S) -> int:
-    """Subscribe and show; returns when `once` is done or `stop` is set. Raises `TopConnectError`."""
+                  connect_timeout_s: float = CONNECT_TIMEOUT_S, state: TopState | None = None) -> int:
+    """Subscribe and show; returns when `once` is done (its interval passed, or `stop` set before) or `stop`
+    is set. `state`: where the messages go (a caller may watch it). Raises `TopConnectError`."""
     out = out or sys.stdout
     stop = stop or asyncio.Event()
-    state = TopState()
+    state = state or TopState()
     nc = await _connect(url, connect_timeout_s)
 
     async def on_message(msg: Any) -> None:

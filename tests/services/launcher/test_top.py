@@ -107,13 +107,22 @@ async def _publish_while(url: str, task: asyncio.Task[int], n: int = 1000) -> No
         await bus.close(nc)
 
 
-def test_once_prints_one_table(nats_url: str) -> None:
+def test_once_prints_one_table(nats_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("COLUMNS", "200")  # the table whole (a runner may have set a narrow terminal's width)
     out = io.StringIO()
+    state, printed = TopState(), asyncio.Event()
+
+    async def watch() -> None:  # the table is printed once top has heard two rounds of every source
+        while not (len(state.workers) == 2 and state.schedulers and state.messages >= 6):
+            await asyncio.sleep(0.01)
+        printed.set()
 
     async def scenario() -> int:
-        task = asyncio.create_task(run_top(nats_url, once=True, interval_s=1.0, out=out))
-        await asyncio.sleep(0.2)  # subscribed
+        task = asyncio.create_task(run_top(nats_url, once=True, interval_s=60.0, out=out, stop=printed,
+                                           state=state))
+        watcher = asyncio.create_task(watch())
         await _publish_while(nats_url, task)
+        watcher.cancel()
         return await task
 
     assert asyncio.run(scenario()) == 0
