@@ -2,7 +2,8 @@
 
     bash benchmarks/serve_bench.sh [--json out/serve.json] [--env AFLEX_X=Y ...] [--up-args "--quantize int8"]
 
-One `aflex up` (the default model and settings unless told: 1 attention + 1 FFN worker), then
+One `aflex up` (the default model and settings unless told: on a CPU host the whole model in one worker;
+`--up-args "--ffn-workers 1"` for the split mesh), then
 
     vllm bench serve --backend openai --endpoint /v1/completions --dataset-name random
         --random-input-len 128 --random-output-len 32 --num-prompts 32 --max-concurrency 16 --ignore-eos
@@ -15,7 +16,9 @@ one run. `--env` settings go to every service of the mesh (the bisect's switches
 
 vLLM is not a dependency of AFlex. The client comes from vLLM's wheel, installed apart from the venv
 (`--install-client`, into `.bench/vllm`: the wheel and the modules `vllm bench serve` imports, no CUDA and
-no torch of its own), or any `vllm` on PATH (`--vllm vllm`).
+no torch of its own), or any `vllm` on PATH (`--vllm vllm`). Where vLLM's CPU build is installed
+(`--install-vllm-cpu`, benchmarks/vllm_cpu.py), it serves the same model in float32 first and gets the same
+benchmark, so AFlex and vLLM are measured in one run (`vllm_cpu` and `mesh_over_vllm_cpu` in the JSON).
 """
 
 from __future__ import annotations
@@ -36,6 +39,8 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+import vllm_cpu  # noqa: E402  (benchmarks/, beside this script)
+
 from shared.engine import Engine  # noqa: E402
 from shared.model.checkpoint import open_checkpoint  # noqa: E402
 from shared.model.sampling import SamplingParams  # noqa: E402
@@ -46,6 +51,8 @@ CLIENT_DIR = ROOT / ".bench" / "vllm"
 CLIENT_PACKAGES = ["vllm==0.33.0", "pybase64", "msgspec", "cbor2", "pyzmq", "openai-harmony", "cachetools", "uvloop",
                    "py-cpuinfo", "xgrammar", "apache-tvm-ffi", "partial-json-parser", "einops", "watchfiles"]
 WORKLOAD = ["--backend", "openai", "--endpoint", "/v1/completions", "--dataset-name", "random"]
+ROW_KEYS = ("completed", "failed", "output_throughput", "mean_ttft_ms", "median_ttft_ms", "mean_tpot_ms",
+            "median_tpot_ms", "p99_tpot_ms", "duration")
 
 
 def install_client() -> None:
@@ -125,10 +132,16 @@ def main() -> int:
                              "starting `aflex up`")
     parser.add_argument("--vllm", default="auto", help="command running vLLM's CLI (auto: the client in .bench/vllm)")
     parser.add_argument("--install-client", action="store_true", help="install vLLM's benchmark client, then run")
+    parser.add_argument("--install-vllm-cpu", action="store_true",
+                        help="install vLLM's CPU build into .bench/vllm-cpu (benchmarks/vllm_cpu.py), then run")
+    parser.add_argument("--vllm-cpu", choices=["auto", "off"], default="auto",
+                        help="bench vLLM's CPU build on the same model first, in the same run (auto: where installed)")
     parser.add_argument("--json", type=Path, default=ROOT / "out" / "serve_bench.json")
     args = parser.parse_args()
     if args.install_client:
         install_client()
+    if args.install_vllm_cpu:
+        vllm_cpu.install()
     env = dict(item.split("=", 1) for item in args.env)
     up_args = shlex.split(args.up_args)
     quantize = (up_args[up_args.index("--quantize") + 1] if "--quantize" in up_args
@@ -136,6 +149,12 @@ def main() -> int:
     tokenizer = str(export_tokenizer(args.model))
     args.json.parent.mkdir(parents=True, exist_ok=True)
     raw = args.json.with_suffix(".vllm.json")
+    rival: dict[str, Any] | None = None
+    if args.vllm_cpu == "auto" and vllm_cpu.installed() and quantize == "none":
+        with vllm_cpu.serving(vllm_cpu.export_model(args.model), 8311, args.json.with_suffix(".vllm-cpu.log")) as url:
+            served = json.loads(urllib.request.urlopen(f"{url}/v1/models").read())["data"][0]["id"]
+            row = bench_serve(args, url, served, tokenizer, args.json.with_suffix(".vllm-cpu.vllm.json"))
+        rival = {k: row.get(k) for k in ROW_KEYS}
     if args.url:
         served = json.loads(urllib.request.urlopen(f"{args.url}/v1/models").read())["data"][0]["id"]
         vllm = bench_serve(args, args.url, served, tokenizer, raw)
@@ -145,8 +164,7 @@ def main() -> int:
                 vllm = bench_serve(args, mesh.base_url.removesuffix("/v1"), mesh.served_model(), tokenizer, raw)
             finally:
                 args.json.with_suffix(".mesh.log").write_text(mesh.output())  # what the services said
-    mesh_row = {k: vllm.get(k) for k in ("completed", "failed", "output_throughput", "mean_ttft_ms", "median_ttft_ms",
-                                         "mean_tpot_ms", "median_tpot_ms", "p99_tpot_ms", "duration")}
+    mesh_row = {k: vllm.get(k) for k in ROW_KEYS}
     head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, text=True, capture_output=True).stdout
     doc: dict[str, Any] = {"commit": args.label or head.strip(),
                            "model": args.model, "quantize": quantize, "env": env, "up_args": up_args,
@@ -154,13 +172,19 @@ def main() -> int:
                            "workload": {"input_len": args.input_len, "output_len": args.output_len,
                                         "num_prompts": args.num_prompts, "max_concurrency": args.max_concurrency},
                            "mesh": mesh_row}
+    if rival is not None:
+        doc["vllm_cpu"] = {**rival, "version": vllm_cpu.VLLM_CPU_VERSION, "dtype": "float32"}
+        doc["mesh_over_vllm_cpu"] = round((mesh_row["output_throughput"] or 0) / (rival["output_throughput"] or 1), 3)
     if not args.no_engine:
         doc["engine"] = engine_rate(args.model, quantize, args)
         doc["mesh_over_engine"] = round((mesh_row["output_throughput"] or 0) / doc["engine"]["output_tok_s"], 3)
     print(f"mesh: {mesh_row['output_throughput']:.1f} output tok/s, TPOT median {mesh_row['median_tpot_ms']:.0f} ms, "
           f"TTFT median {mesh_row['median_ttft_ms']:.0f} ms, {mesh_row['failed']} failed"
           + (f"; engine {doc['engine']['output_tok_s']} tok/s, mesh/engine {doc['mesh_over_engine']}"
-             if "engine" in doc else ""))
+             if "engine" in doc else "")
+          + (f"; vLLM CPU {rival['output_throughput']:.1f} tok/s (TPOT median {rival['median_tpot_ms']:.0f} ms, "
+             f"TTFT median {rival['median_ttft_ms']:.0f} ms), mesh/vLLM {doc['mesh_over_vllm_cpu']}"
+             if rival is not None else ""))
     args.json.write_text(json.dumps(doc, indent=1) + "\n")
     return 0
 

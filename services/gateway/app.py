@@ -164,8 +164,6 @@ async def completions(body: CompletionRequest, request: Request, gateway: Gatewa
                           "prompt")
         prompt = prompt[0]
     if isinstance(prompt, str):
-        if "\x00" in prompt:
-            raise invalid("the prompt holds a NUL character (\\u0000), which no prompt may contain", "prompt")
         prompt_ids = await run_in_threadpool(gateway.tokenizer.encode, prompt, True)
     else:
         prompt_ids = [int(t) for t in prompt]  # type: ignore[arg-type]  # list[int] here

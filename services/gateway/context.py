@@ -93,7 +93,5 @@ def render_chat(tokenizer: Tokenizer, messages: list[dict[str, Any]], *, add_gen
         raise invalid(str(exc), exc.param or "messages") from None
     except TokenizerError as exc:
         raise invalid(str(exc), "messages") from None
-    if "\x00" in text:
-        raise invalid("the messages hold a NUL character (\\u0000), which no prompt may contain", "messages")
     # The rendered template carries its own BOS when the model wants one: by default add no special tokens.
     return tokenizer.encode(text, add_special_tokens)

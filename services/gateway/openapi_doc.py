@@ -257,7 +257,7 @@ class TokenCount(_Body):
 
 # Why each error status can come back (the descriptions /openapi.json shows).
 ERROR_STATUSES = {
-    400: "invalid request: bad JSON, a field out of range, a NUL in the text, too long for the context",
+    400: "invalid request: bad JSON, a field out of range, too long for the context",
     401: "missing or wrong API key (when the gateway has one)",
     404: "unknown model, or no such route",
     413: "request body larger than max_body_bytes",

@@ -55,8 +55,6 @@ async def tokenize(body: TokenizeRequest, gateway: GatewayDep) -> Response:
                                                           add_special_tokens=bool(body.add_special_tokens)))
     else:
         assert body.prompt is not None
-        if "\x00" in body.prompt:
-            raise invalid("the prompt holds a NUL character (\\u0000), which no prompt may contain", "prompt")
         special = True if body.add_special_tokens is None else body.add_special_tokens
         ids = await run_in_threadpool(tokenizer.encode, body.prompt, special)
     answer: dict[str, Any] = {"count": len(ids), "max_model_len": gateway.max_seq_len, "tokens": ids}

@@ -1,5 +1,6 @@
-"""Bad input gets a clear 400 (or 413), never a 500: NUL characters, invalid UTF-8, deep nesting, huge
-numbers, oversized bodies; and /openapi.json documents every status the routes answer."""
+"""Bad input gets a clear 400 (or 413), never a 500: raw NUL bytes, invalid UTF-8, deep nesting, huge
+numbers, oversized bodies; and /openapi.json documents every status the routes answer. A NUL character in
+text is text: served, as vLLM serves it."""
 
 from __future__ import annotations
 
@@ -33,8 +34,6 @@ def chat(content: bytes, extra: bytes = b"") -> bytes:
 
 
 CASES = {
-    "a NUL in a message": ("chat/completions", chat(b"a\\u0000b"), "NUL character"),
-    "a NUL in a prompt": ("completions", b'{"model":"' + MODEL.encode() + b'","prompt":"x\\u0000"}', "NUL character"),
     "a raw NUL byte": ("chat/completions", chat(b"a\x00b"), "not valid JSON"),
     "invalid UTF-8": ("chat/completions", chat(b"a\xff\xfeb"), ""),
     "JSON nested 20,000 deep": ("chat/completions", b'{"model":"m","messages":' + b"[" * 20_000 + b"]" * 20_000
@@ -51,6 +50,26 @@ CASES = {
     "thinking of no known type": ("messages", b'{"max_tokens":2,"messages":[{"role":"user","content":"hi"}],'
                                   b'"thinking":{"type":"always"}}', "thinking.type"),
 }
+
+
+@pytest.mark.parametrize(("path", "body"), [
+    ("chat/completions", chat(b"a\\u0000b")),
+    ("completions", b'{"model":"' + MODEL.encode() + b'","prompt":"x\\u0000","max_tokens":2}'),
+])
+def test_a_nul_character_in_text_is_served(h: Harness, path: str, body: bytes) -> None:
+    """vLLM's random benchmark prompts hold one now and then (decoded random ids): refusing it lost 1 of 32."""
+    response = post(h, path, body)
+    assert response.status_code == 200, response.text
+    assert response.json()["usage"]["prompt_tokens"] > 0
+
+
+def test_a_nul_character_is_tokenized_as_any_other() -> None:
+    from shared.model.checkpoint import open_model_card
+
+    tokenizer = open_model_card("default").tokenizer
+    assert tokenizer is not None
+    ids = tokenizer.encode("a\u0000b")
+    assert len(ids) == 3 and tokenizer.decode(ids) == "a\u0000b"
 
 
 @pytest.mark.parametrize("case", list(CASES))

@@ -62,10 +62,14 @@ def test_tokenize_a_prompt_and_messages_as_hf_does(post: Any, hf_tokenizer: Any)
     assert back.status_code == 200 and back.json()["prompt"] == hf_tokenizer.decode(chat["tokens"])
 
 
+def test_a_nul_character_is_tokenized_as_transformers_does(post: Any, hf_tokenizer: Any) -> None:
+    r = post("/tokenize", {"prompt": "a\u0000b", "add_special_tokens": False})
+    assert r.status_code == 200 and r.json()["tokens"] == hf_tokenizer.encode("a\u0000b", add_special_tokens=False)
+
+
 @pytest.mark.parametrize(("path", "body", "param"), [
     ("/tokenize", {}, "prompt"),
     ("/tokenize", {"prompt": "a", "messages": MESSAGES}, "messages"),
-    ("/tokenize", {"prompt": "a\u0000b"}, "prompt"),
     ("/tokenize", {"prompt": 7}, None),
     ("/detokenize", {"tokens": [1, 10**9]}, "tokens"),
     ("/detokenize", {"tokens": [-1]}, None),
