@@ -50,7 +50,7 @@ def _timed(work: Callable[[], object]) -> float:
 
 def decode_batch(engine: Engine, rows: int, context: int) -> None:
     """`rows` sequences prefilled to `context` tokens, each with its next token waiting to be decoded."""
-    params = SamplingParams(temperature=0.0, max_tokens=10_000, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=1024, ignore_eos=True)
     for i in range(rows):
         engine.add_request(f"s{i}", [100 + (i * 7 + k) % 40_000 for k in range(context)], params)
     while any(seq.num_computed < seq.num_tokens - 1 for seq in engine.running) or engine.waiting:
@@ -62,6 +62,8 @@ def timed_parts(engine: Engine, steps: int) -> dict[str, float]:
     these passes is the engine's own: each pass re-decodes the same positions)."""
     attention, ffn, kv = engine.attention, engine.ffn, engine.kv
     seqs = list(engine.running)
+    for seq in seqs:  # the slot of the token each pass decodes (the engine reserves it as it schedules)
+        engine.block_tables.reserve(seq.seq_id, seq.num_computed + 1)
     parts: dict[str, list[float]] = {k: [] for k in ("setup", "norms", "qkv_rope", "attention", "o_proj", "ffn",
                                                       "lm_head", "sample_t1", "sample_greedy", "step")}
     samplers_t1 = [_sampler(1.0) for _ in seqs]
