@@ -67,6 +67,12 @@ class FFNHalf(nn.Module):
                 module.quantize_int8()
         self.weight_bytes = 1
 
+    def fuse_gate_up(self) -> None:
+        """The dense layers' gate and up as one product each (`SwiGLU.fuse_gate_up`: bit-equal)."""
+        for layer in self.layers:
+            if isinstance(layer, SwiGLU):
+                layer.fuse_gate_up()
+
     def forward(self, layer: int, ffn_in: Tensor) -> Tensor:
         # ffn_in: [T, D] -> ffn_out: [T, D]
         return self.layers[layer](ffn_in)

@@ -174,4 +174,6 @@ def load_ffn_half(args: ModelArgs, tensors: TensorSource, dtype: torch.dtype = t
     half.activation_dtype, half.device, half.weight_bytes = dtype, target, dtype.itemsize
     if mode == "int8":
         half.quantize_int8()
+    else:
+        half.fuse_gate_up()
     return half
