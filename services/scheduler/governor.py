@@ -156,7 +156,7 @@ class Governor:
         max_num_seqs = s.max_num_seqs if bound is None else min(s.max_num_seqs, bound)
         self._log_target(worker, running_bound)
         return IterationPolicy(s.max_batch_tokens, max_num_seqs, self.batching, now_mono, self._prefill_cap(worker),
-                               self.depth, planned)
+                               self.depth, planned, overlaps=worker.assignment != "colocated")
 
     def _log_target(self, worker: Worker, bound: RunningBound) -> None:
         target_s = bound.target_s

@@ -140,13 +140,17 @@ def planner_depths(setting: DepthSetting) -> tuple[int, ...]:
     return AUTO_PLANNER_DEPTHS if setting == "auto" else (setting,)
 
 
-def microbatch_depth(setting: DepthSetting, n_seqs: int, planned: int | None = None) -> int:
+def microbatch_depth(setting: DepthSetting, n_seqs: int, planned: int | None = None, overlaps: bool = True) -> int:
     """How many microbatches an iteration of `n_seqs` sequences is cut into: the one place "auto" is decided.
 
     A fixed setting is kept; "auto" takes the clock plan's depth for the phase where there is one
-    (`planned`), else 1 below AUTO_DEPTH_MIN_SEQS sequences and 2 from there. Never more than n_seqs
-    (a microbatch needs a sequence), never less than 1."""
-    if setting == "auto":
+    (`planned`), else 1 below AUTO_DEPTH_MIN_SEQS sequences and 2 from there; and 1 where microbatches
+    cannot overlap (`overlaps` false: a worker running both halves itself, whose second microbatch only
+    streams every weight again: on 2 CPU cores 8-row microbatches in pairs took what 16 rows take twice).
+    Never more than n_seqs (a microbatch needs a sequence), never less than 1."""
+    if setting == "auto" and not overlaps:
+        depth = 1
+    elif setting == "auto":
         depth = planned if planned is not None else 1 if n_seqs < AUTO_DEPTH_MIN_SEQS else 2
     else:
         depth = setting
@@ -208,6 +212,7 @@ class IterationPolicy:
     prefill_cap: DecodeAwareCap | None = None
     depth: DepthSetting = 1  # `microbatch_depth`'s setting, parsed (`parse_depth`)
     planned_depth: Mapping[ClockPhase, int] = field(default_factory=dict)
+    overlaps: bool = True  # its microbatches can overlap (its FFN is elsewhere); false: a colocated worker
 
 
 @dataclass(frozen=True)
@@ -258,6 +263,7 @@ def plan_iteration(running: Sequence[WorkItem[K]], waiting: Iterable[WorkItem[K]
     if not form.feeds:
         return IterationPlan((), "decode", form.admitted)
     phase = phase_of(form.feeds)
-    depth = microbatch_depth(policy.depth, len(form.feeds), policy.planned_depth.get(clock_phase(phase)))
+    depth = microbatch_depth(policy.depth, len(form.feeds), policy.planned_depth.get(clock_phase(phase)),
+                             policy.overlaps)
     groups = tuple(form.feeds[r.start:r.stop] for r in split_microbatches([f.n_tokens for f in form.feeds], depth))
     return IterationPlan(groups, phase, form.admitted)

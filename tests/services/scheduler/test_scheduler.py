@@ -100,6 +100,8 @@ def test_recompute_feeds_prompt_and_output_with_generated_ids() -> None:
 
 def test_depth_and_split() -> None:
     assert microbatch_depth("auto", 3) == 1 and microbatch_depth("auto", 4) == 2
+    assert microbatch_depth("auto", 16, planned=2, overlaps=False) == 1  # a colocated worker: nothing overlaps
+    assert microbatch_depth(2, 16, overlaps=False) == 2  # a fixed setting stands
     assert microbatch_depth(3, 2) == 2 and microbatch_depth(4, 10) == 4
     decoding = [_state(f"s{i}", 1, computed=1, output=1) for i in range(3)]
     prompt = _state("p", 100)
