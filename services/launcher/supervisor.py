@@ -313,13 +313,14 @@ def whole_model_here(args: argparse.Namespace) -> bool:
 
 
 def resolve_layout(args: argparse.Namespace) -> argparse.Namespace:
-    """`args` with the workers decided: `ffn_workers` 0 and `colocate` on where `whole_model_here`, else
+    """`args` with the workers decided: where `whole_model_here`, no FFN worker, `colocate` on and the
+    scheduler's `provision_kinds` colocated (it makes each such worker `colocated` as it registers); else
     `ffn_workers` as given (1 by default)."""
     if args.ffn_workers is not None:
         return args
-    whole = whole_model_here(args)
-    return argparse.Namespace(**{**vars(args), "ffn_workers": 0 if whole else 1,
-                                 "colocate": True if whole else args.colocate})
+    if not whole_model_here(args):
+        return argparse.Namespace(**{**vars(args), "ffn_workers": 1})
+    return argparse.Namespace(**{**vars(args), "ffn_workers": 0, "colocate": True, "provision_kinds": "colocated"})
 
 
 def build_commands(args: argparse.Namespace) -> list[ChildSpec]:

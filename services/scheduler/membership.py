@@ -48,8 +48,11 @@ class Change:
 class Membership:
     """The registry's keeper: turns control messages into registry updates and `Change`s."""
 
-    def __init__(self, registry: Registry, scheduler_id: str, run_token: str) -> None:
+    def __init__(self, registry: Registry, scheduler_id: str, run_token: str, *, colocate_alone: bool = False) -> None:
         self.registry, self.scheduler_id, self.run_token = registry, scheduler_id, run_token
+        # `provision_kinds colocated`: a worker holding both halves that registers with no FFN worker there
+        # serves the whole model at once, as the first plan would make it (`aflex up` on a CPU host has none)
+        self.colocate_alone = colocate_alone
 
     def register_reply(self, ok: bool, error: str | None = None, *, drained: bool | None = None) -> bytes:
         body = None if error is None else ErrorBody(type=ErrorType.INVALID_REQUEST, message=error)
@@ -66,7 +69,8 @@ class Membership:
         worker, restarted = self.registry.register(reg, now)
         log.info("worker %s (%s) registered%s", reg.worker_id, reg.role, " again: restarted" if restarted else "")
         change = Change(joined=[worker], clocks=[worker])
-        if worker.can_colocate and worker.assignment is None and not self.registry.healthy("ffn"):
+        if self.colocate_alone and worker.can_colocate and worker.assignment is None \
+                and not self.registry.healthy("ffn"):
             worker.assignment = "colocated"  # no FFN worker to split with (`aflex up` on a CPU host): all here
             change.whole.append(worker)
             log.info("worker %s serves the whole model: no FFN worker is registered", worker.worker_id)

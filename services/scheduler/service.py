@@ -65,7 +65,8 @@ class Scheduler:
         self.tasks = TaskSet()
         self.governor = Governor(settings, model, self.registry)
         self.gateways = GatewayWatch(settings.gateway_silence_s)
-        self.membership = Membership(self.registry, settings.scheduler_id, self.run_token)
+        self.membership = Membership(self.registry, settings.scheduler_id, self.run_token,
+                                     colocate_alone=settings.provision_kinds == "colocated")
         self.provisioning = ProvisioningLoop(settings, nc, self.registry, self.governor, self._plan_changed) \
             if settings.provisioning == "aflex" else None
         self._submissions: Subscription | None = None

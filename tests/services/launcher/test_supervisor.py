@@ -198,6 +198,8 @@ def test_on_a_cpu_host_the_default_is_the_whole_model_in_one_worker(argv: tuple[
         specs = sup.build_commands(up_args(*argv))
         assert sup.whole_model_here(up_args(*argv)) == whole
     workers = [s for s in specs if s.role.endswith("worker")]
+    scheduler = next(s for s in specs if s.role == "scheduler")  # it makes such a worker colocated on sight
+    assert (scheduler.env.get("AFLEX_PROVISION_KINDS") == "colocated") == whole
     if whole:
         assert all(s.role == "attention-worker" and s.env["AFLEX_COLOCATE"] == "true" for s in workers)
     else:

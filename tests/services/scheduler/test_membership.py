@@ -41,6 +41,25 @@ def test_a_registration_starts_a_lane_and_a_restart_is_a_loss_to_recompute() -> 
     assert attn.lane.task is None  # membership starts nothing itself: the scheduler applies the change
 
 
+def test_a_worker_holding_both_halves_serves_the_whole_model_where_no_ffn_worker_is() -> None:
+    """`provision_kinds colocated` (`aflex up` on a CPU host): made colocated on sight, and told so; not where an
+    FFN worker is there, and never without that setting (a plan decides)."""
+    whole = encode(Register(worker_id="attn-0", role="attention", model_id="m", n_layers=2, kv_total_blocks=64,
+                            block_size=16, max_seq_len=1024, halves=["ffn"]))
+    registry = Registry()
+    _, change = Membership(registry, "sched-0", "run1", colocate_alone=True).register(whole, now=1.0)
+    assert registry.workers["attn-0"].assignment == "colocated" and change.whole == [registry.workers["attn-0"]]
+    assert registry.ready  # no FFN worker, and ready
+    registry = Registry()
+    _, change = Membership(registry, "sched-0", "run1").register(whole, now=1.0)
+    assert registry.workers["attn-0"].assignment is None and change.whole == [] and not registry.ready
+    registry = Registry()
+    membership = Membership(registry, "sched-0", "run1", colocate_alone=True)
+    membership.register(_register("ffn-0", "ffn"), now=1.0)
+    _, change = membership.register(whole, now=1.0)
+    assert registry.workers["attn-0"].assignment is None and change.whole == []
+
+
 def test_a_bad_registration_is_refused_and_changes_nothing() -> None:
     reply, change = Membership(Registry(), "sched-0", "run1").register(b"{not json", now=1.0)
     refused = decode(RegisterReply, reply)
