@@ -100,8 +100,7 @@ class Dispatch:
         lane = worker.lane
         lane.iteration += 1
         self.governor.iteration_sent(worker, plan.passes, len(plan.groups), time.monotonic())
-        sent: list[tuple[str, list[Pass], asyncio.Future[MicrobatchDone]]] = []
-        ffn_of: dict[str, str] = {}
+        sent: list[tuple[str, list[Pass], asyncio.Future[MicrobatchDone], str]] = []  # (id, group, Done, FFN worker)
         for k, group in enumerate(plan.groups):
             ffn = self.registry.ffn_for(worker)
             assert ffn is not None  # checked by the caller, nothing awaited since
@@ -115,24 +114,23 @@ class Dispatch:
                 p.state.in_flight = True
                 p.state.first_pass_sent = True
             fut = self.in_flight.track(mb_id, worker.worker_id, time.monotonic(), ffn.worker_id)
-            ffn_of[mb_id] = ffn.worker_id
-            sent.append((mb_id, group, fut))
+            sent.append((mb_id, group, fut, ffn.worker_id))
             await self.nc.publish(subjects.attn_mb(worker.worker_id), encode(desc))
         timeout_s = self.settings.microbatch_timeout_s
-        await asyncio.wait([f for _, _, f in sent], timeout=timeout_s)
+        await asyncio.wait([f for _, _, f, _ in sent], timeout=timeout_s)
         whole = True
-        for mb_id, group, fut in sent:
+        for mb_id, group, fut, ffn_id in sent:
             self.in_flight.forget(mb_id)
             outcome = (fut.exception() or fut.result()) if fut.done() else None
             if not fut.done():
                 fut.cancel()
             judgement = recovery.judge(outcome, [p.state.request_id for p in group], [p.samples for p in group],
-                                       ffn_of[mb_id], timeout_s, mb_id)
+                                       ffn_id, timeout_s, mb_id)
             whole = whole and judgement.whole
             if judgement.unreachable_ffn is not None:
                 self.registry.suspect(judgement.unreachable_ffn, judgement.why)
             if isinstance(outcome, MicrobatchDone):
-                self.governor.microbatch_done(worker, group, outcome, ffn_of[mb_id], lone=len(sent) == 1)
+                self.governor.microbatch_done(worker, group, outcome, ffn_id, lone=len(sent) == 1)
                 if outcome.energy_j is not None:
                     share_energy(group, outcome.energy_j, set(outcome.failed_seq_ids))
             else:

@@ -125,10 +125,6 @@ VARIANTS = {  # a user's values files as they are, and the chart's defaults
 }
 
 
-def effective(chart_values: dict[str, Any], values: dict[str, Any]) -> dict[str, Any]:
-    return merged(chart_values, values)
-
-
 def by_kind(docs: list[dict[str, Any]], kind: str) -> dict[str, dict[str, Any]]:
     return {d["metadata"]["name"]: d for d in docs if d["kind"] == kind}
 

@@ -44,7 +44,6 @@ from tests.deploy.chart import (
     HelmError,
     aflex_containers,
     by_kind,
-    effective,
     env_of,
     example,
     helm,
@@ -122,7 +121,7 @@ def test_the_validation_is_strict() -> None:
 def test_worker_groups_are_statefulsets_named_by_pod(variant: tuple[str, dict, list],
                                                      chart_values: dict[str, Any]) -> None:
     name, values, docs = variant
-    values = effective(chart_values, values)
+    values = merged(chart_values, values)
     services = by_kind(docs, "Service")
     ids: list[str] = []
     for workload, container, service in aflex_containers(docs):
