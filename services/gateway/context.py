@@ -47,8 +47,8 @@ class Gateway:
     @functools.cached_property
     def call_marker_ids(self) -> tuple[int, int] | None:
         """`<tool_call>` and `</tool_call>` where they are tokens of the vocabulary (a forced call names them)."""
-        ids = [self.tokenizer.token_to_id(marker) for marker in (OPEN, CLOSE)]
-        return None if None in ids else (ids[0], ids[1])  # type: ignore[return-value]  # both ints here
+        open_id, close_id = self.tokenizer.token_to_id(OPEN), self.tokenizer.token_to_id(CLOSE)
+        return None if open_id is None or close_id is None else (open_id, close_id)
 
     @property
     def max_seq_len(self) -> int:

@@ -95,6 +95,16 @@ def usage_dict(prompt_tokens: int, completion_tokens: int, energy_j: float | Non
     return usage
 
 
+def cached_tokens(usage: dict[str, Any]) -> int:
+    """The prompt tokens the prefix cache held, from an OpenAI usage (`usage_dict`)."""
+    return int(usage.get("prompt_tokens_details", {}).get("cached_tokens", 0))
+
+
+def reasoning_tokens(usage: dict[str, Any]) -> int:
+    """A reasoning model's reasoning tokens, from an OpenAI usage (0 where it reported none)."""
+    return int(usage.get("completion_tokens_details", {}).get("reasoning_tokens", 0))
+
+
 def unavailable(message: str) -> APIError:
     return APIError(503, message, type=SERVICE_UNAVAILABLE, code="scheduler_unavailable",
                     headers=retry_after_headers(UNAVAILABLE_RETRY_AFTER_S))

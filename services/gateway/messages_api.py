@@ -26,9 +26,10 @@ import orjson
 from pydantic import Field, Strict
 
 from services.gateway.errors import APIError, invalid
-from services.gateway.openai_schema import Bool, ChatCompletionRequest, _bounds, _Model
+from services.gateway.generation import cached_tokens
+from services.gateway.openai_schema import Bool, ChatCompletionRequest, _bounds, _Model, chat_completion_of
 from services.gateway.streaming import ChoiceEvents
-from services.gateway.tool_call_stream import CallDelta, ToolCallStream
+from services.gateway.tool_call_stream import CallDelta, ToolCallStream, finish_with_calls
 from services.gateway.tool_call_syntax import Function
 
 STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
@@ -166,18 +167,12 @@ def chat_request(body: MessagesRequest | CountTokensRequest) -> ChatCompletionRe
     if isinstance(body, MessagesRequest):
         fields |= {"max_completion_tokens": body.max_tokens, "stop": body.stop_sequences, "top_p": body.top_p,
                    "temperature": body.temperature, "top_k": body.top_k, "stream": body.stream, "seed": body.seed}
-    if not fields["messages"]:
-        raise invalid("messages must be a non-empty list", "messages")
-    try:
-        return ChatCompletionRequest.model_validate({k: v for k, v in fields.items() if v is not None})
-    except ValueError as exc:
-        raise invalid(f"messages: {exc}", "messages") from None
+    return chat_completion_of(fields, "messages", "messages must be a non-empty list")
 
 
 def usage_of(usage: dict[str, Any]) -> dict[str, Any]:
-    cached = usage.get("prompt_tokens_details", {}).get("cached_tokens", 0)
     out = {"input_tokens": usage["prompt_tokens"], "output_tokens": usage["completion_tokens"],
-           "cache_read_input_tokens": cached, "cache_creation_input_tokens": 0}
+           "cache_read_input_tokens": cached_tokens(usage), "cache_creation_input_tokens": 0}
     if "energy_j" in usage:
         out["energy_j"] = usage["energy_j"]  # AFlex's, as on chat completions
     return out
@@ -232,9 +227,7 @@ class MessageView:
                 if final:
                     for chunk in blocks.close():
                         yield chunk
-                    finish = event.finish_reason
-                    if reader is not None and reader.called and finish != "length":
-                        finish = "tool_calls"
+                    finish = finish_with_calls(event.finish_reason, reader is not None and reader.called)
                     usage = usage_of(event.usage or {"prompt_tokens": prompt_tokens, "completion_tokens": 0})
                     yield _event("message_delta", delta={"stop_reason": stop_reason(finish, event.stop_sequence),
                                                          "stop_sequence": event.stop_sequence}, usage=usage)

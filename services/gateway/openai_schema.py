@@ -12,6 +12,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, Strict, field_validator
 
+from services.gateway.errors import invalid
 from shared.messages import SamplingSpec
 from shared.model.params import VALUE_RANGES
 
@@ -228,3 +229,14 @@ class CompletionRequest(_GenerationRequest):
 
     def logprob_counts(self) -> tuple[int | None, int | None]:
         return self.logprobs, self.logprobs if self.echo else None
+
+
+def chat_completion_of(fields: dict[str, Any], param: str, empty: str) -> ChatCompletionRequest:
+    """The chat completion another API's request amounts to (Responses, Messages): its `fields`, those that are
+    None left out; a 400 naming `param` when there are no messages (`empty` says so) or a field is invalid."""
+    if not fields["messages"]:
+        raise invalid(empty, param)
+    try:
+        return ChatCompletionRequest.model_validate({k: v for k, v in fields.items() if v is not None})
+    except ValueError as exc:
+        raise invalid(f"{param}: {exc}", param) from None

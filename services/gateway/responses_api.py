@@ -21,9 +21,17 @@ import orjson
 from pydantic import Field, Strict
 
 from services.gateway.errors import APIError, invalid
-from services.gateway.openai_schema import Bool, ChatCompletionRequest, ReasoningEffort, _bounds, _Model
+from services.gateway.generation import cached_tokens, reasoning_tokens
+from services.gateway.openai_schema import (
+    Bool,
+    ChatCompletionRequest,
+    ReasoningEffort,
+    _bounds,
+    _Model,
+    chat_completion_of,
+)
 from services.gateway.streaming import ChoiceEvents
-from services.gateway.tool_call_stream import ToolCallStream
+from services.gateway.tool_call_stream import ToolCallStream, finish_with_calls
 from services.gateway.tool_call_syntax import Function
 
 
@@ -158,19 +166,13 @@ def chat_request(body: ResponsesRequest) -> ChatCompletionRequest:
               "temperature": body.temperature, "top_p": body.top_p, "response_format": response_format,
               "stream": body.stream, "seed": body.seed, "user": body.user, "priority": body.priority,
               "reasoning_effort": body.reasoning.effort if body.reasoning is not None else None}
-    if not fields["messages"]:
-        raise invalid("input must hold at least one message", "input")
-    try:
-        return ChatCompletionRequest.model_validate({k: v for k, v in fields.items() if v is not None})
-    except ValueError as exc:
-        raise invalid(f"input: {exc}", "input") from None
+    return chat_completion_of(fields, "input", "input must hold at least one message")
 
 
 def _usage(usage: dict[str, Any]) -> dict[str, Any]:
-    cached = usage.get("prompt_tokens_details", {}).get("cached_tokens", 0)
-    out = {"input_tokens": usage["prompt_tokens"], "input_tokens_details": {"cached_tokens": cached},
-           "output_tokens": usage["completion_tokens"], "output_tokens_details": {
-               "reasoning_tokens": usage.get("completion_tokens_details", {}).get("reasoning_tokens", 0)},
+    out = {"input_tokens": usage["prompt_tokens"], "input_tokens_details": {"cached_tokens": cached_tokens(usage)},
+           "output_tokens": usage["completion_tokens"],
+           "output_tokens_details": {"reasoning_tokens": reasoning_tokens(usage)},
            "total_tokens": usage["total_tokens"]}
     if "energy_j" in usage:
         out["energy_j"] = usage["energy_j"]  # AFlex extension, as on chat completions
@@ -318,9 +320,7 @@ async def response_events(view: ResponseView, events: ChoiceEvents, first: Any,
                     yield ev("response.function_call_arguments.done", item_id=call["id"], output_index=at,
                              arguments=call["arguments"])
                     yield ev("response.output_item.done", output_index=at, item=call)
-                finish = event.finish_reason
-                if calls and finish != "length":
-                    finish = "tool_calls"
+                finish = finish_with_calls(event.finish_reason, bool(calls))
                 status = "incomplete" if finish == "length" else "completed"
                 kind = "response.incomplete" if status == "incomplete" else "response.completed"
                 yield ev(kind, response=view.response(output, status, event.usage or {}, finish))

@@ -21,9 +21,9 @@ from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from services.gateway.errors import SERVER_ERROR, APIError
-from services.gateway.generation import Generation, TextEvent, usage_dict
+from services.gateway.generation import Generation, TextEvent, cached_tokens, reasoning_tokens, usage_dict
 from services.gateway.logprobs import Entry, LogprobFormat, prompt_entries
-from services.gateway.tool_call_stream import ToolCallStream, read_calls
+from services.gateway.tool_call_stream import ToolCallStream, finish_with_calls, read_calls
 from services.gateway.tool_call_syntax import Function, ToolCall, parse_tool_calls
 from services.gateway.tool_calling import call_dicts, delta_dicts
 
@@ -113,10 +113,9 @@ def total_usage(usages: list[dict[str, Any]]) -> dict[str, Any]:
     energies = [u.get("energy_j") for u in usages]
     energy_j = None if any(e is None for e in energies) else sum(e for e in energies if e is not None)
     total = usage_dict(usages[0]["prompt_tokens"], sum(u["completion_tokens"] for u in usages), energy_j,
-                       usages[0].get("prompt_tokens_details", {}).get("cached_tokens", 0))
+                       cached_tokens(usages[0]))
     if any("completion_tokens_details" in u for u in usages):  # a reasoning model's
-        total["completion_tokens_details"] = {"reasoning_tokens": sum(
-            u.get("completion_tokens_details", {}).get("reasoning_tokens", 0) for u in usages)}
+        total["completion_tokens_details"] = {"reasoning_tokens": sum(reasoning_tokens(u) for u in usages)}
     return total
 
 
@@ -151,7 +150,7 @@ def _answer(shape: ResponseShape, index: int, text: str, event: TextEvent, logpr
         if not calls and event.finish_reason == "length":  # a call cut short is still a call
             content, calls = read_calls(text, extras.functions)
     if calls:
-        finish = "length" if event.finish_reason == "length" else "tool_calls"
+        finish = finish_with_calls(event.finish_reason, True)
         return (shape.choice(content, finish, index=index, logprobs=logprobs,
                              tool_calls=call_dicts(calls)), event.usage or {})
     return ({**shape.choice(text, event.finish_reason, index=index, logprobs=logprobs),
@@ -298,9 +297,7 @@ async def stream(shape: ResponseShape, events: ChoiceEvents, first: tuple[int, T
             else:  # content up to where a call may begin; each call's name, then its arguments as they come
                 final = event.finish_reason is not None
                 text, deltas = reader.take(text, final)
-                finish = event.finish_reason
-                if reader.called and final:  # a cut call stays `length`, as OpenAI's does
-                    finish = "length" if finish == "length" else "tool_calls"
+                finish = finish_with_calls(event.finish_reason, reader.called)
                 if deltas:
                     if text or logprobs:
                         yield sse({**shape.chunk(text, index=index, logprobs=logprobs), **extra()})

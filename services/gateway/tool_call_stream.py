@@ -198,6 +198,14 @@ class ToolCallStream:
         return rest, deltas
 
 
+def finish_with_calls(finish_reason: str | None, called: bool) -> str | None:
+    """An answer's finish reason once it made calls: `tool_calls`, except a call cut by `max_tokens`, which
+    stays `length` (as OpenAI's does); unchanged without calls, or before the answer ends (None)."""
+    if not called or finish_reason in (None, "length"):
+        return finish_reason
+    return "tool_calls"
+
+
 def read_calls(text: str, functions: Sequence[Function]) -> tuple[str | None, tuple[ToolCall, ...]]:
     """A finished answer's content and calls as a stream would have given them: a block cut short (by
     `max_tokens`) is a call with the arguments written so far (parse_tool_calls leaves it as text)."""

@@ -398,6 +398,7 @@ def up(args: argparse.Namespace, *, command_builder: CommandBuilder = build_comm
     """Run the mesh until SIGINT/SIGTERM (exit 0) or until the gateway or the scheduler dies (exit 1)."""
     from services.launcher.embedded_nats import UpNats
 
+    args = resolve_layout(args)  # the workers decided once: the commands and the serving line say the same
     stop = threading.Event()
     previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
     env = dict(os.environ)
@@ -419,9 +420,8 @@ def up(args: argparse.Namespace, *, command_builder: CommandBuilder = build_comm
         if stop.is_set():
             return 0
         model_id = served_model_id(base_url, fallback=str(args.model))
-        layout = resolve_layout(args)
-        workers = WHOLE_MODEL_NOTE if layout.ffn_workers == 0 else \
-            f"{layout.attention_workers} attention + {layout.ffn_workers} FFN workers"
+        workers = WHOLE_MODEL_NOTE if args.ffn_workers == 0 else \
+            f"{args.attention_workers} attention + {args.ffn_workers} FFN workers"
         print(f"{SERVING_ANNOUNCEMENT} {model_id} at http://{args.host}:{args.port}/v1 ({workers})", flush=True)
         return supervisor.serve(stop)
     finally:

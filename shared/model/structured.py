@@ -31,11 +31,10 @@ _lock = threading.Lock()
 
 
 def grammar_for(kind: str, schema: dict[str, Any] | None = None) -> str | None:
-    """The grammar of an OpenAI `response_format` of type `kind` (None for plain text)."""
-    checked = _schema_of(kind, schema)
-    if checked is None:
-        return None
-    return llguidance.LLMatcher.grammar_from_json_schema(json.dumps(checked), overrides=JSON_LAYOUT)
+    """The grammar of an OpenAI `response_format` of type `kind` (None for plain text): `json_lark`'s, the one
+    construction the gateway uses too."""
+    lark = json_lark(kind, schema)
+    return None if lark is None else str(llguidance.LLMatcher.grammar_from_lark(lark))
 
 
 def json_lark(kind: str, schema: dict[str, Any] | None = None, rule: str = "start") -> str | None:
