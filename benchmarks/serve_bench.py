@@ -159,7 +159,7 @@ def main() -> int:
         served = json.loads(urllib.request.urlopen(f"{args.url}/v1/models").read())["data"][0]["id"]
         vllm = bench_serve(args, args.url, served, tokenizer, raw)
     else:
-        with aflex_up(args.model, *up_args, env_extra=env) as mesh:
+        with aflex_up(args.model, *up_args, env_extra=env, split=False) as mesh:  # a user's defaults
             try:
                 vllm = bench_serve(args, mesh.base_url.removesuffix("/v1"), mesh.served_model(), tokenizer, raw)
             finally:

@@ -150,8 +150,8 @@ def _ordering() -> list[str]:
         "through the seam named by `seam_transport`: `torch` (default) or `nats`. On `torch`, each FFN worker "
         "hosts a torch `TCPStore` and advertises it as `seam_address` (`gloo://host:port`, with `?gpu=<uuid>` on "
         "a GPU) in its `Register` and every `Heartbeat`; an attention worker opens a 2-rank process group to it "
-        "on its first hop: it takes a join number `n` from the store key `aflex/joins`, writes "
-        "`{\"worker_id\", \"gpu\"}` under `aflex/join/<n>`, and both build the group on the store prefix "
+        "on its first hop: it claims the lowest join number `n` whose key `aflex/join/<n>` is absent by writing "
+        "`{\"worker_id\", \"gpu\", \"nonce\"}` there (`compare_set`), and both build the group on the store prefix "
         "`aflex/pair/<n>` (attention rank 0, FFN rank 1), gloo always, plus NCCL for the payloads when both "
         "workers are on different GPUs. Prefixes are never reused: a restarted worker gets a new group. On "
         "`nats`, `seam_address` is the worker's `aflex.v1.seam.<wid>` subject.",

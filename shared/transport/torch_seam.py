@@ -17,6 +17,7 @@ import contextlib
 import logging
 import socket
 import threading
+import uuid
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -44,7 +45,6 @@ log = logging.getLogger("aflex.seam")
 
 STORE_CONNECT_TIMEOUT = timedelta(seconds=3)  # how long an attention worker tries to reach a peer's store
 IDLE_WAIT = timedelta(days=1)  # an FFN receiver's wait for the next frame (a timeout closes the pair)
-JOIN_WAIT = timedelta(seconds=2)  # a join number taken but not written for this long was abandoned
 
 
 def local_host_towards(url: str) -> str:
@@ -223,9 +223,16 @@ class TorchSeam:
             raise SeamError(f"not a torch seam address: {peer.address!r}")
         store = TCPStore(url.hostname, url.port, world_size=None, is_master=False, timeout=STORE_CONNECT_TIMEOUT,
                          wait_for_workers=False)  # a dead peer's address is refused: fail in seconds, not minutes
-        number = store.add("aflex/joins", 1)
-        store.set(f"aflex/join/{number}", orjson.dumps({"worker_id": self.worker_id, "gpu": self.gpu_uuid}).decode())
-        return self._build(peer, store, number, 0, parse_qs(url.query).get("gpu", [""])[0])
+        return self._build(peer, store, self._claim_join(store), 0, parse_qs(url.query).get("gpu", [""])[0])
+
+    def _claim_join(self, store: Any) -> int:
+        """The lowest free join number, taken and written in one step (`compare_set` on an absent key): no
+        number is ever taken without saying who took it, so the acceptor waits on each without a timeout."""
+        me = orjson.dumps({"worker_id": self.worker_id, "gpu": self.gpu_uuid, "nonce": uuid.uuid4().hex})
+        number = 1
+        while store.compare_set(f"aflex/join/{number}", "", me) != me:
+            number += 1
+        return number
 
     def _build(self, peer: Peer, store: Any, number: int, rank: int, peer_gpu: str) -> Pair:
         options = ProcessGroupGloo._Options()  # type: ignore[attr-defined]
@@ -256,19 +263,11 @@ class TorchSeam:
             joined = self._next_join
             key = f"aflex/join/{joined}"
             try:
-                store.wait([key], JOIN_WAIT)
-            except Exception:
-                if self._closing.is_set():
-                    return
-                try:
-                    taken = store.add("aflex/joins", 0)
-                except Exception as exc:  # the store itself failed: nobody can join any more
+                store.wait([key], IDLE_WAIT)
+            except Exception as exc:  # the store itself failed: nobody can join any more
+                if not self._closing.is_set():
                     log.error("seam: the rendezvous store failed: %s", exc)
-                    return
-                if taken > joined:  # a joiner took this number and died before writing it: later ones go on
-                    log.warning("seam: join %d was never completed; serving the joins after it", joined)
-                    self._next_join += 1
-                continue
+                return
             if self._closing.is_set():
                 return
             self._next_join += 1

@@ -16,7 +16,7 @@ from shared.transport.seam import Frame, Peer
 from shared.transport.seam_factory import make_seam
 
 
-async def main(transport: str, nats_url: str, worker_id: str) -> None:
+async def main(transport: str, nats_url: str, worker_id: str, connect_timeout_s: str = "10") -> None:
     nc = await bus.connect(nats_url, name=f"echo-{worker_id}")
     seam = None
 
@@ -27,7 +27,8 @@ async def main(transport: str, nats_url: str, worker_id: str) -> None:
     def lost(peer: Peer, reason: str) -> None:
         print(f"lost {peer.worker_id}", flush=True)
 
-    seam = make_seam(transport, worker_id, nc, echo, lost, listen=True, nats_url=nats_url)  # type: ignore[arg-type]
+    seam = make_seam(transport, worker_id, nc, echo, lost, listen=True, nats_url=nats_url,  # type: ignore[arg-type]
+                     connect_timeout_s=float(connect_timeout_s))
     await seam.start()
     print(seam.address, flush=True)
     await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)
@@ -36,4 +37,4 @@ async def main(transport: str, nats_url: str, worker_id: str) -> None:
 
 
 if __name__ == "__main__":
-    asyncio.run(main(*sys.argv[1:4]))
+    asyncio.run(main(*sys.argv[1:5]))

@@ -18,6 +18,7 @@ from datetime import timedelta
 from pathlib import Path
 from urllib.parse import urlsplit
 
+import orjson
 import pytest
 import torch
 from torch.distributed import TCPStore
@@ -27,6 +28,7 @@ from shared.transport.header import HEADER_BYTES, header_for
 from shared.transport.seam import Frame, Peer, Seam, SeamError, SeamTransport
 from shared.transport.seam_factory import make_seam
 from shared.transport.torch_pair import INLINE_BYTES
+from shared.transport.torch_seam import TorchSeam
 from tests.conftest import REPO_ROOT
 
 ECHO = Path(__file__).with_name("seam_echo.py")
@@ -36,9 +38,11 @@ SIZES = [0, 1, 7, 4096, INLINE_BYTES - HEADER_BYTES, INLINE_BYTES - HEADER_BYTES
 
 
 @contextmanager
-def echo_peer(transport: str, nats_url: str, worker_id: str) -> Iterator[tuple[subprocess.Popen[str], str]]:
+def echo_peer(transport: str, nats_url: str, worker_id: str, connect_timeout_s: float = 10.0
+              ) -> Iterator[tuple[subprocess.Popen[str], str]]:
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
-    proc = subprocess.Popen([sys.executable, str(ECHO), transport, nats_url, worker_id], stdin=subprocess.PIPE,
+    proc = subprocess.Popen([sys.executable, str(ECHO), transport, nats_url, worker_id, str(connect_timeout_s)],
+                            stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, text=True, env=env)
     try:
         assert proc.stdout is not None
@@ -114,20 +118,26 @@ def test_frames_of_0_bytes_to_8_mb_arrive_intact(transport: SeamTransport, nats_
     asyncio.run(body())
 
 
-def test_a_join_abandoned_midway_does_not_block_the_joins_after_it(nats_url: str) -> None:
+def test_joiners_claim_numbers_of_their_own_and_one_that_died_midway_does_not_block_the_rest(nats_url: str) -> None:
+    """A join number is taken and written in one step, so the acceptor waits for each without polling; a
+    joiner that took one and died before building its group costs the acceptor that group's connect timeout."""
     async def body() -> None:
-        with echo_peer("torch", nats_url, "ffn-echo") as (_, address):
+        with echo_peer("torch", nats_url, "ffn-echo", connect_timeout_s=2.0) as (_, address):
             url = urlsplit(address)
             assert url.hostname and url.port
             dead_joiner = TCPStore(url.hostname, url.port, world_size=None, is_master=False,
                                    timeout=timedelta(seconds=5), wait_for_workers=False)
-            assert dead_joiner.add("aflex/joins", 1) == 1  # took a join number, never wrote who it is
-            async with side("torch", nats_url, connect_timeout_s=10.0) as s:
+            claimers = [TorchSeam(f"attn-{i}", lambda frame: None, lambda peer, why: None, host="127.0.0.1",
+                                  listen=False) for i in range(2)]
+            taken = [claimer._claim_join(dead_joiner) for claimer in claimers]  # never built: both died
+            assert taken == [1, 2]
+            assert orjson.loads(dead_joiner.get("aflex/join/2"))["worker_id"] == "attn-1"
+            async with side("torch", nats_url, connect_timeout_s=20.0) as s:
                 assert s.seam is not None
                 peer = Peer("ffn-echo", address)
-                await s.seam.connect(peer)
+                await s.seam.connect(peer)  # number 3, built once the acceptor gave up on 1 and 2
                 x = torch.randn(4, 64)
-                assert torch.equal((await s.echo(peer, x, "after-the-dead-joiner")).tensor, x)
+                assert torch.equal((await s.echo(peer, x, "after-the-dead-joiners")).tensor, x)
 
     asyncio.run(body())
 
