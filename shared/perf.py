@@ -24,6 +24,7 @@ flops and bytes); each shard value is fitted once and cached.
 from __future__ import annotations
 
 import bisect
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import cache
@@ -148,6 +149,9 @@ def _grid(op: str, phase: str, rng: np.random.Generator, size: int) -> tuple[np.
     return n, ctx, pairs
 
 
+_FITTING = threading.Lock()  # one fit at a time in a process (fits are few: one per op, phase and shard)
+
+
 @dataclass
 class _Fit:
     time: np.ndarray  # (clocks, buckets, features)
@@ -186,16 +190,24 @@ class Predictor:
         return float(cost.time_s), float(cost.time_s * cost.power_w)  # type: ignore[attr-defined]
 
     def warm(self, shard: int = 1) -> None:
-        """Fit every (op, phase) now (each fit is lazy, and one takes up to ~0.3 s: the scheduler's first
-        decode iteration would wait for it on its event loop)."""
+        """Fit every (op, phase) now (each fit is lazy, and all take ~0.6 s: the scheduler's first
+        request would wait for them on its event loop)."""
         for op in OPS:
             for phase in CLOCK_PHASES:
                 self._fit(op, phase, shard)
 
     def _fit(self, op: str, phase: str, shard: int) -> _Fit:
         key = (op, phase, shard)
-        if key in self._fits:
-            return self._fits[key]
+        fit = self._fits.get(key)
+        if fit is not None:
+            return fit
+        with _FITTING:  # a caller that meets a fit under way on another thread waits for it, not redoes it
+            fit = self._fits.get(key)
+            if fit is None:
+                fit = self._fits[key] = self._fit_now(op, phase, shard)
+        return fit
+
+    def _fit_now(self, op: str, phase: str, shard: int) -> _Fit:
         rng = np.random.default_rng(self.seed + 7919 * OPS.index(op) + 104729 * CLOCK_PHASES.index(phase))
         n, ctx, pairs = _grid(op, phase, rng, self.samples if op == "attention" else max(60, self.samples // 4))
         x = _features(op, n, ctx, pairs)
@@ -216,9 +228,7 @@ class Predictor:
                 t_coef[ci, bi] = np.linalg.lstsq(x[sel] * w[:, None], te[sel, 0] * w, rcond=None)[0]
                 we = 1.0 / te[sel, 1]
                 e_coef[ci, bi] = np.linalg.lstsq(x[sel] * we[:, None], te[sel, 1] * we, rcond=None)[0]
-        fit = _Fit(t_coef, e_coef)
-        self._fits[key] = fit
-        return fit
+        return _Fit(t_coef, e_coef)
 
     # -- prediction ---------------------------------------------------------------------------
     def predict(self, op: str, phase: str, n: float, ctx: float = 0.0, pairs: float = 0.0,

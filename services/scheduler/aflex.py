@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import threading
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -148,8 +147,12 @@ class AflexPlanner:
             base = cached_predictor(profile, self.args)
             pred = dataclasses.replace(base, correction={}, energy_correction={})  # fits shared, not corrections
             self._predictors[profile] = pred
-            threading.Thread(target=base.warm, name="predictor-fits", daemon=True).start()
         return pred
+
+    def warm(self, profile: GPUProfile) -> None:
+        """Fit the predictor's tables for `profile` now (blocking, ~0.6 s the first time): the scheduler calls
+        it when a worker registers, so that no request waits for the fits."""
+        self.predictor(profile).warm()
 
     # -- margins -----------------------------------------------------------------------------------
     def update_margins(self, observed: dict[ClockPhase, tuple[float | None, int, int]]) -> None:

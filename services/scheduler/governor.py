@@ -189,9 +189,13 @@ class Governor:
 
     def profile_of(self, worker: Worker) -> GPUProfile | None:
         """The worker's GPU profile: as registered, or guessed from its GPU name; None when unknown."""
-        key = (worker.gpu_profile, worker.gpu_name)
+        return self.profile_for(worker.gpu_profile, worker.gpu_name)
+
+    def profile_for(self, gpu_profile: str, gpu_name: str) -> GPUProfile | None:
+        """The GPU profile a worker registering with these names has (`profile_of`)."""
+        key = (gpu_profile, gpu_name)
         if key not in self._profiles:
-            name = guess_profile(worker.gpu_profile, worker.gpu_name, available_profiles())
+            name = guess_profile(gpu_profile, gpu_name, available_profiles())
             try:
                 self._profiles[key] = load_profile(name) if name else None
             except GPUError:

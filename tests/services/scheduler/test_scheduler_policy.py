@@ -29,6 +29,7 @@ from services.worker_base.presence import registration
 from shared import subjects
 from shared.gpu.emulated import EmulatedGPU, available_profiles, load_profile
 from shared.gpu.snap import snap_clock
+from shared.kinds import CLOCK_PHASES
 from shared.messages import (
     FrequencyCommand,
     OutputDelta,
@@ -40,7 +41,7 @@ from shared.messages import (
     decode,
     encode,
 )
-from shared.perf import cached_predictor
+from shared.perf import OPS, cached_predictor
 from shared.policy import BatchStats, ClockRule, OperatingPoint, PoolShape, choose_operating_point
 from shared.settings import SchedulerSettings
 from tests.services.scheduler.test_scheduler import FakeAttention, heartbeat, wait_for
@@ -216,6 +217,17 @@ async def live(url: str, attn: FakeAttention, model: ModelInfo = MODEL, **settin
         await sched.stop()
         await sched_nc.close()
         await nc.close()
+
+
+def test_a_worker_is_registered_once_its_gpus_tables_are_fitted(nats_url: str) -> None:
+    """The predictor's fits (~0.6 s a GPU profile) are made while the first worker of a profile registers, so
+    that the first request never waits for them on the scheduler's loop."""
+    async def main() -> None:
+        cached_predictor.cache_clear()  # what this process's earlier tests fitted
+        async with live(nats_url, ProfiledAttention(None, "a0")):  # type: ignore[arg-type]
+            fitted = set(cached_predictor(A800, QWEN)._fits)  # the fits the scheduler's planner shares
+            assert {(op, phase, 1) for op in OPS for phase in CLOCK_PHASES} <= fitted
+    asyncio.run(main())
 
 
 def test_aflex_commands_follow_the_policy_under_a_large_decode_batch(nats_url: str) -> None:
