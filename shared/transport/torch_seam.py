@@ -45,6 +45,7 @@ log = logging.getLogger("aflex.seam")
 
 STORE_CONNECT_TIMEOUT = timedelta(seconds=3)  # how long an attention worker tries to reach a peer's store
 IDLE_WAIT = timedelta(days=1)  # an FFN receiver's wait for the next frame (a timeout closes the pair)
+JOIN_IDLE_WAIT = timedelta(hours=1)  # the acceptor's wait for the next join (a timeout: wait again)
 
 
 def local_host_towards(url: str) -> str:
@@ -263,11 +264,16 @@ class TorchSeam:
             joined = self._next_join
             key = f"aflex/join/{joined}"
             try:
-                store.wait([key], IDLE_WAIT)
-            except Exception as exc:  # the store itself failed: nobody can join any more
-                if not self._closing.is_set():
+                store.wait([key], JOIN_IDLE_WAIT)
+            except Exception:
+                if self._closing.is_set():
+                    return
+                try:
+                    store.check([key])  # a quiet hour, or has the store itself failed?
+                except Exception as exc:  # it failed: nobody can join any more
                     log.error("seam: the rendezvous store failed: %s", exc)
-                return
+                    return
+                continue
             if self._closing.is_set():
                 return
             self._next_join += 1

@@ -38,10 +38,11 @@ SIZES = [0, 1, 7, 4096, INLINE_BYTES - HEADER_BYTES, INLINE_BYTES - HEADER_BYTES
 
 
 @contextmanager
-def echo_peer(transport: str, nats_url: str, worker_id: str, connect_timeout_s: float = 10.0
-              ) -> Iterator[tuple[subprocess.Popen[str], str]]:
+def echo_peer(transport: str, nats_url: str, worker_id: str, connect_timeout_s: float = 10.0,
+              join_idle_wait_s: float | None = None) -> Iterator[tuple[subprocess.Popen[str], str]]:
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
-    proc = subprocess.Popen([sys.executable, str(ECHO), transport, nats_url, worker_id, str(connect_timeout_s)],
+    proc = subprocess.Popen([sys.executable, str(ECHO), transport, nats_url, worker_id, str(connect_timeout_s),
+                             "" if join_idle_wait_s is None else str(join_idle_wait_s)],
                             stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, text=True, env=env)
     try:
@@ -138,6 +139,23 @@ def test_joiners_claim_numbers_of_their_own_and_one_that_died_midway_does_not_bl
                 await s.seam.connect(peer)  # number 3, built once the acceptor gave up on 1 and 2
                 x = torch.randn(4, 64)
                 assert torch.equal((await s.echo(peer, x, "after-the-dead-joiners")).tensor, x)
+
+    asyncio.run(body())
+
+
+def test_the_acceptor_waits_again_after_a_quiet_spell(nats_url: str) -> None:
+    """An FFN worker that no attention worker joined for a while still accepts one (its acceptor's wait for
+    the next join timed out three times meanwhile, here after 0.2 s each)."""
+    async def body() -> None:
+        with echo_peer("torch", nats_url, "ffn-echo", join_idle_wait_s=0.2) as (proc, address):
+            await asyncio.sleep(0.7)  # the quiet spell: nothing here depends on how long it lasts beyond 0.2 s
+            async with side("torch", nats_url) as s:
+                assert s.seam is not None
+                peer = Peer("ffn-echo", address)
+                await s.seam.connect(peer)
+                x = torch.randn(4, 64)
+                assert torch.equal((await s.echo(peer, x, "after-the-quiet")).tensor, x)
+            assert proc.poll() is None
 
     asyncio.run(body())
 
