@@ -53,6 +53,7 @@ from shared.transport import bus
 log = logging.getLogger("aflex.scheduler")
 
 DRAIN_POLL_S = 0.1  # how often a draining scheduler looks whether its requests have finished
+WARM_WAIT_S = 1.0  # how long a registration waits for its GPU profile's fits (under presence.py's 2 s attempt)
 
 
 class Scheduler:
@@ -147,7 +148,9 @@ class Scheduler:
 
     async def _warm_planner(self, data: bytes) -> None:
         """Fit the planner's tables for a registering worker's GPU before it joins (~0.6 s, the first worker of
-        a GPU profile only), so that no request waits for them on this loop."""
+        a GPU profile only), so that no request waits for them on this loop. Waited for at most
+        `WARM_WAIT_S`, under a registration attempt's timeout (a slow fit goes on in its thread), and a fit that
+        fails only logs: the worker registers anyway."""
         planner = self.governor.planner
         if planner is None:
             return
@@ -156,8 +159,18 @@ class Scheduler:
         except ProtocolError:  # membership.register answers a malformed registration
             return
         profile = self.governor.profile_for(register.gpu_profile, register.gpu_name)
-        if profile is not None:
-            await asyncio.to_thread(planner.warm, profile)
+        if profile is None:
+            return
+        fitting = asyncio.ensure_future(asyncio.to_thread(planner.warm, profile))
+        try:
+            await asyncio.wait_for(asyncio.shield(fitting), WARM_WAIT_S)
+        except TimeoutError:
+            fitting.add_done_callback(lambda done: done.cancelled() or done.exception())  # always retrieved
+            log.info("scheduler: the %s tables take over %g s to fit; %s registers meanwhile", profile.name,
+                     WARM_WAIT_S, register.worker_id)
+        except Exception as exc:  # a planner that cannot fit must not keep a worker out
+            log.warning("scheduler: fitting the %s tables failed (%s); %s registers anyway", profile.name, exc,
+                        register.worker_id)
 
     async def _on_heartbeat(self, msg: Msg) -> None:
         hb = decode(Heartbeat, msg.data)

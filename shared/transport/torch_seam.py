@@ -228,7 +228,8 @@ class TorchSeam:
 
     def _claim_join(self, store: Any) -> int:
         """The lowest free join number, taken and written in one step (`compare_set` on an absent key): no
-        number is ever taken without saying who took it, so the acceptor waits on each without a timeout."""
+        number is ever taken without saying who took it, so the acceptor waits on each number until it comes
+        (TCPStore's libuv server, torch's default, wakes waiters on a `compare_set`)."""
         me = orjson.dumps({"worker_id": self.worker_id, "gpu": self.gpu_uuid, "nonce": uuid.uuid4().hex})
         number = 1
         while store.compare_set(f"aflex/join/{number}", "", me) != me:

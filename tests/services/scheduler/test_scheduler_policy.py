@@ -230,6 +230,21 @@ def test_a_worker_is_registered_once_its_gpus_tables_are_fitted(nats_url: str) -
     asyncio.run(main())
 
 
+def test_a_worker_registers_even_when_its_gpus_tables_cannot_be_fitted(nats_url: str, caplog: pytest.LogCaptureFixture,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    def cannot_fit(self: AflexPlanner, profile: object) -> None:
+        raise RuntimeError("no fits today")
+
+    monkeypatch.setattr(AflexPlanner, "warm", cannot_fit)
+
+    async def main() -> None:
+        with caplog.at_level(logging.WARNING, logger="aflex.scheduler"):
+            async with live(nats_url, ProfiledAttention(None, "a0")) as lv:  # type: ignore[arg-type]
+                assert "a0" in lv.sched.registry.workers  # answered and registered
+        assert "no fits today" in caplog.text and "a0 registers anyway" in caplog.text
+    asyncio.run(main())
+
+
 def test_aflex_commands_follow_the_policy_under_a_large_decode_batch(nats_url: str) -> None:
     async def main() -> None:
         a0 = ProfiledAttention(None, "a0", kv_total_blocks=20000, delay_s=0.01)  # type: ignore[arg-type]
