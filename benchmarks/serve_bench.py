@@ -11,7 +11,8 @@ One `aflex up` (the default model and settings unless told: on a CPU host the wh
 (the command issue 28 was filed with), with the model's own tokenizer (the GGUF file). Then the engine
 (`shared.engine.Engine`, both halves in this process, what `aflex generate` runs) serves the same 32 random
 prompts, 16 at a time, at the mesh's precision; output tokens / wall time for both, and their ratio, in
-one run; and four other random prompts' greedy answers from both, which must be equal (`greedy_as_engine`). `--env` settings go to every service of the mesh (the bisect's switches: `AFLEX_RUNNING_BOUND=off`,
+one run; and four other random prompts' greedy answers from both, which must be equal (`greedy_as_engine`).
+`--env` settings go to every service of the mesh (the bisect's switches: `AFLEX_RUNNING_BOUND=off`,
 `AFLEX_MICROBATCH_DEPTH=1`, `AFLEX_SEAM_TRANSPORT=nats`, ...).
 
 vLLM is not a dependency of AFlex. The client comes from vLLM's wheel, installed apart from the venv
