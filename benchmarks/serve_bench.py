@@ -43,7 +43,7 @@ sys.path.insert(0, str(ROOT))
 import vllm_cpu  # noqa: E402  (benchmarks/, beside this script)
 
 from shared.engine import Engine  # noqa: E402
-from shared.model.checkpoint import open_checkpoint  # noqa: E402
+from shared.model.checkpoint import Checkpoint, open_checkpoint  # noqa: E402
 from shared.model.sampling import SamplingParams  # noqa: E402
 from tools.launch import aflex_up  # noqa: E402
 
@@ -97,11 +97,10 @@ def bench_serve(args: argparse.Namespace, base_url: str, model: str, tokenizer: 
     return dict(json.loads(result.read_text()))
 
 
-def check_prompts(model: str, args: argparse.Namespace) -> list[list[int]]:
-    """`GREEDY_CHECKS` random prompts of `input_len` ids (not the benchmark's: no prefix cache hit)."""
-    rng = np.random.default_rng(args.seed + 1)
-    vocab = open_checkpoint(model).args.vocab_size
-    return [rng.integers(100, vocab - 100, args.input_len).tolist() for _ in range(GREEDY_CHECKS)]
+def random_prompts(seed: int, vocab_size: int, count: int, length: int) -> list[list[int]]:
+    """`count` prompts of `length` random token ids (clear of the vocabulary's first and last 100)."""
+    rng = np.random.default_rng(seed)
+    return [rng.integers(100, vocab_size - 100, length).tolist() for _ in range(count)]
 
 
 def greedy_texts(base_url: str, model: str, prompts: list[list[int]], max_tokens: int) -> list[str]:
@@ -116,17 +115,14 @@ def greedy_texts(base_url: str, model: str, prompts: list[list[int]], max_tokens
     return texts
 
 
-def engine_rate(model: str, quantize: str, args: argparse.Namespace, checks: list[list[int]]
+def engine_rate(checkpoint: Checkpoint, quantize: str, args: argparse.Namespace, checks: list[list[int]]
                 ) -> tuple[dict[str, float], list[str]]:
     """Output tokens per second of the in-process engine on the same shape of work: `num_prompts` random
     prompts of `input_len` ids, `output_len` tokens each, `max_concurrency` at a time (best of 2 runs); and
     its greedy texts for `checks`."""
-    checkpoint = open_checkpoint(model)
     engine = Engine.from_checkpoint(checkpoint, num_kv_blocks=max(256, args.max_concurrency * 16), block_size=16,
                                     quantize=quantize)
-    rng = np.random.default_rng(args.seed)
-    vocab = checkpoint.args.vocab_size
-    prompts = [rng.integers(100, vocab - 100, args.input_len).tolist() for _ in range(args.num_prompts)]
+    prompts = random_prompts(args.seed, checkpoint.args.vocab_size, args.num_prompts, args.input_len)
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
     texts = [done.text for done in engine.generate(checks, params)]  # also the warm-up
     best = float("inf")
@@ -178,7 +174,9 @@ def main() -> int:
             served = json.loads(urllib.request.urlopen(f"{url}/v1/models").read())["data"][0]["id"]
             row = bench_serve(args, url, served, tokenizer, args.json.with_suffix(".vllm-cpu.vllm.json"))
         rival = {k: row.get(k) for k in ROW_KEYS}
-    checks = check_prompts(args.model, args)
+    checkpoint = open_checkpoint(args.model)
+    # other prompts than the benchmark's (no prefix cache hit), answered greedily by the mesh and the engine
+    checks = random_prompts(args.seed + 1, checkpoint.args.vocab_size, GREEDY_CHECKS, args.input_len)
     if args.url:
         served = json.loads(urllib.request.urlopen(f"{args.url}/v1/models").read())["data"][0]["id"]
         vllm = bench_serve(args, args.url, served, tokenizer, raw)
@@ -203,7 +201,7 @@ def main() -> int:
         doc["vllm_cpu"] = {**rival, "version": vllm_cpu.VLLM_CPU_VERSION, "dtype": "float32"}
         doc["mesh_over_vllm_cpu"] = round((mesh_row["output_throughput"] or 0) / (rival["output_throughput"] or 1), 3)
     if not args.no_engine:
-        doc["engine"], engine_texts = engine_rate(args.model, quantize, args, checks)
+        doc["engine"], engine_texts = engine_rate(checkpoint, quantize, args, checks)
         doc["mesh_over_engine"] = round((mesh_row["output_throughput"] or 0) / doc["engine"]["output_tok_s"], 3)
         doc["greedy_as_engine"] = f"{sum(m == e for m, e in zip(mesh_texts, engine_texts, strict=True))}/{len(checks)}"
     print(f"mesh: {mesh_row['output_throughput']:.1f} output tok/s, TPOT median {mesh_row['median_tpot_ms']:.0f} ms, "
