@@ -163,6 +163,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_services(sub)
     from loadgen.cli import add_bench_arguments, bench
     from loadgen.sim.cli import add_sim_arguments, sim
+    from services.launcher.liveness import add_liveness_arguments, liveness
     from services.launcher.supervisor import add_up_arguments, up
     from services.launcher.top import add_top_arguments, top
 
@@ -171,7 +172,9 @@ def build_parser() -> argparse.ArgumentParser:
             ("top", "live view of the mesh's telemetry: clocks, power, energy per token", add_top_arguments, top),
             ("bench", "replay a trace or synthetic load against an OpenAI-compatible server", add_bench_arguments,
              bench),
-            ("sim", "replay a trace against a modelled cluster: AFlex and the baselines", add_sim_arguments, sim)):
+            ("sim", "replay a trace against a modelled cluster: AFlex and the baselines", add_sim_arguments, sim),
+            ("liveness", "exit 1 if the scheduler or a worker has published no telemetry for --wait seconds "
+             "(the Kubernetes probe)", add_liveness_arguments, liveness)):
         p = sub.add_parser(name, help=help_text)
         add_arguments(p)
         p.set_defaults(func=run)

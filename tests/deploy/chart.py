@@ -30,7 +30,7 @@ KUBE_VERSIONS = sorted({"1.30.0", kubernetes_validate.latest_version()}, key=lam
 GPU = "nvidia.com/gpu"
 AFLEX_SERVICES = ("gateway", "scheduler", "attention-worker", "ffn-worker")
 WORKERS = ("attention-worker", "ffn-worker")
-PROBE_ENV = {"PROBE_NATS_USER", "PROBE_NATS_PASSWORD"}  # files/liveness.py's own: not AFLEX_* settings
+PROBE_ENV = {"PROBE_NATS_USER", "PROBE_NATS_PASSWORD"}  # `aflex liveness`'s own: not AFLEX_* settings
 SECRET_KEYS = {f"{role}-password" for role in ROLES} | {"telemetry-user", "telemetry-url"}
 
 

@@ -6,12 +6,13 @@ the NATS project's chart as its dependency (charts/nats-*.tgz). Every rendered o
 the Kubernetes OpenAPI schemas (kubernetes-validate, strict: unknown fields fail), then checked for what the
 schemas cannot see: probes aimed at ports and paths that exist, the grace period above the drain timeout, the
 Secret, one GPU a worker pod, env names the services read, the NATS users of shared/transport/nats_auth.py
-(and the real nats-server accepting the rendered config), and the liveness script against it.
+(and the real nats-server accepting the rendered config), and the liveness probe (`aflex liveness`) against it.
 """
 
 from __future__ import annotations
 
 import copy
+import inspect
 import itertools
 import math
 import os
@@ -25,6 +26,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from services.launcher import liveness
 from services.launcher.cli import SERVICES as CLI_SERVICES
 from services.launcher.cli import build_parser
 from shared import settings as settings_module
@@ -213,12 +215,9 @@ def test_probes_point_at_ports_and_paths_that_exist(variant: tuple[str, dict, li
 
     _, _, docs = variant
     gateway_paths = {route.path for route in gateway_probes.routes}  # type: ignore[attr-defined]
-    config_maps = by_kind(docs, "ConfigMap")
-    probe_script = (CHART / "files" / "liveness.py").read_text()
     checked = 0
     for workload in workloads(docs):
         pod = workload["spec"]["template"]["spec"]
-        volumes = {v["name"]: v for v in pod.get("volumes", [])}
         for container in pod["containers"]:
             ports = {p.get("name"): p["containerPort"] for p in container.get("ports", [])}
             service = (container.get("args") or [None])[0]
@@ -240,11 +239,12 @@ def test_probes_point_at_ports_and_paths_that_exist(variant: tuple[str, dict, li
                     command = probe["exec"]["command"]
                     if service not in AFLEX_SERVICES:
                         continue  # the NATS chart's own
-                    assert command[:2] == ["python", "/etc/aflex/liveness.py"] and command[2] == service
-                    (mount,) = [m for m in container["volumeMounts"] if command[1].startswith(m["mountPath"] + "/")]
-                    config_map = config_maps[volumes[mount["name"]]["configMap"]["name"]]
-                    assert config_map["data"][command[1].rsplit("/", 1)[1]].strip() == probe_script.strip()
-                    assert probe["timeoutSeconds"] > float(command[command.index("--wait") + 1])
+                    # the image's own program (its ENTRYPOINT, which the container runs: no command of its own),
+                    # parsed as the image parses it: `aflex liveness <this container's service>`, nothing mounted
+                    assert command[0] == "aflex" and "command" not in container, container["name"]
+                    parsed = build_parser().parse_args(command[1:])
+                    assert (parsed.func, parsed.service) == (liveness.liveness, service), command
+                    assert probe["timeoutSeconds"] > parsed.wait
                 else:
                     pytest.fail(f"{container['name']} {kind}: {probe}")
     assert checked
@@ -289,8 +289,8 @@ def test_env_names_are_settings_the_services_read(variant: tuple[str, dict, list
     """Each AFLEX_* variable is a field of the service's settings class (pydantic-settings, prefix AFLEX_, which
     ignores unknown names silently), and the literal values parse: the service would start with them."""
     _, _, docs = variant
-    probe_script = (CHART / "files" / "liveness.py").read_text()
-    assert all(name in probe_script for name in PROBE_ENV)
+    probe_source = inspect.getsource(liveness)
+    assert all(f'"{name}"' in probe_source for name in PROBE_ENV)
     for name in list(os.environ):
         if name.startswith("AFLEX_"):
             monkeypatch.delenv(name)

@@ -156,10 +156,10 @@ def test_a_nats_cluster_of_your_own() -> None:
 # -- the liveness probe, against the rendered NATS config -------------------------------------------
 
 
-async def _run_probes(script: Path, url: str, passwords: dict[str, str]) -> dict[str, int | None]:
+async def _run_probes(commands: dict[str, list[str]], url: str, passwords: dict[str, str]) -> dict[str, int | None]:
     import nats
 
-    base = {**{k: v for k, v in os.environ.items() if not k.startswith("AFLEX_")}, "PYTHONPATH": str(REPO_ROOT),
+    base = {**{k: v for k, v in os.environ.items() if not k.startswith("AFLEX_")},
             "PROBE_NATS_USER": "telemetry", "PROBE_NATS_PASSWORD": passwords["telemetry"]}
     cases = {
         "alive": ("attention-worker", {"AFLEX_NATS_URL": url, "AFLEX_WORKER_ID": "aflex-attn-0"}),
@@ -171,7 +171,7 @@ async def _run_probes(script: Path, url: str, passwords: dict[str, str]) -> dict
     worker = await nats.connect(url, user="attention", password=passwords["attention"])
     try:
         procs = {case: await asyncio.create_subprocess_exec(
-            sys.executable, str(script), service, "--wait", "1", env={**base, **extra}, cwd=REPO_ROOT,
+            *commands[service], env={**base, **extra}, cwd=REPO_ROOT,
             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
             for case, (service, extra) in cases.items()}
         waits = {case: asyncio.ensure_future(proc.communicate()) for case, proc in procs.items()}
@@ -186,15 +186,23 @@ async def _run_probes(script: Path, url: str, passwords: dict[str, str]) -> dict
 
 
 def test_liveness_probe_reads_a_workers_telemetry(tmp_path: Path) -> None:
-    """The shipped probe (from the rendered ConfigMap) on a real nats-server running the rendered config: 0 for
-    a worker whose telemetry flows, 1 for a silent one, 0 when NATS is away or telemetry is off."""
+    """The rendered probe command (`aflex liveness <service>`, this venv's `aflex` as the image's) on a real
+    nats-server running the rendered config: 0 for a worker whose telemetry flows, 1 for a silent one, 0 when
+    NATS is away or telemetry is off."""
     from shared.transport.nats_server import free_port, nats_server_binary, wait_for_port
 
     passwords = {role: f"pw-{role}-0123456789" for role in ROLES}
     docs = render(merged(example("cpu"), {"auth": {"passwords": passwords}}))
     text, _ = nats_conf(docs)
     (conf := tmp_path / "nats.conf").write_text(text)
-    (script := tmp_path / "liveness.py").write_text(by_kind(docs, "ConfigMap")["aflex-probe"]["data"]["liveness.py"])
+    aflex = Path(sys.executable).parent / "aflex"  # the console script the image's ENTRYPOINT is
+    commands = {}
+    for _, container, service in aflex_containers(docs):
+        if "exec" in container.get("livenessProbe", {}):
+            command = container["livenessProbe"]["exec"]["command"]
+            assert command[0] == "aflex"
+            commands[service] = [str(aflex), *command[1:command.index("--wait") + 1], "1"]
+    assert set(commands) == {"scheduler", "attention-worker", "ffn-worker"}
     port, http_port = free_port(), free_port()
     env = {**os.environ, "SERVER_NAME": "nats-0",
            **{f"AFLEX_NATS_PASSWORD_{role.upper()}": pw for role, pw in passwords.items()}}
@@ -203,7 +211,7 @@ def test_liveness_probe_reads_a_workers_telemetry(tmp_path: Path) -> None:
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         wait_for_port("127.0.0.1", port, 10)
-        codes = asyncio.run(_run_probes(script, f"nats://127.0.0.1:{port}", passwords))
+        codes = asyncio.run(_run_probes(commands, f"nats://127.0.0.1:{port}", passwords))
     finally:
         server.terminate()
         server.wait(10)

@@ -124,8 +124,8 @@ user's env (the service's own over workerEnv over env). Call with (dict "root" $
 {{- toJson (merge $env (deepCopy (.root.Values.env | default dict))) -}}
 {{- end -}}
 
-{{/* What the liveness probe (files/liveness.py) needs besides the service's own settings: the read-only
-telemetry user's credentials (not AFLEX_* settings: no service reads them). */}}
+{{/* What the liveness probe (`aflex liveness`, services/launcher/liveness.py) needs besides the service's own
+settings: the read-only telemetry user's credentials (not AFLEX_* settings: no service reads them). */}}
 {{- define "aflex.probeEnv" -}}
 - name: PROBE_NATS_USER
   valueFrom:
@@ -147,7 +147,7 @@ telemetry user's credentials (not AFLEX_* settings: no service reads them). */}}
 {{/* Startup and liveness probes of a service without HTTP; call with (dict "root" $ "service" "scheduler"). */}}
 {{- define "aflex.execProbes" -}}
 {{- $p := .root.Values.probes -}}
-{{- $command := list "python" "/etc/aflex/liveness.py" .service "--wait" (toString $p.liveness.waitS) -}}
+{{- $command := list "aflex" "liveness" .service "--wait" (toString $p.liveness.waitS) -}}
 startupProbe:
   exec:
     command: {{ toJson $command }}
@@ -162,7 +162,7 @@ livenessProbe:
   failureThreshold: {{ $p.liveness.failureThreshold }}
 {{- end -}}
 
-{{/* The pod's /models and, for the exec probes, the probe script; call with (dict "root" $ "probe" true). */}}
+{{/* The pod's /models; call with (dict "root" $). */}}
 {{- define "aflex.volumes" -}}
 - name: models
   {{- if .root.Values.modelVolume }}
@@ -170,22 +170,12 @@ livenessProbe:
   {{- else }}
   emptyDir: {}
   {{- end }}
-{{- if .probe }}
-- name: probe
-  configMap:
-    name: {{ include "aflex.fullname" .root }}-probe
-{{- end }}
 {{- end -}}
 
 {{- define "aflex.volumeMounts" -}}
 - name: models
   mountPath: /models
   readOnly: true
-{{- if .probe }}
-- name: probe
-  mountPath: /etc/aflex
-  readOnly: true
-{{- end }}
 {{- end -}}
 
 {{/* The image runs as its `aflex` user (uid 10001, compose/Dockerfile). */}}

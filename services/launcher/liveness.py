@@ -1,18 +1,19 @@
-"""Liveness of an AFlex service that serves no HTTP (the scheduler, a worker): a Kubernetes exec probe.
+"""`aflex liveness SERVICE`: is a service that serves no HTTP (the scheduler, a worker) still alive?
+
+Kubernetes runs it as the exec probe of the scheduler's and the workers' containers (deploy/helm/aflex). It is
+a subcommand of the image, not a file the chart mounts, so that it reads the service's settings exactly as
+the service does (the same package, the same `AFLEX_*` environment: shared/settings.py) and ships with it.
 
 Each of them publishes telemetry from its event loop: a worker `WorkerTelemetry` on
 aflex.v1.telemetry.<attention|ffn>.<worker id> (AFLEX_TELEMETRY_HZ, 10 a second by default), the scheduler
-`SchedulerTelemetry` on aflex.v1.telemetry.scheduler.<scheduler id> (1 a second). This probe runs in the
-service's own container, reads the service's settings from the same environment as the service does
-(shared/settings.py), and listens on that subject as the read-only telemetry user (PROBE_NATS_USER,
-PROBE_NATS_PASSWORD). Exit status:
+`SchedulerTelemetry` on aflex.v1.telemetry.scheduler.<scheduler id> (1 a second). The probe listens on that
+subject as the read-only telemetry user (PROBE_NATS_USER, PROBE_NATS_PASSWORD: not settings, no service reads
+them) with nats-py. Exit status:
 
   0  a message came within --wait seconds (at least three telemetry periods); or NATS cannot be reached
      (restarting the service would not bring NATS back: the service reconnects by itself); or the service
      publishes no telemetry (AFLEX_TELEMETRY_HZ=0)
   1  NATS answers but the service has said nothing for --wait seconds: its loop is stuck or its connection gone
-
-    python liveness.py {scheduler|attention-worker|ffn-worker} [--wait SECONDS]
 """
 
 from __future__ import annotations
@@ -20,15 +21,15 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import sys
 
 import nats
 from nats.errors import Error as NatsError
+from nats.errors import TimeoutError as NatsTimeoutError
 
 from shared import subjects
 from shared.settings import AttentionWorkerSettings, FFNWorkerSettings, SchedulerSettings, ServiceSettings
 
-SERVICES: dict[str, tuple[type[ServiceSettings], str]] = {
+SERVICES: dict[str, tuple[type[ServiceSettings], str]] = {  # service -> (its settings, its telemetry role)
     "scheduler": (SchedulerSettings, "scheduler"),
     "attention-worker": (AttentionWorkerSettings, "attention"),
     "ffn-worker": (FFNWorkerSettings, "ffn"),
@@ -37,6 +38,7 @@ CONNECT_TIMEOUT_S = 1.0  # a server on the cluster network answers in millisecon
 
 
 async def probe(service: str, wait_s: float) -> int:
+    """The exit status for `service`, whose settings come from this process's environment."""
     settings_class, role = SERVICES[service]
     settings = settings_class()
     hz = float(getattr(settings, "telemetry_hz", 0.0))
@@ -62,15 +64,10 @@ async def probe(service: str, wait_s: float) -> int:
         print(f"NATS not reachable at {settings.nats_url} ({exc!r}): not {service}'s failure")
         return 0
     try:
-        heard = asyncio.Event()
-
-        async def on_message(_msg: object) -> None:
-            heard.set()
-
-        await nc.subscribe(subject, cb=on_message)
+        subscription = await nc.subscribe(subject)
         try:
-            await asyncio.wait_for(heard.wait(), wait_s)
-        except TimeoutError:
+            await subscription.next_msg(timeout=wait_s)
+        except NatsTimeoutError:
             if refused:  # the probe's own user may not read telemetry: NATS's config, not the service
                 print(f"the probe's NATS user may not read {subject}: {refused[0]}")
                 return 0
@@ -82,13 +79,11 @@ async def probe(service: str, wait_s: float) -> int:
         await nc.close()
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_liveness_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.description, parser.formatter_class = __doc__, argparse.RawDescriptionHelpFormatter
     parser.add_argument("service", choices=sorted(SERVICES))
     parser.add_argument("--wait", type=float, default=10.0, help="seconds to wait for one telemetry message")
-    args = parser.parse_args()
+
+
+def liveness(args: argparse.Namespace) -> int:
     return asyncio.run(probe(args.service, args.wait))
-
-
-if __name__ == "__main__":
-    sys.exit(main())
