@@ -87,27 +87,22 @@ class Dispatch:
                     await self._publish_release_only(worker)
                 await lane.wake.wait()
                 continue
-            for state in plan.admitted:
-                lane.waiting.remove(state)
-                lane.running.append(state)
-                state.status = Status.RUNNING
-                state.started = True
+            lane.admit(plan.admitted)
             if await self._run_iteration(worker, plan):  # a failed one says nothing of a step's cost
                 self.governor.iteration_done(worker, plan.passes, time.monotonic() - now)
 
     async def _run_iteration(self, worker: Worker, plan: PassPlan) -> bool:
         """Run one iteration; True when every microbatch came back whole (no error, nothing refused)."""
         lane = worker.lane
-        lane.iteration += 1
+        iteration = lane.next_iteration()
         self.governor.iteration_sent(worker, plan.passes, len(plan.groups), time.monotonic())
         sent: list[tuple[str, list[Pass], asyncio.Future[MicrobatchDone], str]] = []  # (id, group, Done, FFN worker)
         for k, group in enumerate(plan.groups):
             ffn = self.registry.ffn_for(worker)
             assert ffn is not None  # checked by the caller, nothing awaited since
-            mb_id = f"{self.run_token}-{worker.worker_id}-{lane.iteration}-{k}"
-            release, lane.pending_release = forks.split_releases(
-                lane.pending_release, ([p.state for p in g] for g in plan.groups[k + 1:]))
-            desc = MicrobatchDescriptor(mb_id=mb_id, iteration=lane.iteration, phase=plan.phases[k],
+            mb_id = f"{self.run_token}-{worker.worker_id}-{iteration}-{k}"
+            release = lane.take_releases(keep=forks.forked_later([p.state for p in g] for g in plan.groups[k + 1:]))
+            desc = MicrobatchDescriptor(mb_id=mb_id, iteration=iteration, phase=plan.phases[k],
                                         ffn_worker=ffn.worker_id, seqs=[p.seq_work() for p in group],
                                         release=release)
             for p in group:
@@ -153,7 +148,7 @@ class Dispatch:
             state = p.state
             if returned:  # (a microbatch that never came back leaves its reservations to take_back)
                 state.in_flight = False
-                worker.lane.reserved_blocks.pop(state.request_id, None)  # the worker's report now counts it
+                worker.lane.settled(state)
             if state.finished or state.worker_id != worker.worker_id:
                 continue  # cancelled, or moved elsewhere, while in flight
             if not verdict.ok:
@@ -226,11 +221,7 @@ class Dispatch:
         worker = self.registry.workers.get(state.worker_id or "")
         if worker is not None and worker.attention_lane is not None:
             lane = worker.attention_lane
-            had_kv = state in lane.running or state.first_pass_sent
-            lane.detach(state)
-            if had_kv:
-                lane.pending_release.append(state.request_id)
-                lane.wake.set()
+            lane.release(state, holds_kv=state in lane.running or state.first_pass_sent)
         self.governor.finished(state, reason, time.monotonic())
         if self.provisioning is not None:
             self.provisioning.finished(state)

@@ -11,13 +11,13 @@ its own.
 Not shared (the choice prefills the prompt itself): when it asks for the prompt's logprobs (they come
 from the prefill's rows) or for a repetition penalty (its sampler must see the whole prompt), when it
 is a continuation, and when choice 0 is gone or was recomputed elsewhere before the fork was sent.
-A parent's KV is released only after every fork sent with or after it (`split_releases`), and the
+A parent's KV is released only after every fork sent with or after it (`forked_later`), and the
 choices past the first are never shed apart from choice 0 (`follows_choice_zero`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 
 from services.scheduler.registry import AttentionLane
 from services.scheduler.state import RequestState, Status
@@ -48,9 +48,7 @@ def place(child: RequestState, parent: RequestState, lane: AttentionLane) -> Non
     child.num_computed = len(child.prompt_ids) - 1
     child.fork_from = parent.request_id
     child.status = Status.WAITING
-    lane.reserved_blocks[child.request_id] = lane.blocks_for(1 + child.sampling.max_tokens)
-    lane.waiting.appendleft(child)
-    lane.wake.set()
+    lane.queue(child, 1 + child.sampling.max_tokens, front=True)
 
 
 def hold(child: RequestState, parent: RequestState) -> None:
@@ -79,8 +77,7 @@ def let_go(state: RequestState) -> list[RequestState]:
     return orphans
 
 
-def split_releases(pending: Sequence[str], later: Iterable[Iterable[RequestState]]) -> tuple[list[str], list[str]]:
-    """(released with this microbatch, kept for a later one): a parent whose fork is first sent in one of
-    the `later` microbatches of the iteration keeps its KV until then."""
-    forked = {s.fork_from for group in later for s in group if not s.first_pass_sent} if pending else set()
-    return [r for r in pending if r not in forked], [r for r in pending if r in forked]
+def forked_later(later: Iterable[Iterable[RequestState]]) -> set[str]:
+    """The parents whose KV release waits: a fork of theirs is first sent in one of the `later` microbatches of
+    the iteration (`AttentionLane.take_releases` keeps them for then)."""
+    return {s.fork_from for group in later for s in group if not s.first_pass_sent and s.fork_from is not None}

@@ -29,7 +29,7 @@ from nats.aio.client import Client
 
 from services.scheduler.recovery import SeamAvoidance
 from services.scheduler.registry import Registry, Worker
-from services.scheduler.state import RequestState, Status
+from services.scheduler.state import RequestState
 from shared import subjects
 from shared.messages import KVHandoff, KVHandoffReply, decode, encode
 
@@ -102,15 +102,8 @@ class Handoffs:
                         why or f"{target.worker_id} left decode meanwhile")
             lane.wake.set()
             return
-        lane.detach(state)
-        lane.pending_release.append(state.request_id)
-        lane.wake.set()
+        lane.move(state, target.lane, len(state.prompt_ids) + state.sampling.max_tokens)
         state.worker_id, state.kv_from, state.first_pass_sent = target.worker_id, handoff_id, False
-        state.status = Status.RUNNING
-        to = target.lane
-        to.running.append(state)
-        to.reserved_blocks[state.request_id] = to.blocks_for(len(state.prompt_ids) + state.sampling.max_tokens)
-        to.wake.set()
         self.moved += 1
         self.moved_bytes += reply.nbytes
         self.moved_s += reply.seconds

@@ -97,9 +97,6 @@ def share_energy(group: list[Pass], energy_j: float, refused: set[str]) -> None:
 def release_only(worker: Worker, ffn_worker_id: str, run_token: str) -> MicrobatchDescriptor:
     """A descriptor that runs nothing and frees the KV of the lane's finished sequences now."""
     lane = worker.lane
-    lane.iteration += 1
-    desc = MicrobatchDescriptor(mb_id=f"{run_token}-{worker.worker_id}-{lane.iteration}-r",
-                                iteration=lane.iteration, phase="decode", ffn_worker=ffn_worker_id,
-                                seqs=[], release=lane.pending_release)
-    lane.pending_release = []
-    return desc
+    iteration = lane.next_iteration()
+    return MicrobatchDescriptor(mb_id=f"{run_token}-{worker.worker_id}-{iteration}-r", iteration=iteration,
+                                phase="decode", ffn_worker=ffn_worker_id, seqs=[], release=lane.take_releases())

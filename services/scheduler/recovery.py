@@ -146,21 +146,14 @@ class InFlight:
 
 def lose(worker: Worker, in_flight: InFlight, *, restarted: bool) -> None:
     """The worker's KV can no longer be trusted: fail its in-flight microbatches, let its loop evacuate."""
-    lane = worker.lane
-    lane.epoch += 1
+    worker.lane.lose(restarted=restarted)
     in_flight.worker_lost(worker.worker_id)
-    if restarted:
-        lane.pending_release.clear()  # a restarted worker holds nothing to release
-    lane.wake.set()
 
 
 def take_back(worker: Worker, state: RequestState, *, failure: bool, reason: str) -> ErrorBody | None:
     """Take `state` off `worker` for recomputation elsewhere (or there again). Returns None when it should
     be routed again (at the front), or the error it ends with after MAX_FAILURES failures."""
-    lane = worker.lane
-    lane.detach(state)
-    if state.num_computed or state.first_pass_sent:
-        lane.pending_release.append(state.request_id)
+    worker.lane.release(state, holds_kv=bool(state.num_computed or state.first_pass_sent))
     state.reset_for_recompute()
     if not failure:
         state.preemptions += 1
@@ -176,15 +169,12 @@ def evacuate(worker: Worker) -> list[RequestState]:
     """Take back everything a lost or restarted worker held or had queued (none of it their failure);
     returns them, in order, to be routed again. If the worker is unhealthy, what it held is released
     when it comes back without restarting (see `lose`)."""
-    lane = worker.lane
-    states = [*lane.running, *lane.waiting]
-    lane.reserved_blocks.clear()
+    states = worker.lane.evacuate()
     moved = [s for s in states if s.worker_id == worker.worker_id and not s.finished]
     for state in moved:
         take_back(worker, state, failure=False, reason=f"worker {worker.worker_id} lost")
     if not worker.healthy:  # every sequence it may hold, and what was already to be released there (those of
-        pending = set(lane.pending_release)  # the microbatch it went silent in, taken back before this)
-        lane.pending_release.extend(s.request_id for s in states if s.request_id not in pending)
+        worker.lane.owe_releases(s.request_id for s in states)  # the microbatch it went silent in, taken back
     return moved
 
 

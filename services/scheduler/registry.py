@@ -14,10 +14,10 @@ import logging
 import math
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Container, Iterable
 from dataclasses import dataclass, field
 
-from services.scheduler.state import RequestState
+from services.scheduler.state import RequestState, Status
 from shared.kinds import PARKED, Assignment
 from shared.messages import Heartbeat, Register, Role, WorkerInfo
 from shared.policy.iteration import KvRoom
@@ -27,7 +27,12 @@ log = logging.getLogger("aflex.scheduler")
 
 @dataclass(eq=False)
 class AttentionLane:
-    """Dispatch's state for one attention worker: what is queued on it, running on it, and in its KV."""
+    """Dispatch's state for one attention worker: what is queued on it, running on it, and in its KV.
+
+    A request's place on the worker changes only through the methods below (queue, admit, detach,
+    release, move, lose, evacuate), so the lists, the KV reservations and the releases owed to the worker
+    change together and the loop is woken wherever there is new work for it.
+    """
 
     block_size: int = 0
     kv_free_blocks: int = 0  # as last reported
@@ -53,13 +58,82 @@ class AttentionLane:
         reserved = {s: self.reserved_blocks.get(s.request_id, 0) for s in self.waiting}
         return KvRoom(self.est_free_blocks, self.block_size, reserved, holds_running=bool(self.running))
 
+    # -- a request's moves ----------------------------------------------------------------------
+
+    def queue(self, state: RequestState, tokens: int, *, front: bool = False) -> None:
+        """Queue `state` here (at the front: it keeps its turn), its `tokens` of KV reserved until a report
+        shows them; the loop wakes to consider it."""
+        self.reserved_blocks[state.request_id] = self.blocks_for(tokens)
+        if front:
+            self.waiting.appendleft(state)
+        else:
+            self.waiting.append(state)
+        self.wake.set()
+
+    def admit(self, states: list[RequestState]) -> None:
+        """The iteration planner took `states` from the queue: they run here from now on."""
+        for state in states:
+            self.waiting.remove(state)
+            self.running.append(state)
+            state.status = Status.RUNNING
+            state.started = True
+
+    def settled(self, state: RequestState) -> None:
+        """A microbatch with `state` came back: the worker's KV report counts it now, our reservation goes."""
+        self.reserved_blocks.pop(state.request_id, None)
+
     def detach(self, state: RequestState) -> None:
-        """Take `state` off this lane, wherever it is."""
+        """Take `state` off this lane, wherever it is; what the worker holds of it stays (see `release`)."""
         if state in self.running:
             self.running.remove(state)
         if state in self.waiting:
             self.waiting.remove(state)
         self.reserved_blocks.pop(state.request_id, None)
+
+    def release(self, state: RequestState, *, holds_kv: bool = True) -> None:
+        """Take `state` off this lane; when the worker `holds_kv` of it, free that KV with the next descriptor
+        (the loop wakes to send it, with work or alone)."""
+        self.detach(state)
+        if holds_kv:
+            self.pending_release.append(state.request_id)
+            self.wake.set()
+
+    def move(self, state: RequestState, to: AttentionLane, tokens: int) -> None:
+        """`state`'s KV went to `to`'s worker (a P/D handoff): released here, running there with `tokens` of KV
+        reserved; both loops wake."""
+        self.release(state)
+        to.reserved_blocks[state.request_id] = to.blocks_for(tokens)
+        to.running.append(state)
+        state.status = Status.RUNNING
+        to.wake.set()
+
+    def lose(self, *, restarted: bool) -> None:
+        """The worker's KV can no longer be trusted: a new epoch, and the loop wakes to evacuate (`evacuate`). A
+        restarted worker holds nothing, so nothing is released there."""
+        self.epoch += 1
+        if restarted:
+            self.pending_release.clear()
+        self.wake.set()
+
+    def evacuate(self) -> list[RequestState]:
+        """What runs and waits here, in that order, every KV reservation dropped: they are to be taken back."""
+        self.reserved_blocks.clear()
+        return [*self.running, *self.waiting]
+
+    def owe_releases(self, request_ids: Iterable[str]) -> None:
+        """Free these sequences' KV with the next descriptor the worker takes (each once)."""
+        pending = set(self.pending_release)
+        self.pending_release.extend(r for r in request_ids if r not in pending)
+
+    def take_releases(self, keep: Container[str] = ()) -> list[str]:
+        """The releases to send now (all but those in `keep`, which wait for a later descriptor)."""
+        release = [r for r in self.pending_release if r not in keep]
+        self.pending_release = [r for r in self.pending_release if r in keep]
+        return release
+
+    def next_iteration(self) -> int:
+        self.iteration += 1
+        return self.iteration
 
 
 @dataclass(eq=False)

@@ -39,13 +39,7 @@ class Placement:
             return
         worker = self._with_prefix(state, fits) or fits[0]
         state.worker_id = worker.worker_id
-        lane = worker.lane
-        lane.reserved_blocks[state.request_id] = lane.blocks_for(need)
-        if front:
-            lane.waiting.appendleft(state)
-        else:
-            lane.waiting.append(state)
-        lane.wake.set()
+        worker.lane.queue(state, need, front=front)
 
     def _with_prefix(self, state: RequestState, fits: list[Worker]) -> Worker | None:
         """The worker holding the longest cached prefix of `state`'s prompt, if it is not much busier than the

@@ -108,12 +108,13 @@ def test_a_draining_attention_worker_takes_no_new_work_and_is_drained_once_its_l
         membership.register(_register(wid, role), now=1.0)
     attn = registry.workers["attn-0"]
     running = RequestState("r", [1, 2], SamplingSpec(), 0.0)
-    attn.lane.running.append(running)
+    attn.lane.queue(running, 2)
+    attn.lane.admit([running])
     reply, change = _beat(membership, "attn-0", "attention", set())
     assert change.reroute == [attn]  # its unstarted requests go elsewhere
     assert reply is not None and reply.ok and reply.drained is False  # r still runs there
     assert attn not in registry.usable_attention() and registry.ready  # attn-1 takes the new ones
-    attn.lane.running.remove(running)
+    attn.lane.release(running)
     assert _beat(membership, "attn-0", "attention", {"attn-0"})[0].drained is False  # a microbatch in flight
     reply, change = _beat(membership, "attn-0", "attention", set())
     assert reply is not None and reply.drained is True and change.reroute == []  # told once
@@ -128,14 +129,16 @@ def test_a_draining_ffn_worker_is_drained_once_another_takes_the_microbatches_or
     for wid, role in (("attn-0", "attention"), ("ffn-0", "ffn"), ("ffn-1", "ffn")):
         membership.register(_register(wid, role), now=1.0)
     attn, ffn0, ffn1 = (registry.workers[w] for w in ("attn-0", "ffn-0", "ffn-1"))
-    attn.lane.running.append(RequestState("r", [1, 2], SamplingSpec(), 0.0))
+    running = RequestState("r", [1, 2], SamplingSpec(), 0.0)
+    attn.lane.queue(running, 2)
+    attn.lane.admit([running])
     assert _beat(membership, "ffn-0", "ffn", {"ffn-0"})[0].drained is False  # its hops are in flight
     assert _beat(membership, "ffn-0", "ffn", set())[0].drained is True  # ffn-1 takes the next ones
     assert all(registry.next_ffn() is ffn1 for _ in range(3))
     assert _beat(membership, "ffn-1", "ffn", set())[0].drained is False  # the last one: r still needs it
     assert not registry.ready and registry.has_ffn(attn)  # no new requests; r runs on
     assert registry.next_ffn() in (ffn0, ffn1)
-    attn.lane.running.clear()
+    attn.lane.release(running)
     assert _beat(membership, "ffn-1", "ffn", set())[0].drained is True
 
 
