@@ -33,7 +33,7 @@ from shared.policy import (
 )
 from shared.policy.decode_slack import iteration_budget_s
 from shared.policy.pipeline import seam_transfer_s
-from shared.policy.prefill_cap import AT_MAX, prefill_cap, prefill_stats_at, queue_ttft_budget
+from shared.policy.prefill_cap import AT_MAX, prefill_cap, queue_ttft_budget
 
 # The simulator's `aflex` policy, one definition (`shared.policy.specs`): shortest-prompt-first prefill
 # with aging, prefill iterations capped by the SLOs, decode clocks scored by energy above the idle floor,
@@ -203,13 +203,8 @@ class AflexPlanner:
         return PairPlan(phase, stats, budget, shape, self.rule, current, op)
 
     # -- prefill cap -------------------------------------------------------------------------------
-    def prefill_time_at_max(self, profile: GPUProfile, tokens: int, n_decode: int = 0, decode_ctx: float = 0.0,
-                            head_tokens: int | None = None, share: int = 1) -> float:
-        """Predicted time at the top clocks of an iteration of `tokens` fresh prefill tokens
-        (`shared.policy.prefill_stats_at`; `share` as in `plan_pair`)."""
-        return self._time_at_max(profile, prefill_stats_at(tokens, n_decode, decode_ctx, head_tokens, share), share)
-
     def _time_at_max(self, profile: GPUProfile, stats: BatchStats, share: int) -> float:
+        """Predicted time at the top clocks of an iteration of `stats` (`share` as in `plan_pair`)."""
         shape = PoolShape(split=True, attention=max(1, share), ffn=1, link_bytes_s=self.link_bytes_s)
         return choose_operating_point(self.predictor(profile), shape, stats, 0.0, AT_MAX).time_s
 

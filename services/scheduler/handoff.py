@@ -1,13 +1,14 @@
 """P/D pools, live: once a prefill attention worker has sampled a sequence's token, its KV moves to a decode one.
 
 The global scheduler's "pd" plan names prefill and decode attention workers (fleet_plan.py). New
-requests go to the prefill ones (`Registry.best_attention`); each time a pass on a prefill worker
-samples a token of a sequence that is not finished, dispatch asks `Handoffs.wanted`, and the move
-runs as a task of its own: a `KVHandoff` request to the prefill worker on NATS, which sends the KV
-to the decode worker's KV seam over torch.distributed and answers once it arrived
-(services/attention_worker/kv_handoff.py). Meanwhile the sequence is `in_flight`, so no pass feeds
-it. Then it leaves the prefill worker's lane (its KV there is released) and runs on the decode
-worker's, whose first pass names the arrived KV (`SeqWork.kv_from`).
+requests go to the prefill ones (`Placement.route` over `Registry.attention_fits`, which leaves a decode
+worker out while another fits); each time a pass on a prefill worker samples a token of a sequence that
+is not finished, dispatch asks `Handoffs.wanted`, and the move runs as a task of its own: a `KVHandoff`
+request to the prefill worker on NATS, which sends the KV to the decode worker's KV seam over
+torch.distributed and answers once it arrived (services/attention_worker/kv_handoff.py). Meanwhile the
+sequence is `in_flight`, so no pass feeds it. Then it moves from the prefill worker's lane (its KV there
+is released) to the decode worker's (`AttentionLane.move`), whose first pass names the arrived KV
+(`SeqWork.kv_from`).
 
 What stays where it is, decoded by the prefill worker as in a mixed pool: a sequence with no decode
 worker to go to (none healthy with room) or whose move failed; one with a repetition penalty (its

@@ -156,7 +156,6 @@ def take_back(worker: Worker, state: RequestState, *, failure: bool, reason: str
     worker.lane.release(state, holds_kv=bool(state.num_computed or state.first_pass_sent))
     state.reset_for_recompute()
     if not failure:
-        state.preemptions += 1
         return None
     state.failures += 1
     if state.failures < MAX_FAILURES:

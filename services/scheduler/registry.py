@@ -319,14 +319,10 @@ class Registry:
     def context_limit(self) -> int:
         return max((w.capacity_tokens for w in self.usable_attention()), default=0)
 
-    def best_attention(self, tokens: int) -> Worker | None:
-        """The usable attention worker able to hold `tokens` with the most free KV blocks (estimated); a
-        decode worker of a P/D plan only when no other can (it then prefills too)."""
-        fits = self.attention_fits(tokens)
-        return fits[0] if fits else None
-
     def attention_fits(self, tokens: int) -> list[Worker]:
-        """The usable attention workers able to hold `tokens`, best first (`best_attention`'s order)."""
+        """The usable attention workers able to hold `tokens`, best first: the most free KV blocks (estimated),
+        then the fewest requests; a decode worker of a P/D plan only when no other fits (it then prefills too).
+        `Placement.route` queues a request on the first, or where its prompt's longest cached prefix is."""
         fits = [w for w in self.usable_attention() if w.capacity_tokens >= tokens]
         fits = [w for w in fits if w.assignment != "decode-attention"] or fits
         return sorted(fits, key=lambda w: (w.lane.est_free_blocks, -len(w.lane.running) - len(w.lane.waiting)),

@@ -41,7 +41,6 @@ class RequestState(TokenHistory):
     status: Status = Status.WAITING
     finish_reason: FinishReason | None = None
     failures: int = 0  # passes lost to worker errors, timeouts or worker loss
-    preemptions: int = 0  # passes refused for lack of KV (failed_seq_ids)
     next_index: int = 0  # index of the next OutputDelta
     base_index: int = 0  # a continuation's first delta index here (outputs.py counts from it)
     base_tokens: int = 0  # and the tokens it was streamed before (its `generated_ids`)

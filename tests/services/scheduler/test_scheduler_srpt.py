@@ -18,6 +18,7 @@ from shared.messages import SamplingSpec
 from shared.perf import cached_predictor, causal_pairs
 from shared.policy import BatchStats, ClockRule, PoolShape, choose_operating_point, prefill_budget
 from shared.policy.iteration import KvRoom
+from shared.policy.prefill_cap import AT_MAX, prefill_stats_at
 from tests.services.scheduler.test_scheduler import FakeAttention, mesh, plan_iteration, wait_for
 from tests.services.scheduler.test_scheduler_policy import A800, QWEN, ProfiledAttention, live
 
@@ -198,8 +199,9 @@ def test_live_prefill_iterations_are_capped_by_the_ttft_budget(nats_url: str) ->
             left = 3000
             for c in chunks:  # each iteration takes the policy's cap for what is left
                 assert c == planner.prefill_tokens(A800, left, head_tokens=left)
-                assert c == left or (BATCHING.min_chunk_tokens <= c
-                                     and planner.prefill_time_at_max(A800, c) <= BATCHING.prefill_iter_frac * 0.400)
+                at_max_s = choose_operating_point(planner.predictor(A800), PoolShape(split=True, link_bytes_s=
+                                                  planner.link_bytes_s), prefill_stats_at(c), 0.0, AT_MAX).time_s
+                assert c == left or (BATCHING.min_chunk_tokens <= c and at_max_s <= BATCHING.prefill_iter_frac * 0.400)
                 left -= c
     asyncio.run(main())
 
