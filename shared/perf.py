@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import bisect
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cache
 from typing import overload
@@ -271,21 +271,6 @@ class Predictor:
             re = self.energy_correction.get(key, 1.0)
             self.energy_correction[key] = (1 - self.alpha) * re + self.alpha * (measured_j / raw_e)
         return r
-
-    # -- accuracy -----------------------------------------------------------------------------
-    def mape(self, op: str, phase: str, points: int = 200, seed: int = 12345, shard: int = 1,
-             clocks: Sequence[float] | None = None) -> float:
-        """Mean absolute percentage error of the time prediction on held-out points (new seed)."""
-        rng = np.random.default_rng(seed)
-        n, ctx, pairs = _grid(op, phase, rng, points)
-        table = list(clocks) if clocks is not None else list(self.clocks)
-        fs = rng.choice(table, size=points)
-        errs = []
-        for i in range(points):
-            pred = self.predict_at(op, phase, n[i], ctx[i], pairs[i], fs[i], shard)
-            true, _ = self.measure(op, phase, n[i], ctx[i], pairs[i], fs[i], shard)
-            errs.append(abs(pred - true) / true)
-        return float(np.mean(errs))
 
 
 @cache

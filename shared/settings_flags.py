@@ -74,12 +74,6 @@ def from_flags(cls: type[S], args: argparse.Namespace) -> S:
     return cls(**given(args, cls))
 
 
-def from_env(cls: type[S], env: Mapping[str, str]) -> S:
-    """The settings a process with `env` (its `AFLEX_*` variables, over this process's) would read."""
-    values: dict[str, Any] = {f: env[env_name(f)] for f in cls.model_fields if env_name(f) in env}
-    return cls(**values)
-
-
 def env_of(values: Mapping[str, Any]) -> dict[str, str]:
     """`AFLEX_*` environment variables for settings values (bools as true/false, as pydantic reads them)."""
     return {env_name(k): (str(v).lower() if isinstance(v, bool) else str(v)) for k, v in values.items()

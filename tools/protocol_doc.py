@@ -297,10 +297,6 @@ def render() -> str:
         + "\n"
 
 
-def documented_subject_names() -> set[str]:
-    return {name for row in SUBJECTS for name in row.names}
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tools.protocol_doc", description=__doc__.splitlines()[0])
     parser.add_argument("--check", action="store_true", help="exit 1 if docs/protocol.md differs from render()")

@@ -64,16 +64,6 @@ class DVFSController:
         self.commands += 1
         return dict(self.phase_clocks_mhz)
 
-    def desired_clock_mhz(self, phase: str, now: float | None = None) -> int:
-        """The clock `phase` should run at now: the valid command's, else the default."""
-        if (self._now() if now is None else now) < self.valid_until_ts:
-            return self.phase_clocks_mhz.get(phase, self.default_clock_mhz)
-        return self.default_clock_mhz
-
-    @property
-    def command_valid(self) -> bool:
-        return self._now() < self.valid_until_ts
-
     # -- the hot path ---------------------------------------------------------------------------
 
     def before_microbatch(self, phase: str) -> int:

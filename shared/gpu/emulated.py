@@ -10,7 +10,6 @@ clock, and a clock request takes effect after `clock_switch_delay_ms`. The formu
 from __future__ import annotations
 
 import json
-import math
 import os
 import threading
 import time
@@ -203,13 +202,6 @@ def operator_cost(profile: GPUProfile, work: OperatorWork, clock_mhz: float) -> 
         energy += p.launch_overhead_s * idle_w
         total_t += t
     return Cost(total_t, energy / total_t if total_t > 0 else idle_w)
-
-
-def latency_sensitivity(profile: GPUProfile, work: OperatorWork, lo_mhz: float, hi_mhz: float) -> float:
-    """d ln t / d ln f as the log-log slope of the modelled time between two clocks."""
-    t_lo = operator_cost(profile, work, lo_mhz).time_s
-    t_hi = operator_cost(profile, work, hi_mhz).time_s
-    return math.log(t_lo / t_hi) / math.log(hi_mhz / lo_mhz)
 
 
 class EmulatedGPU(GPU):

@@ -60,7 +60,6 @@ class NvmlGPU(GPU):
         self.readonly = readonly
         self.backend = "nvml-readonly" if readonly else "nvml"
         self._clock = clock
-        self._requested_mhz: int | None = None
         self._locked_mhz: int | None = None
         self._energy_counter: bool | None = None  # None: not probed yet
         self._integrated_j = 0.0
@@ -114,14 +113,8 @@ class NvmlGPU(GPU):
     def sm_clock_mhz(self) -> int:
         return int(self._call("nvmlDeviceGetClockInfo", self._handle, self._nvml.NVML_CLOCK_SM))
 
-    @property
-    def requested_sm_clock_mhz(self) -> int | None:
-        """The last clock asked for (recorded on nvml-readonly too)."""
-        return self._requested_mhz
-
     def set_sm_clock_mhz(self, clock_mhz: int) -> ClockResult:
         target = self.snap_clock_mhz(clock_mhz)
-        self._requested_mhz = target
         if self.readonly:
             return ClockResult(clock_mhz, target, applied=False, reason="nvml-readonly: clocks are never set")
         if target == self._locked_mhz:
@@ -131,7 +124,6 @@ class NvmlGPU(GPU):
         return ClockResult(clock_mhz, target, applied=True)
 
     def reset_sm_clock(self) -> None:
-        self._requested_mhz = None
         if self.readonly:
             return
         self._call("nvmlDeviceResetGpuLockedClocks", self._handle)

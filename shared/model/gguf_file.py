@@ -96,19 +96,12 @@ class _Entry:
     unpermute_heads: int | None = None
 
 
-def permute_qk(weights: np.ndarray, n_heads: int) -> np.ndarray:
-    """llama.cpp's `convert_hf_to_gguf` row permutation of Q/K (HF halves layout -> interleaved pairs).
-
-    Per head, rows [x0..x(d/2-1), y0..y(d/2-1)] become [x0, y0, x1, y1, ...], which is what
-    llama.cpp's RoPE kernel expects. Pass n_kv_heads for K. Kept here as the reference the
-    inverse below is tested against.
-    """
-    shape = weights.shape
-    return weights.reshape(n_heads, 2, shape[0] // n_heads // 2, *shape[1:]).swapaxes(1, 2).reshape(shape)
-
-
 def unpermute_qk(weights: np.ndarray, n_heads: int) -> np.ndarray:
-    """Inverse of `permute_qk`: back to the HF rotate-half row order."""
+    """Undo llama.cpp's `convert_hf_to_gguf` row permutation of Q/K: back to the HF rotate-half row order.
+
+    The converter turns each head's rows [x0..x(d/2-1), y0..y(d/2-1)] into [x0, y0, x1, y1, ...], which is
+    what llama.cpp's RoPE kernel expects. Pass n_kv_heads for K.
+    """
     shape = weights.shape
     return weights.reshape(n_heads, shape[0] // n_heads // 2, 2, *shape[1:]).swapaxes(1, 2).reshape(shape)
 

@@ -63,11 +63,6 @@ class BlockAllocator:
         """Blocks a new allocation may take: free ones, and cached ones no table holds (evicted as needed)."""
         return len(self._free_stack) + len(self._cached)
 
-    @property
-    def num_cached_blocks(self) -> int:
-        """Named blocks no table holds: kept for a later prompt with the same prefix."""
-        return len(self._cached)
-
     def allocate(self, n: int) -> list[int]:
         """Take `n` free blocks, or none at all (raises `KVCacheExhaustedError(n, free)`); free blocks first,
         then the least recently used cached ones, which lose their names."""
@@ -253,9 +248,6 @@ class BlockTables:
         """A copy of the sequence's block ids, in token order (callers may keep or mutate it)."""
         return list(self._table(seq_id))
 
-    def num_tokens_capacity(self, seq_id: str) -> int:
-        return len(self._table(seq_id)) * self._block_size
-
     def blocks_needed(self, seq_id: str | None, total_tokens: int) -> int:
         """Extra blocks a sequence (or a new one, for `None`) needs to hold `total_tokens` tokens."""
         if total_tokens < 0:
@@ -263,20 +255,14 @@ class BlockTables:
         have = 0 if seq_id is None else len(self._table(seq_id))
         return max(0, _ceil_div(total_tokens, self._block_size) - have)
 
-    def can_reserve(self, seq_id: str | None, total_tokens: int) -> bool:
-        return self.blocks_needed(seq_id, total_tokens) <= self._allocator.num_free_blocks
-
     def reserve(self, seq_id: str, total_tokens: int) -> None:
         """Grow the table so the sequence can hold `total_tokens` tokens; never shrinks it.
 
         Atomic: on `KVCacheExhaustedError` the table and the allocator are unchanged.
         """
-        table = self._table(seq_id)
-        if total_tokens < 0:
-            raise ValueError(f"total_tokens must be >= 0, got {total_tokens}")
-        needed = _ceil_div(total_tokens, self._block_size) - len(table)
-        if needed > 0:
-            table.extend(self._allocator.allocate(needed))
+        needed = self.blocks_needed(seq_id, total_tokens)
+        if needed:
+            self._table(seq_id).extend(self._allocator.allocate(needed))
 
     def slots(self, seq_id: str, start: int, count: int) -> list[int]:
         """Flat slot ids of token positions [start, start + count), within the reserved capacity."""

@@ -33,7 +33,7 @@ from shared.settings import (
     SchedulerSettings,
     WorkerSettings,
 )
-from shared.settings_flags import from_env
+from shared.settings_flags import from_flags
 from shared.transport.nats_server import free_port
 from tests.conftest import REPO_ROOT
 
@@ -148,8 +148,11 @@ def test_build_commands_order_names_and_settings_in_the_environment() -> None:
         assert parser.parse_args(spec.argv[3:]).command == spec.role
     classes = {"scheduler": SchedulerSettings, "attention-worker": AttentionWorkerSettings,
                "ffn-worker": FFNWorkerSettings, "gateway": GatewaySettings}
-    with mock.patch.dict(os.environ, {k: v for k, v in os.environ.items() if not k.startswith("AFLEX_")}, clear=True):
-        settings = {s.name: from_env(classes[s.role], s.env) for s in specs}
+    settings = {}
+    for spec in specs:  # as the child builds them (_run_service): from its argv's flags and its environment
+        child_env = {**{k: v for k, v in os.environ.items() if not k.startswith("AFLEX_")}, **spec.env}
+        with mock.patch.dict(os.environ, child_env, clear=True):
+            settings[spec.name] = from_flags(classes[spec.role], parser.parse_args(spec.argv[3:]))
     assert all(st.model == "/models/m.gguf" for st in settings.values())
     sched = settings["scheduler"]
     assert isinstance(sched, SchedulerSettings) and (sched.microbatch_depth, sched.batching) == ("2", "fcfs")

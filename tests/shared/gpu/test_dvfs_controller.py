@@ -116,20 +116,20 @@ def test_phase_switching_follows_the_command() -> None:
 def test_expired_command_falls_back_to_default() -> None:
     ctl, gpu, clock = make(default_clock_mhz=1200)
     ctl.apply_command(command({"prefill": 600, "decode": 600}, 2.0, clock.t))
-    assert ctl.before_microbatch("decode") == 600 and ctl.command_valid
+    assert ctl.before_microbatch("decode") == 600 and gpu.clock == 600  # the command holds
     clock.t += 1.9
     assert ctl.before_microbatch("decode") == 600
-    clock.t += 0.1  # valid_until reached
-    assert not ctl.command_valid
-    assert ctl.desired_clock_mhz("decode") == 1200
+    clock.t += 0.1  # valid_until reached: the command no longer holds
     assert ctl.poll() == 1200 and gpu.clock == 1200  # an idle worker falls back too (telemetry loop polls)
+    clock.t += 1.0
+    assert ctl.before_microbatch("prefill") == 1200  # for every phase the command named
 
 
 def test_stale_command_is_ignored() -> None:
     ctl, _, clock = make()
     ctl.apply_command(command({"decode": 600}, 10, clock.t, issued=clock.t))
     ctl.apply_command(command({"decode": 900}, 10, clock.t, issued=clock.t - 1))  # crossed on the way
-    assert ctl.desired_clock_mhz("decode") == 600 and ctl.commands == 1
+    assert ctl.before_microbatch("decode") == 600 and ctl.commands == 1
 
 
 def test_hysteresis_band_keeps_the_clock() -> None:

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from shared.gpu.base import GPUError, OperatorWork
-from shared.gpu.emulated import EmulatedGPU, available_profiles, latency_sensitivity, load_profile, operator_cost
+from shared.gpu.emulated import EmulatedGPU, GPUProfile, available_profiles, load_profile, operator_cost
 from shared.gpu.workload import ComposedWork, attention_work, experts_touched, ffn_work, lm_head_work
 from shared.model.config import ModelArgs
 
@@ -84,6 +84,13 @@ def test_energy_per_token_is_u_shaped_for_memory_bound_decode(key: str) -> None:
     best = min(energy)
     assert energy[0] > 1.2 * best and energy[-1] > 1.05 * best
     assert p.min_mhz < p.clocks_mhz[energy.index(best)] < p.max_mhz
+
+
+def latency_sensitivity(profile: GPUProfile, work: OperatorWork, lo_mhz: float, hi_mhz: float) -> float:
+    """d ln t / d ln f as the log-log slope of the modelled time between two clocks."""
+    t_lo = operator_cost(profile, work, lo_mhz).time_s
+    t_hi = operator_cost(profile, work, hi_mhz).time_s
+    return math.log(t_lo / t_hi) / math.log(hi_mhz / lo_mhz)
 
 
 @pytest.mark.parametrize("key", PROFILES)

@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 
 from shared.gpu.base import GPUError, GPUNotSupportedError, GPUPermissionError
+from shared.gpu.controller import DVFSController
 from shared.gpu.nvml import NvmlGPU
 from shared.gpu.select import select_gpu
 
@@ -145,7 +146,8 @@ def test_readonly_never_calls_a_setter(nvml: FakeNvml) -> None:
     result = gpu.set_sm_clock_mhz(600)
     assert not result.applied and result.target_mhz == 600
     assert result.reason == "nvml-readonly: clocks are never set"
-    assert gpu.requested_sm_clock_mhz == 600
+    controller = DVFSController(gpu, default_clock_mhz=600)  # the worker's path: asked for, recorded, not applied
+    assert controller.poll() == 600 and controller.target_clock_mhz == 600 and not controller.applied
     gpu.reset_sm_clock()
     gpu.sm_clock_mhz(), gpu.power_w(), gpu.total_energy_j()
     assert not SETTERS & set(nvml.names())

@@ -56,7 +56,9 @@ def test_slots_follow_block_table_across_block_boundaries() -> None:
     tables.reserve("b", 4)
     tables.reserve("a", 9)  # a: blocks [0, 2, 3]
     assert tables.block_table("a") == [0, 2, 3]
-    assert tables.num_tokens_capacity("a") == 12
+    assert len(tables.slots("a", 0, 12)) == 12  # the capacity: three blocks of four
+    with pytest.raises(ValueError, match="reserved capacity of 12 tokens"):
+        tables.slots("a", 0, 13)
     assert tables.slots("a", 0, 9) == [0, 1, 2, 3, 8, 9, 10, 11, 12]
     assert tables.slots("a", 5, 1) == [9]
     assert tables.slots("a", 3, 0) == []
@@ -81,19 +83,22 @@ def test_block_table_is_a_copy_and_unknown_sequences_raise() -> None:
         tables.free_sequence("zz")
 
 
-def test_blocks_needed_and_can_reserve() -> None:
+def test_blocks_needed_and_what_reserve_can_take() -> None:
     tables = BlockTables(BlockAllocator(num_blocks=3, block_size=4))
     assert tables.blocks_needed(None, 0) == 0
     assert tables.blocks_needed(None, 9) == 3
-    assert tables.can_reserve(None, 12)
-    assert not tables.can_reserve(None, 13)
+    assert tables.blocks_needed(None, 12) <= tables.allocator.num_free_blocks < tables.blocks_needed(None, 13)
     tables.add_sequence("a")
+    with pytest.raises(KVCacheExhaustedError):  # a new sequence of 13 tokens does not fit
+        tables.reserve("a", 13)
     tables.reserve("a", 5)
     assert tables.blocks_needed("a", 8) == 0
     assert tables.blocks_needed("a", 3) == 0  # never shrinks
     assert tables.blocks_needed("a", 9) == 1
-    assert tables.can_reserve("a", 12)
-    assert not tables.can_reserve("a", 13)
+    with pytest.raises(KVCacheExhaustedError):
+        tables.reserve("a", 13)
+    tables.reserve("a", 12)  # a's two blocks and the last free one
+    assert tables.allocator.num_free_blocks == 0
 
 
 def test_exhaustion_leaves_table_and_allocator_unchanged_then_free_returns_all() -> None:
@@ -142,18 +147,17 @@ class PagedCacheMachine(RuleBasedStateMachine):
         free_before = self.alloc.num_free_blocks
         table_before = self.tables.block_table(seq_id)
         needed = self.tables.blocks_needed(seq_id, total)
-        assert self.tables.can_reserve(seq_id, total) == (needed <= free_before)
         try:
             self.tables.reserve(seq_id, total)
-        except KVCacheExhaustedError as exc:
+        except KVCacheExhaustedError as exc:  # exactly when it needs more blocks than are free
             assert needed > free_before
             assert (exc.needed_blocks, exc.free_blocks) == (needed, free_before)
             assert self.tables.block_table(seq_id) == table_before
             assert self.alloc.num_free_blocks == free_before
             return
-        assert self.alloc.num_free_blocks == free_before - needed
+        assert needed <= free_before and self.alloc.num_free_blocks == free_before - needed
         assert self.tables.block_table(seq_id)[: len(table_before)] == table_before
-        assert self.tables.num_tokens_capacity(seq_id) >= total
+        assert len(self.tables.slots(seq_id, 0, total)) == total  # within the capacity now
         self.reserved_tokens[seq_id] = max(self.reserved_tokens[seq_id], total)
         slots = self.tables.slots(seq_id, 0, self.reserved_tokens[seq_id])
         old = self.known_slots[seq_id]
@@ -173,7 +177,7 @@ class PagedCacheMachine(RuleBasedStateMachine):
     def slot_window_matches_whole(self, seq_id: str, data: st.DataObject) -> None:
         if not self.tables.has_sequence(seq_id):
             return
-        cap = self.tables.num_tokens_capacity(seq_id)
+        cap = len(self.tables.block_table(seq_id)) * self.alloc.block_size
         start = data.draw(st.integers(0, cap))
         count = data.draw(st.integers(0, cap - start))
         whole = self.tables.slots(seq_id, 0, cap)
@@ -190,7 +194,7 @@ class PagedCacheMachine(RuleBasedStateMachine):
     def slots_of_different_sequences_never_overlap(self) -> None:
         all_slots: list[int] = []
         for s in self.tables.sequences():
-            all_slots.extend(self.tables.slots(s, 0, self.tables.num_tokens_capacity(s)))
+            all_slots.extend(self.tables.slots(s, 0, len(self.tables.block_table(s)) * self.alloc.block_size))
         assert len(all_slots) == len(set(all_slots))
         assert all(0 <= x < self.alloc.num_blocks * self.alloc.block_size for x in all_slots)
 
