@@ -102,16 +102,6 @@ def representative(samples: Sequence[IterationSample], phase: ClockPhase) -> Ite
     return xs[min(len(xs) - 1, math.ceil(0.9 * len(xs)) - 1)]
 
 
-def guess_profile(gpu_profile: str, gpu_name: str, available: Sequence[str]) -> str | None:
-    """The profile key of a worker: its own `gpu_profile` if known, else one guessed from the GPU name
-    ("NVIDIA H200" -> "h200", "emulated A800-SXM4-80GB" -> "a800"); None when neither is known."""
-    keys = sorted((k.lower() for k in available), key=len, reverse=True)
-    if gpu_profile and gpu_profile.lower() in keys:
-        return gpu_profile.lower()
-    name = gpu_name.lower()
-    return next((k for k in keys if k in name), None) if name else None
-
-
 @dataclass(frozen=True)
 class PairPlan:
     """What `plan_pair` decided for one attention worker and phase, and everything it decided from."""

@@ -1,7 +1,7 @@
 """Dispatch: the per-worker iteration loops, the verdicts applied, the tokens streamed, the requests ended.
 
 One asyncio task per attention worker runs iterations: plan (`shared.policy.plan_iteration` through
-passes.py, with the governor's iteration policy), publish the microbatch descriptors, wait for every
+passes.py, with the batching policy's iteration policy), publish the microbatch descriptors, wait for every
 `MicrobatchDone`, apply recovery.py's verdicts (a result stands and streams; a failed pass is taken
 back and routed again, or the request fails after MAX_FAILURES), stream `OutputDelta`s. `finish` is
 the one place a request ends. Everything runs on the scheduler's one event loop, so request state
@@ -19,6 +19,7 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 
 from services.scheduler import forks, recovery
+from services.scheduler.batching import BatchingPolicy
 from services.scheduler.governor import Governor
 from services.scheduler.handoff import Handoffs
 from services.scheduler.model_info import ModelInfo
@@ -29,6 +30,7 @@ from services.scheduler.prefix_index import PrefixIndex
 from services.scheduler.recovery import InFlight
 from services.scheduler.registry import Registry, Worker
 from services.scheduler.routing import Placement
+from services.scheduler.slo_watch import SloWatch
 from services.scheduler.state import RequestState, Status
 from services.scheduler.tasks import TaskSet
 from shared import subjects
@@ -54,10 +56,12 @@ class Dispatch:
 
     def __init__(self, settings: SchedulerSettings, nc: Client, model: ModelInfo, registry: Registry,
                  requests: dict[str, RequestState], placement: Placement, prefixes: PrefixIndex | None,
-                 governor: Governor, provisioning: ProvisioningLoop | None, tasks: TaskSet, run_token: str) -> None:
+                 governor: Governor, batching: BatchingPolicy, slo: SloWatch, provisioning: ProvisioningLoop | None,
+                 tasks: TaskSet, run_token: str) -> None:
         self.settings, self.nc, self.model, self.registry = settings, nc, model, registry
         self.requests, self.placement, self.prefixes = requests, placement, prefixes
-        self.governor, self.provisioning, self.tasks, self.run_token = governor, provisioning, tasks, run_token
+        self.governor, self.batching, self.slo = governor, batching, slo
+        self.provisioning, self.tasks, self.run_token = provisioning, tasks, run_token
         self.in_flight = InFlight()
         self.outputs = OutputStream(nc)
         self.handoffs = Handoffs(nc, registry, run_token, settings.kv_handoff_timeout_s, tasks.spawn)
@@ -80,8 +84,8 @@ class Dispatch:
                     return
                 epoch = lane.epoch
             now = time.monotonic()
-            plan = plan_passes(lane.running, lane.waiting, self.governor.iteration_policy(worker, now),
-                               lane.kv_room())
+            policy = self.batching.iteration_policy(worker, now, self.governor.planned_depth(worker.worker_id))
+            plan = plan_passes(lane.running, lane.waiting, policy, lane.kv_room())
             if not plan.groups or not self.registry.has_ffn(worker):
                 if lane.pending_release and self.registry.has_ffn(worker):
                     await self._publish_release_only(worker)
@@ -89,7 +93,7 @@ class Dispatch:
                 continue
             lane.admit(plan.admitted)
             if await self._run_iteration(worker, plan):  # a failed one says nothing of a step's cost
-                self.governor.iteration_done(worker, plan.passes, time.monotonic() - now)
+                self.batching.iteration_done(worker, plan.passes, time.monotonic() - now)
 
     async def _run_iteration(self, worker: Worker, plan: PassPlan) -> bool:
         """Run one iteration; True when every microbatch came back whole (no error, nothing refused)."""
@@ -203,7 +207,7 @@ class Dispatch:
             state.first_token_ts = now
             ttft = state.ttft_s
             assert ttft is not None
-            self.governor.first_token(time.monotonic(), ttft * 1000.0)
+            self.slo.first_token(time.monotonic(), ttft * 1000.0)
             if self.provisioning is not None:
                 self.provisioning.first_token(time.monotonic(), ttft * 1000.0)
         if reason is not None:
@@ -222,7 +226,7 @@ class Dispatch:
         if worker is not None and worker.attention_lane is not None:
             lane = worker.attention_lane
             lane.release(state, holds_kv=state in lane.running or state.first_pass_sent)
-        self.governor.finished(state, reason, time.monotonic())
+        self.slo.finished(state, reason, time.monotonic())
         if self.provisioning is not None:
             self.provisioning.finished(state)
         usage = Usage(prompt_tokens=len(state.prompt_ids), completion_tokens=len(state.output_ids),

@@ -1,9 +1,12 @@
-"""The scheduler's clock governor: SLO observation, the batching and clock policies, frequency commands.
+"""The scheduler's clock governor: what clock every worker runs at in the next frequency window.
 
-Dispatch feeds it events (a first token, a finished request, an iteration sent, a microbatch done);
-it answers how to form an attention worker's next iteration (`iteration_policy`) and what clock every
-worker runs at in the next window (`window`). It never imports the service and publishes nothing, so
-the policies are testable without NATS. The rules: docs/architecture.md, "The aflex policy, live".
+Dispatch tells it what each attention worker ran (`iteration_sent`, `microbatch_done`); each window it
+reads the SLO watch's TTFT and TPOT (slo_watch.py) and answers a `FrequencyCommand` per worker
+(`window`): under `--freq-policy aflex` each attention worker's pair plan (aflex.py), else the slo, max
+or fixed rule (window_clocks.py). It corrects the aflex predictors from the timings at the clocks it
+commanded, which price the prefill cap too. How iterations are formed is batching.py's. It never imports
+the service and publishes nothing, so the policies are testable without NATS. The rules:
+docs/architecture.md, "The aflex policy, live".
 """
 
 from __future__ import annotations
@@ -12,76 +15,37 @@ import logging
 import time
 from collections import deque
 from collections.abc import Iterable
-from dataclasses import dataclass
 
-from services.scheduler.aflex import (
-    BATCHING,
-    AflexPlanner,
-    IterationSample,
-    PairPlan,
-    guess_profile,
-    sample_of,
-    serving_order,
-)
-from services.scheduler.model_info import ModelInfo
+from services.scheduler.aflex import AflexPlanner, IterationSample, PairPlan, sample_of, serving_order
 from services.scheduler.passes import Pass
+from services.scheduler.profiles import Profiles
 from services.scheduler.registry import Registry, Worker
-from services.scheduler.running_bound import RunningBound
+from services.scheduler.slo_watch import SloWatch
 from services.scheduler.state import RequestState
-from services.scheduler.window_clocks import PhaseSignal, parse_fixed_clocks, percentile, plan_clocks
-from shared.gpu.base import GPUError
-from shared.gpu.emulated import GPUProfile, available_profiles, load_profile
+from services.scheduler.window_clocks import PhaseSignal, parse_fixed_clocks, plan_clocks
 from shared.gpu.snap import snap_clock
-from shared.kinds import CLOCK_PHASES, ClockPhase, FinishReason
-from shared.messages import FrequencyCommand, MicrobatchDone, SchedulerTelemetry
-from shared.policy import IterationPolicy
+from shared.kinds import CLOCK_PHASES, ClockPhase
+from shared.messages import FrequencyCommand, MicrobatchDone
 from shared.policy.decode_slack import allowance_s
-from shared.policy.iteration import DecodeAwareCap, parse_depth, planner_depths
 from shared.policy.pool_sizing import SLO_BUDGET_SHARE
 from shared.settings import SchedulerSettings
 
 log = logging.getLogger("aflex.scheduler")
 
-Planned = tuple[dict[ClockPhase, int], str]  # a worker's clocks for the window, and why
-
-
-@dataclass(frozen=True)
-class Finished:
-    """A finished request, kept for a window for SLO attainment and the clock feedback."""
-
-    mono: float  # time.monotonic() when it finished
-    reason: FinishReason
-    ttft_ms: float | None
-    tpot_ms: float | None
+Planned = tuple[dict[ClockPhase, int], str]  # a worker's clocks for the window (MHz), and why
 
 
 class Governor:
-    def __init__(self, settings: SchedulerSettings, model: ModelInfo, registry: Registry) -> None:
-        self.settings, self.registry = settings, registry
+    def __init__(self, settings: SchedulerSettings, registry: Registry, planner: AflexPlanner | None,
+                 profiles: Profiles, slo: SloWatch) -> None:
+        self.settings, self.registry, self.profiles, self.slo = settings, registry, profiles, slo
+        # aflex's predictors and margins: they price the aflex prefill cap, and pick the clocks under freq_policy aflex
+        self.planner = planner
         self.fixed_clocks = parse_fixed_clocks(settings.fixed_clocks)  # a bad spec fails at start
-        self.commanded: dict[str, dict[ClockPhase, int]] = {}  # worker -> clocks of its latest command
-        self.finished_total = 0
-        self.finished_log: deque[Finished] = deque()
-        self.bounds: dict[str, RunningBound] = {}  # each attention worker's decode steps and running-set bound
-        self._logged_target_s: dict[str, float | None] = {}  # the step target last logged per worker
-        self.ttft_log: deque[tuple[float, float]] = deque()  # (monotonic time of the first token, TTFT ms)
+        self.commanded_mhz: dict[str, dict[ClockPhase, int]] = {}  # worker -> clocks of its latest command
         self.samples: dict[str, deque[IterationSample]] = {}  # each attention worker's iterations of the window
         self.plans: dict[str, dict[ClockPhase, PairPlan]] = {}  # the latest aflex plans
-        self._profiles: dict[tuple[str, str], GPUProfile | None] = {}
         self._warned: set[str] = set()
-        self.batching = BATCHING if settings.batching == "aflex" else None
-        self.depth = parse_depth(settings.microbatch_depth)
-        # aflex's predictors and margins: they price the aflex prefill cap, and pick the clocks under freq_policy aflex
-        self.planner: AflexPlanner | None = None
-        if settings.freq_policy == "aflex" or settings.batching == "aflex":
-            if model.args is None:
-                log.warning("aflex: the shape of model %s is unknown; no prefill cap, clocks fall back to slo",
-                            model.model_id)
-            else:
-                self.planner = AflexPlanner(model.args, ttft_slo_ms=settings.ttft_slo_ms,
-                                            tpot_slo_ms=settings.tpot_slo_ms, depths=planner_depths(self.depth),
-                                            link_bytes_s=settings.freq_link_gbs * 1e9,
-                                            max_batch_tokens=settings.max_batch_tokens)
 
     @property
     def clock_planner(self) -> AflexPlanner | None:
@@ -89,15 +53,6 @@ class Governor:
         return self.planner if self.settings.freq_policy == "aflex" else None
 
     # -- events ---------------------------------------------------------------------------------
-
-    def first_token(self, mono: float, ttft_ms: float) -> None:
-        self.ttft_log.append((mono, ttft_ms))
-
-    def finished(self, state: RequestState, reason: FinishReason, mono: float) -> None:
-        self.finished_total += 1
-        ttft, tpot = state.ttft_s, state.tpot_s
-        self.finished_log.append(Finished(mono, reason, None if ttft is None else ttft * 1000.0,
-                                          None if tpot is None else tpot * 1000.0))
 
     def iteration_sent(self, worker: Worker, passes: list[Pass], depth: int, mono: float) -> None:
         if self.clock_planner is None:
@@ -116,132 +71,36 @@ class Governor:
             return
         if done.attention_s <= 0 and done.ffn_wait_s <= 0 and done.ffn_compute_s <= 0:
             return
-        profile = self.profile_of(worker)
+        profile = self.profiles.of(worker)
         if profile is None:
             return
         sample = _sample(group, time.monotonic())
         phase = sample.phase
         planner.observe(profile, phase, sample, attention_s=done.attention_s, ffn_wait_s=done.ffn_wait_s,
-                        clock_attention=self.commanded.get(worker.worker_id, {}).get(phase),
-                        clock_ffn=self.commanded.get(ffn_id, {}).get(phase), lone=lone,
+                        clock_attention=self.commanded_mhz.get(worker.worker_id, {}).get(phase),
+                        clock_ffn=self.commanded_mhz.get(ffn_id, {}).get(phase), lone=lone,
                         ffn_compute_s=done.ffn_compute_s)
 
     def worker_woken(self, worker_id: str) -> None:
         """A parked worker serves again: its clocks start over (at max under aflex), not at the parked lowest."""
-        self.commanded.pop(worker_id, None)
+        self.commanded_mhz.pop(worker_id, None)
         self.plans.pop(worker_id, None)
 
     def worker_restarted(self, worker_id: str) -> None:
-        """A (re)started worker starts over: at max for "slo", and aflex holds nothing for it (its running-set
-        bound is kept: the same hardware, and a new one would be unbounded for its first steps)."""
-        self.commanded.pop(worker_id, None)
+        """A (re)started worker starts over: at max for "slo", and aflex holds nothing for it (batching keeps its
+        running-set bound: the same hardware, and a new one would be unbounded for its first steps)."""
+        self.commanded_mhz.pop(worker_id, None)
 
-    def iteration_done(self, worker: Worker, passes: list[Pass], wall_s: float) -> None:
-        """An iteration of `worker` fed `passes` in `wall_s`: a token of each decoding sequence (with any
-        prompt chunks beside them: the step their requests see)."""
-        self._bound(worker).step(sum(1 for p in passes if p.is_decode), wall_s)
+    # -- what others read -----------------------------------------------------------------------
 
-    def _bound(self, worker: Worker) -> RunningBound:
-        s = self.settings
-        return self.bounds.setdefault(worker.worker_id, RunningBound(s.tpot_slo_ms / 1000.0, s.running_bound))
+    def planned_depth(self, worker_id: str) -> dict[ClockPhase, int]:
+        """The microbatch depth the worker's latest aflex plan chose per phase (batching cuts by it under auto)."""
+        return {phase: plan.op.depth for phase, plan in self.plans.get(worker_id, {}).items()}
 
-    # -- the iteration policy -------------------------------------------------------------------
-
-    def iteration_policy(self, worker: Worker, now_mono: float) -> IterationPolicy:
-        """How `worker`'s next iteration is formed and cut (shared.policy.plan_iteration's policy)."""
-        s = self.settings
-        planned = {phase: plan.op.depth for phase, plan in self.plans.get(worker.worker_id, {}).items()}
-        running_bound = self._bound(worker)
-        bound = running_bound.bound(len(worker.lane.running))
-        max_num_seqs = s.max_num_seqs if bound is None else min(s.max_num_seqs, bound)
-        self._log_target(worker, running_bound)
-        return IterationPolicy(s.max_batch_tokens, max_num_seqs, self.batching, now_mono, self._prefill_cap(worker),
-                               self.depth, planned, overlaps=worker.assignment != "colocated")
-
-    def _log_target(self, worker: Worker, bound: RunningBound) -> None:
-        target_s = bound.target_s
-        if bound.unloaded_s is None or target_s == self._logged_target_s.get(worker.worker_id, -1.0):
-            return
-        self._logged_target_s[worker.worker_id] = target_s
-        held = "bounded by max_num_seqs alone" if target_s is None else \
-            f"held where a step takes {target_s * 1e3:.0f} ms"
-        log.info("%s: its running set is %s (running_bound=%s; its shortest step %.0f ms, tpot_slo_ms=%g)",
-                 worker.worker_id, held, self.settings.running_bound, bound.unloaded_s * 1e3,
-                 self.settings.tpot_slo_ms)
-
-    def _prefill_cap(self, worker: Worker) -> DecodeAwareCap | None:
-        """aflex batching: the policy's prefill tokens per iteration of `worker` (None: the token budget only)."""
-        planner = self.planner if self.batching is not None else None
-        profile = self.profile_of(worker) if planner is not None else None
-        if planner is None or profile is None:
-            return None
-        share = self.share()
-
-        def cap(queued: int, n_decode: int, decode_ctx: float, head: int, oldest_wait_s: float) -> int:
-            assert planner is not None and profile is not None
-            return planner.prefill_tokens(profile, queued, n_decode, decode_ctx, head, share, oldest_wait_s)
-        return cap
-
-    def share(self) -> int:
-        """Serving attention workers per serving FFN worker (each FFN worker serves about this many)."""
-        n_attention, n_ffn = len(self.registry.serving("attention")), len(self.registry.serving("ffn"))
-        return max(1, -(-n_attention // max(1, n_ffn)))
-
-    def profile_of(self, worker: Worker) -> GPUProfile | None:
-        """The worker's GPU profile: as registered, or guessed from its GPU name; None when unknown."""
-        return self.profile_for(worker.gpu_profile, worker.gpu_name)
-
-    def profile_for(self, gpu_profile: str, gpu_name: str) -> GPUProfile | None:
-        """The GPU profile a worker registering with these names has (`profile_of`)."""
-        key = (gpu_profile, gpu_name)
-        if key not in self._profiles:
-            name = guess_profile(gpu_profile, gpu_name, available_profiles())
-            try:
-                self._profiles[key] = load_profile(name) if name else None
-            except GPUError:
-                self._profiles[key] = None
-        return self._profiles[key]
-
-    # -- SLO observation ------------------------------------------------------------------------
-
-    @property
-    def stats_window_s(self) -> float:
-        """SLO attainment and p90s cover requests finished within this many seconds."""
-        hz = self.settings.telemetry_hz
-        return max(self.settings.freq_window_s, 1.0 / hz if hz > 0 else 0.0)
-
-    def _prune(self, now: float) -> None:
-        keep = self.stats_window_s
-        while self.finished_log and now - self.finished_log[0].mono > keep:
-            self.finished_log.popleft()
-        while self.ttft_log and now - self.ttft_log[0][0] > keep:
-            self.ttft_log.popleft()
-
-    def signals(self, now: float, requests: Iterable[RequestState]) -> dict[ClockPhase, PhaseSignal]:
-        """TTFT (prefill) and TPOT (decode) seen in the last frequency window, for the clock planner.
-
-        TTFT: every first token of the window; a request still waiting for its first token longer
-        than the SLO counts as a miss. TPOT: requests finished in the window, and running ones that
-        streamed in it (their TPOT so far), so long requests steer the clocks before they end.
-        """
-        self._prune(now)
-        window = self.settings.freq_window_s
-        ttft_slo, tpot_slo = self.settings.ttft_slo_ms, self.settings.tpot_slo_ms
-        ttfts = [ms for t, ms in self.ttft_log if now - t <= window]
-        tpots = [f.tpot_ms for f in self.finished_log if now - f.mono <= window and f.tpot_ms is not None]
-        ttft_miss = sum(ms > ttft_slo for ms in ttfts)
-        unix = time.time()
-        for state in requests:
-            if state.first_token_ts is None:
-                ttft_miss += (unix - state.arrival_ts) * 1000.0 > ttft_slo
-            elif state.last_token_ts is not None and unix - state.last_token_ts <= window:
-                tpot = state.tpot_s
-                if tpot is not None:
-                    tpots.append(tpot * 1000.0)
-        tpot_miss = sum(ms > tpot_slo for ms in tpots)
-        ttft_count = len(ttfts) + ttft_miss - sum(ms > ttft_slo for ms in ttfts)  # late waiters count too
-        return {"prefill": PhaseSignal(percentile(ttfts, 90), ttft_slo, ttft_miss, ttft_count),
-                "decode": PhaseSignal(percentile(tpots, 90), tpot_slo, tpot_miss, len(tpots))}
+    def clocks_mhz(self) -> dict[str, dict[str, int]]:
+        """The clocks last commanded to each healthy worker, as telemetry carries them."""
+        return {wid: {str(p): mhz for p, mhz in c.items()} for wid, c in self.commanded_mhz.items()
+                if (w := self.registry.workers.get(wid)) is not None and w.healthy}
 
     # -- frequency commands ---------------------------------------------------------------------
 
@@ -251,12 +110,12 @@ class Governor:
         assignment changed), the window's plans unchanged."""
         if only is None:
             return self.window(now_mono, requests)
-        signals = self.signals(now_mono, requests)
+        signals = self.slo.signals(now_mono, requests)
         return [self.command(w, signals) for w in only if w.healthy and w.supported_clocks_mhz]
 
     def window(self, now_mono: float, requests: Iterable[RequestState]) -> list[FrequencyCommand]:
         """One frequency window: a command for every healthy worker with supported clocks."""
-        signals = self.signals(now_mono, requests)
+        signals = self.slo.signals(now_mono, requests)
         planned: dict[str, Planned] = {}
         if self.clock_planner is not None:
             self.clock_planner.update_margins({p: (sig.p90_ms, sig.misses, sig.count) for p, sig in signals.items()})
@@ -269,12 +128,12 @@ class Governor:
                 planned: Planned | None = None) -> FrequencyCommand:
         """The worker's command for this window (and what it was told last, for the next one)."""
         policy = self.settings.freq_policy
-        previous = self.commanded.get(worker.worker_id)
+        previous = self.commanded_mhz.get(worker.worker_id)
         if worker.parked and worker.drained:  # warm: the model kept, the GPU at its lowest clock
             clocks, reason = {p: worker.supported_clocks_mhz[0] for p in CLOCK_PHASES}, f"{worker.assignment}"
         elif planned is not None:
             clocks, reason = planned
-        elif self.clock_planner is not None and self.profile_of(worker) is not None:
+        elif self.clock_planner is not None and self.profiles.of(worker) is not None:
             top = worker.supported_clocks_mhz[-1]
             clocks = dict(previous) if previous else {p: top for p in CLOCK_PHASES}
             reason = "aflex: hold" if previous else "aflex: start at max"
@@ -289,7 +148,7 @@ class Governor:
                                          previous=previous, signals=signals, fixed=self.fixed_clocks)
             if fallback:
                 reason += " (aflex fallback)"
-        self.commanded[worker.worker_id] = clocks
+        self.commanded_mhz[worker.worker_id] = clocks
         now = time.time()
         return FrequencyCommand(worker_id=worker.worker_id, clocks_mhz=clocks, issued_ts=now,
                                 valid_until_ts=now + 3 * self.settings.freq_window_s, reason=reason)
@@ -299,14 +158,14 @@ class Governor:
         """Clocks for every worker aflex can plan: each attention worker from its own pair plan, each FFN
         worker at the highest FFN clock any pair asks for; a phase nothing ran in holds its clock."""
         attention, ffn = self.registry.serving("attention"), self.registry.serving("ffn")
-        share, now_unix = self.share(), time.time()
+        share, now_unix = self.registry.attention_per_ffn(), time.time()
         banked = least_allowances(requests, planner.tpot_slo_ms / 1e3 * SLO_BUDGET_SHARE, now_unix)
         fresh: dict[str, dict[ClockPhase, PairPlan]] = {}
         for w in attention:
             window = self.samples.get(w.worker_id, deque())
             while window and now_mono - window[0].mono > self.settings.freq_window_s:
                 window.popleft()
-            profile = self.profile_of(w)
+            profile = self.profiles.of(w)
             if profile is None or not window:
                 continue
             waiting = list(w.lane.waiting)
@@ -325,9 +184,9 @@ class Governor:
                     fresh.setdefault(w.worker_id, {})[phase] = plan
         out: dict[str, Planned] = {}
         for w in [*attention, *ffn]:
-            if not w.supported_clocks_mhz or self.profile_of(w) is None:
+            if not w.supported_clocks_mhz or self.profiles.of(w) is None:
                 continue
-            table, before = w.supported_clocks_mhz, self.commanded.get(w.worker_id, {})
+            table, before = w.supported_clocks_mhz, self.commanded_mhz.get(w.worker_id, {})
             clocks: dict[ClockPhase, int] = {}
             why = []
             for phase in CLOCK_PHASES:
@@ -347,26 +206,6 @@ class Governor:
             out[w.worker_id] = (clocks, f"aflex (margins {margins['prefill'].margin:.2f}/"
                                         f"{margins['decode'].margin:.2f}): " + "; ".join(why))
         return out
-
-    # -- telemetry ------------------------------------------------------------------------------
-
-    def telemetry(self, queue_depth: int, running: int, plan_id: int = 0) -> SchedulerTelemetry:
-        now = time.monotonic()
-        self._prune(now)
-        ttft_slo, tpot_slo = self.settings.ttft_slo_ms, self.settings.tpot_slo_ms
-        done = [f for f in self.finished_log if f.reason != "abort"]  # a client's cancel is no miss
-        good = sum(f.reason != "error" and f.ttft_ms is not None and f.ttft_ms <= ttft_slo
-                   and (f.tpot_ms or 0.0) <= tpot_slo for f in done)
-        ttfts = [f.ttft_ms for f in done if f.ttft_ms is not None]
-        tpots = [f.tpot_ms for f in done if f.tpot_ms is not None]
-        clocks = {wid: {str(p): mhz for p, mhz in c.items()} for wid, c in self.commanded.items()
-                  if (w := self.registry.workers.get(wid)) is not None and w.healthy}
-        return SchedulerTelemetry(
-            scheduler_id=self.settings.scheduler_id, ts=time.time(), queue_depth=queue_depth, running=running,
-            finished=self.finished_total, slo_attainment=good / len(done) if done else None,
-            ttft_p90_ms=percentile(ttfts, 90), tpot_p90_ms=percentile(tpots, 90), clocks_mhz=clocks,
-            assignments={w.worker_id: w.assignment for w in self.registry.workers.values()
-                         if w.healthy and w.assignment is not None}, plan_id=plan_id)
 
 
 def least_allowances(requests: Iterable[RequestState], per_token_s: float, now_unix: float) -> dict[str, float]:

@@ -21,6 +21,7 @@ from nats.aio.client import Client
 
 from services.scheduler.fleet_plan import PlanDecision, Provisioner
 from services.scheduler.governor import Governor
+from services.scheduler.profiles import Profiles
 from services.scheduler.registry import Registry, Worker
 from services.scheduler.state import RequestState
 from shared import subjects
@@ -35,9 +36,10 @@ log = logging.getLogger("aflex.scheduler")
 
 class ProvisioningLoop:
     def __init__(self, settings: SchedulerSettings, nc: Client, registry: Registry, governor: Governor,
-                 on_change: Callable[[list[Worker]], None]) -> None:
+                 profiles: Profiles, on_change: Callable[[list[Worker]], None]) -> None:
         s = settings
         self.settings, self.nc, self.registry, self.governor, self.on_change = s, nc, registry, governor, on_change
+        self.profiles = profiles
         self.provisioner = Provisioner(window_s=s.provision_window_s, ttft_slo_ms=s.ttft_slo_ms,
                                        tpot_slo_ms=s.tpot_slo_ms, link_bytes_s=s.freq_link_gbs * 1e9,
                                        headroom=s.provision_headroom, min_attention=s.provision_min_attention,
@@ -82,7 +84,7 @@ class ProvisioningLoop:
         attention, ffn = self.registry.attention_workers(), self.registry.healthy("ffn")
         if not attention or not ffn:
             return None
-        profile = self.governor.profile_of(attention[0])
+        profile = self.profiles.of(attention[0])
         if self.args is None or profile is None:
             if not self._warned:
                 self._warned = True

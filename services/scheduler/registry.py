@@ -316,6 +316,12 @@ class Registry:
         """The FFN worker of `worker`'s next microbatch: itself when it is colocated, else `next_ffn`."""
         return worker if worker.assignment == "colocated" else self.next_ffn(worker.pool)
 
+    def attention_per_ffn(self) -> int:
+        """Serving attention workers per serving FFN worker (each FFN worker serves about this many): how aflex
+        prices a split pool's iteration."""
+        n_attention, n_ffn = len(self.serving("attention")), len(self.serving("ffn"))
+        return max(1, -(-n_attention // max(1, n_ffn)))
+
     def context_limit(self) -> int:
         return max((w.capacity_tokens for w in self.usable_attention()), default=0)
 

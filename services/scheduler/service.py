@@ -5,8 +5,9 @@
 applies what the deciding modules answer: membership.py's `Change` for each registration, heartbeat,
 silence and new plan (lanes to start, requests to route again, workers lost, clocks to send);
 admission.py's refusals (at submission, and `shed` past the queue deadline); governor.py's clock
-commands and telemetry figures. dispatch.py runs the per-worker iterations, applies recovery.py's
-verdicts and streams the tokens; its `finish` is the one place a request ends.
+commands. It assembles the telemetry from the figures' owners (`telemetry`). dispatch.py runs the
+per-worker iterations, applies recovery.py's verdicts and streams the tokens; its `finish` is the one
+place a request ends.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ from nats.aio.subscription import Subscription
 
 from services.scheduler import beacon, recovery
 from services.scheduler.admission import RETRY_AFTER_S, Mesh, rejection, shed
+from services.scheduler.aflex import AflexPlanner
+from services.scheduler.batching import BatchingPolicy
 from services.scheduler.dispatch import Dispatch
 from services.scheduler.gateways import GatewayWatch
 from services.scheduler.governor import Governor
@@ -29,8 +32,10 @@ from services.scheduler.membership import Change, Membership
 from services.scheduler.model_info import ModelInfo
 from services.scheduler.plan_loop import ProvisioningLoop
 from services.scheduler.prefix_index import PrefixIndex
+from services.scheduler.profiles import Profiles
 from services.scheduler.registry import Registry, Worker
 from services.scheduler.routing import Placement
+from services.scheduler.slo_watch import SloWatch
 from services.scheduler.state import RequestState
 from services.scheduler.tasks import TaskSet
 from shared import subjects
@@ -42,11 +47,13 @@ from shared.messages import (
     ProtocolError,
     Register,
     RoleAssignment,
+    SchedulerTelemetry,
     SubmitReply,
     SubmitRequest,
     decode,
     encode,
 )
+from shared.policy.iteration import parse_depth, planner_depths
 from shared.settings import SchedulerSettings
 from shared.transport import bus
 
@@ -65,15 +72,20 @@ class Scheduler:
         self.placement = Placement(self.registry, self.prefixes)
         self.run_token = uuid.uuid4().hex[:8]  # this run: mb ids unique across restarts, the heartbeat's instance
         self.tasks = TaskSet()
-        self.governor = Governor(settings, model, self.registry)
+        self.profiles = Profiles()
+        self.slo = SloWatch(settings)
+        planner = aflex_planner(settings, model)
+        self.governor = Governor(settings, self.registry, planner, self.profiles, self.slo)
+        self.batching = BatchingPolicy(settings, self.registry, planner, self.profiles)
         self.gateways = GatewayWatch(settings.gateway_silence_s)
         self.membership = Membership(self.registry, settings.scheduler_id, self.run_token,
                                      colocate_alone=settings.provision_kinds == "colocated")
-        self.provisioning = ProvisioningLoop(settings, nc, self.registry, self.governor, self._plan_changed) \
-            if settings.provisioning == "aflex" else None
+        self.provisioning = ProvisioningLoop(settings, nc, self.registry, self.governor, self.profiles,
+                                             self._plan_changed) if settings.provisioning == "aflex" else None
         self._submissions: Subscription | None = None
         self.dispatch = Dispatch(settings, nc, model, self.registry, self.requests, self.placement, self.prefixes,
-                                 self.governor, self.provisioning, self.tasks, self.run_token)
+                                 self.governor, self.batching, self.slo, self.provisioning, self.tasks,
+                                 self.run_token)
 
     # -- lifecycle ------------------------------------------------------------------------------
 
@@ -97,9 +109,7 @@ class Scheduler:
         s = self.settings
         self.tasks.spawn(beacon.heartbeat_loop(nc, s.scheduler_id, self.run_token, s.heartbeat_s))
         if s.telemetry_hz > 0:
-            self.tasks.spawn(beacon.telemetry_loop(nc, s.scheduler_id, s.telemetry_hz, lambda: self.governor.telemetry(
-                self.queue_depth, self.running_count, self.provisioning.plan_id if self.provisioning else 0
-            ).model_copy(update={**self.dispatch.handoffs.figures(), **self.lane_figures()})))
+            self.tasks.spawn(beacon.telemetry_loop(nc, s.scheduler_id, s.telemetry_hz, self.telemetry))
 
     async def stop(self) -> None:
         await self.tasks.cancel_all()
@@ -124,15 +134,26 @@ class Scheduler:
     def queue_depth(self) -> int:
         return len(self.placement.unplaced) + sum(len(lane.waiting) for lane in self.registry.lanes())
 
-    def lane_figures(self) -> dict[str, dict[str, int]]:
-        """Telemetry's per-worker load: what waits on and what runs on each healthy attention worker."""
-        workers = self.registry.healthy("attention")
-        return {"waiting_by_worker": {w.worker_id: len(w.lane.waiting) for w in workers},
-                "running_by_worker": {w.worker_id: len(w.lane.running) for w in workers}}
-
     @property
     def running_count(self) -> int:
         return sum(len(lane.running) for lane in self.registry.lanes())
+
+    def telemetry(self) -> SchedulerTelemetry:
+        """What the scheduler publishes `telemetry_hz` times a second, from the figures' owners: the SLO watch's
+        attainment and p90s, the governor's clocks, each healthy attention worker's queue and running set, the
+        assignments and plan, the KV handoffs."""
+        slo = self.slo.figures(time.monotonic())
+        workers = self.registry.healthy("attention")
+        return SchedulerTelemetry(
+            scheduler_id=self.settings.scheduler_id, ts=time.time(), queue_depth=self.queue_depth,
+            running=self.running_count, finished=slo.finished, slo_attainment=slo.attainment,
+            ttft_p90_ms=slo.ttft_p90_ms, tpot_p90_ms=slo.tpot_p90_ms, clocks_mhz=self.governor.clocks_mhz(),
+            assignments={w.worker_id: w.assignment for w in self.registry.workers.values()
+                         if w.healthy and w.assignment is not None},
+            plan_id=self.provisioning.plan_id if self.provisioning else 0,
+            waiting_by_worker={w.worker_id: len(w.lane.waiting) for w in workers},
+            running_by_worker={w.worker_id: len(w.lane.running) for w in workers},
+        ).model_copy(update=self.dispatch.handoffs.figures())
 
     # -- membership (membership.py answers, the scheduler applies) -------------------------------
 
@@ -158,7 +179,7 @@ class Scheduler:
             register = decode(Register, data)
         except ProtocolError:  # membership.register answers a malformed registration
             return
-        profile = self.governor.profile_for(register.gpu_profile, register.gpu_name)
+        profile = self.profiles.named(register.gpu_profile, register.gpu_name)
         if profile is None:
             return
         fitting = asyncio.ensure_future(asyncio.to_thread(planner.warm, profile))
@@ -299,3 +320,17 @@ class Scheduler:
         for cmd in self.governor.commands(time.monotonic(), self.requests.values(), only):
             await self.nc.publish(subjects.freq(cmd.worker_id), encode(cmd))
 
+
+
+def aflex_planner(settings: SchedulerSettings, model: ModelInfo) -> AflexPlanner | None:
+    """aflex's predictors and margins, where a setting uses them: they price the prefill cap (`--batching aflex`)
+    and pick the clocks (`--freq-policy aflex`); the governor corrects them from every microbatch's timings.
+    None when neither setting asks, or the model's shape is unknown."""
+    if settings.freq_policy != "aflex" and settings.batching != "aflex":
+        return None
+    if model.args is None:
+        log.warning("aflex: the shape of model %s is unknown; no prefill cap, clocks fall back to slo", model.model_id)
+        return None
+    return AflexPlanner(model.args, ttft_slo_ms=settings.ttft_slo_ms, tpot_slo_ms=settings.tpot_slo_ms,
+                        depths=planner_depths(parse_depth(settings.microbatch_depth)),
+                        link_bytes_s=settings.freq_link_gbs * 1e9, max_batch_tokens=settings.max_batch_tokens)

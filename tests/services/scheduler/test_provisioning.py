@@ -269,7 +269,7 @@ def test_the_scheduler_parks_at_low_load_and_wakes_under_a_burst(nats_url: str) 
             await wait_for(lambda: len(parked()) == 4 and time.monotonic() - start > 1.0, 15)
             assert any(set(p.changed) & set(woken) for p in plans)
             assert all(p.assignments.keys() == {"a0", "a1", "a2", "a3", "f0", "f1"} for p in plans[-1:])
-            tel = lv.sched.governor.telemetry(0, 0, lv.sched.provisioning.plan_id)  # type: ignore[union-attr]
+            tel = lv.sched.telemetry()
             assert tel.plan_id >= 3 and sum(a == "parked-warm" for a in tel.assignments.values()) == 4
             for w in others:
                 w.stop_heartbeat()

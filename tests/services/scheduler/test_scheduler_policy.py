@@ -22,8 +22,9 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 
 from loadgen.sim.models import get_model
-from services.scheduler.aflex import AflexPlanner, IterationSample, guess_profile, representative, sample_of
+from services.scheduler.aflex import AflexPlanner, IterationSample, representative, sample_of
 from services.scheduler.model_info import ModelInfo
+from services.scheduler.profiles import guess_profile
 from services.scheduler.service import Scheduler
 from services.worker_base.presence import registration
 from shared import subjects

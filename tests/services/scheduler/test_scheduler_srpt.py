@@ -215,5 +215,5 @@ def test_live_fcfs_batching_keeps_the_token_budget_under_any_clock_policy(nats_u
             await lv.ffn("f0")
             await asyncio.wait_for((await lv.submit("big", 3000, 2)).wait(), 15)
             chunks = [len(s.token_ids) for d, i in a0.seqs_of("big") if (s := d.seqs[i]).start_pos < 3000]
-            assert chunks == [3000] and lv.sched.governor.batching is None
+            assert chunks == [3000] and lv.sched.batching.rule is None
     asyncio.run(main())
