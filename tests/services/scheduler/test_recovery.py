@@ -9,7 +9,9 @@ import pytest
 
 from services.scheduler import recovery
 from services.scheduler.recovery import InFlight, MicrobatchLostError
-from shared.messages import MicrobatchDone
+from services.scheduler.registry import Worker
+from services.scheduler.state import RequestState, Status
+from shared.messages import MicrobatchDone, SamplingSpec
 
 
 def test_after_a_dropped_connection_the_next_heartbeat_settles_each_microbatch(monkeypatch: pytest.MonkeyPatch
@@ -102,3 +104,32 @@ def test_judge_names_an_unreachable_ffn_worker_and_blames_no_sequence() -> None:
     assert all(not v.ok and not v.blamed and v.reason == "seam to f1 broken" for v in judged.verdicts)
     other = recovery.judge(_done(error=error | {"code": "microbatch_failed"}), ["s0"], [True], "f1", 5.0, "mb")
     assert other.unreachable_ffn is None and other.verdicts[0].blamed
+
+
+def test_a_request_leaves_its_lane_through_the_lanes_moves_and_owes_a_release_only_where_kv_may_be() -> None:
+    """take_back and evacuate on the lane's own moves: off the lists, the reservation dropped, the KV released
+    with the next descriptor where the worker may hold it; a handoff (`move`) releases there and runs here."""
+    a0, a1 = Worker("a0", "attention"), Worker("a1", "attention")
+    a0.lane.block_size = a1.lane.block_size = 16
+    held, queued = (RequestState(rid, [1] * 20, SamplingSpec(max_tokens=12), 0.0, worker_id="a0")
+                    for rid in ("held", "queued"))
+    a0.lane.queue(held, 32)
+    a0.lane.queue(queued, 32, front=True)
+    a0.lane.admit([held])
+    assert list(a0.lane.waiting) == [queued] and a0.lane.running == [held] and held.status is Status.RUNNING
+    assert a0.lane.reserved_blocks == {"held": 2, "queued": 2}
+    held.num_computed, held.first_pass_sent = 20, True
+    assert recovery.take_back(a0, held, failure=True, reason="boom") is None
+    assert a0.lane.running == [] and "held" not in a0.lane.reserved_blocks and held.failures == 1
+    assert a0.lane.take_releases() == ["held"] and a0.lane.take_releases() == []  # released once
+    a0.lane.queue(held, 32)
+    a0.lane.admit([held])
+    held.worker_id = "a0"
+    a0.lane.move(held, a1.lane, 32)  # a P/D handoff: its KV went to a1
+    assert a0.lane.running == [] and a1.lane.running == [held] and a1.lane.reserved_blocks == {"held": 2}
+    assert a0.lane.take_releases(keep={"held"}) == [] and a0.lane.take_releases() == ["held"]  # kept, then sent
+    a0.healthy = False
+    a0.lane.lose(restarted=False)
+    assert a0.lane.epoch == 1 and recovery.evacuate(a0) == [queued] and queued.worker_id is None
+    assert not a0.lane.waiting and a0.lane.reserved_blocks == {}
+    assert a0.lane.take_releases() == ["queued"]  # a worker gone silent may hold anything it was sent

@@ -13,6 +13,7 @@ import pytest
 
 from loadgen.sim.policies import policy_spec
 from services.scheduler.aflex import BATCHING, CLOCK_OBJECTIVE, AflexPlanner, serving_order
+from services.scheduler.prefill_cap import PrefillCap, PrefillQuery
 from services.scheduler.state import RequestState
 from shared.messages import SamplingSpec
 from shared.perf import cached_predictor, causal_pairs
@@ -118,6 +119,28 @@ def test_prefill_cap_bounds_prefill_tokens_not_decodes() -> None:
             fed[p.state.request_id] += p.n_new
             p.state.num_computed += p.n_new
     assert fed == {"w1": 100, "w2": 100}
+
+
+def test_the_prefill_cap_hands_the_formers_question_to_the_planner_field_by_field() -> None:
+    """`PrefillCap`: the former's question (a `PrefillQuery`) reaches `AflexPlanner.prefill_tokens` whole, with the
+    worker's profile and the fleet's share beside it."""
+    asked: list[tuple[object, ...]] = []
+
+    class Planner:
+        def prefill_tokens(self, *args: object) -> int:
+            asked.append(args)
+            return 120
+
+    decs = [_state(f"d{i}", 4, received=0.0, computed=5, output=2) for i in range(3)]
+    waiting = [_state("w1", 100, received=1.0), _state("w2", 100, received=2.0)]
+    passes, admitted = plan_iteration(decs, waiting, max_batch_tokens=1000, max_num_seqs=8, rule=BATCHING, now=3.0,
+                                      prefill_cap=PrefillCap(Planner(), A800, share=2))  # type: ignore[arg-type]
+    assert asked == [(A800, 200, 3, 15.0, 100, 2, 2.0)]  # (profile, queued, decodes, their context, head, share, wait)
+    assert _order(passes) == [("d0", 1), ("d1", 1), ("d2", 1), ("w1", 100), ("w2", 20)] and admitted == waiting
+    pl = AflexPlanner(QWEN, ttft_slo_ms=400, tpot_slo_ms=120, depths=(1, 2, 3, 4))
+    query = PrefillQuery(queued_tokens=8000, n_decode=64, decode_ctx_tokens=64 * 500.0, head_tokens=8000,
+                         oldest_wait_s=0.0)
+    assert PrefillCap(pl, A800, share=2).tokens(query) == pl.prefill_tokens(A800, 8000, 64, 64 * 500.0, 8000, 2, 0.0)
 
 
 def test_serving_order_is_prefill_order_on_the_injected_clock() -> None:
