@@ -38,7 +38,7 @@ def test_text_is_the_chat_answer_and_streams_the_same(claude: anthropic.Anthropi
     assert message.content[0].text == chat.choices[0].message.content  # type: ignore[union-attr]
     assert message.stop_reason == {"length": "max_tokens", "stop": "end_turn"}[chat.choices[0].finish_reason]
     assert chat.usage is not None and message.usage.output_tokens == chat.usage.completion_tokens
-    assert message.usage.input_tokens == chat.usage.prompt_tokens
+    assert message.usage.input_tokens + (message.usage.cache_read_input_tokens or 0) == chat.usage.prompt_tokens
     assert message.usage.cache_read_input_tokens is not None and (message.usage.model_extra or {})["energy_j"] > 0
     with claude.messages.stream(model=chat_model, system="Be brief.", max_tokens=12, extra_body=GREEDY,
                                 messages=[{"role": "user", "content": "Name a colour."}]) as stream:
@@ -86,9 +86,19 @@ def test_a_tool_round_trip_whole_and_streamed(claude: anthropic.Anthropic, chat_
 
 
 def test_count_tokens_is_the_prompt_a_message_is_charged(claude: anthropic.Anthropic, chat_model: str) -> None:
-    counted = claude.messages.count_tokens(model=chat_model, messages=ASK, tools=TOOLS)
-    message = claude.messages.create(model=chat_model, max_tokens=1, messages=ASK, tools=TOOLS)
-    assert counted.input_tokens == message.usage.input_tokens > 0
+    """Usage in Anthropic's terms: `input_tokens` leaves out the cache reads, and the two add up to the prompt
+    (as Anthropic's clients add them), whole and streamed, with and without a cache hit."""
+    messages: Any = [{"role": "user", "content": "Count the tokens of this exact question, please: " * 8}]
+    counted = claude.messages.count_tokens(model=chat_model, messages=messages, tools=TOOLS)
+    first = claude.messages.create(model=chat_model, max_tokens=1, messages=messages, tools=TOOLS)
+    again = claude.messages.create(model=chat_model, max_tokens=1, messages=messages, tools=TOOLS)
+    with claude.messages.stream(model=chat_model, max_tokens=1, messages=messages, tools=TOOLS) as stream:
+        streamed = stream.get_final_message()
+    for message in (first, again, streamed):
+        assert message.usage.input_tokens + (message.usage.cache_read_input_tokens or 0) == counted.input_tokens
+    for message in (again, streamed):  # the question's own blocks were cached by the first
+        assert (message.usage.cache_read_input_tokens or 0) > (first.usage.cache_read_input_tokens or 0)
+        assert 0 < message.usage.input_tokens < counted.input_tokens
 
 
 @pytest.mark.parametrize(("body", "words"), [

@@ -15,7 +15,9 @@ import openai
 import pytest
 
 from shared.model.tokenizer import Tokenizer
+from tests.conftest import TEST_DATA
 from tests.reasoning_model import QUESTION, WEATHER_QUESTION, WEATHER_TOOL
+from tests.stream_replay import REASONING_CASES, replay
 from tools.launch import Mesh, aflex_up
 
 MAX_TOKENS = 60
@@ -187,3 +189,10 @@ def test_messages_thinking_blocks(mesh: Mesh, raw: Any) -> None:
     expected = json.loads(answer.removeprefix("<tool_call>").removesuffix("</tool_call>"))
     assert [b.type for b in called.content] == ["thinking", "tool_use"] and called.stop_reason == "tool_use"
     assert (called.content[1].name, called.content[1].input) == (expected["name"], expected["arguments"])  # type: ignore[union-attr]
+
+
+def test_the_recorded_reasoning_answers_come_again(mesh: Mesh) -> None:
+    """Whole and streamed, every API, byte for byte as recorded (ids, times and joules aside)."""
+    differ = replay(TEST_DATA / "streams" / "reasoning_model.json", mesh.base_url.removesuffix("/v1"),
+                    mesh.served_model(), REASONING_CASES)
+    assert not differ, differ[:2]

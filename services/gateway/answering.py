@@ -1,5 +1,6 @@
 """A checked request's answer: its token budget and grammar, its n choices submitted to the scheduler, and
-the answer as a chat completion, a completion, a Response or an Anthropic message, whole or streamed.
+the answer, whole or streamed, in the dialect of the API that asked (a `Dialect`: its renderer). This path
+names no API: a new one is a route that maps its request and a renderer of the answer's parts.
 
 Token budget: without `max_tokens`/`max_completion_tokens`, a chat completion may use the rest of the
 context, capped at `DEFAULT_CHAT_MAX_TOKENS`; a completion gets OpenAI's default of 16 tokens.
@@ -23,18 +24,16 @@ from starlette.responses import Response
 from services.gateway.context import Gateway
 from services.gateway.errors import APIError, JSONResponse, invalid
 from services.gateway.generation import Generation
-from services.gateway.logprobs import LogprobFormat
-from services.gateway.messages_api import MessagesRequest, MessageView
-from services.gateway.openai_schema import _GenerationRequest
+from services.gateway.openai_schema import GenerationRequest
+from services.gateway.parts import Reading, collect
 from services.gateway.reasoning import ReasoningSplitter, Start
-from services.gateway.responses_api import ResponsesRequest, ResponseView, response_events
 from services.gateway.streaming import (
     SSE_HEADERS,
+    Answering,
     ChoiceEvents,
     ChoiceStreamResponse,
-    Extras,
-    ResponseShape,
-    collect,
+    Dialect,
+    Identity,
     stream,
 )
 from services.gateway.tool_calling import ToolRequest
@@ -48,7 +47,7 @@ REQUEST_ID = re.compile(r"[A-Za-z0-9_:-]{1,128}")  # a client's x-request-id: it
 T = TypeVar("T")
 
 
-def _max_tokens(gateway: Gateway, body: _GenerationRequest, n_prompt: int, param: str, chat: bool) -> int:
+def _max_tokens(gateway: Gateway, body: GenerationRequest, n_prompt: int, param: str, chat: bool) -> int:
     limit = gateway.max_seq_len
     if n_prompt == 0:
         raise invalid(f"the {param} must not be empty", param)
@@ -68,19 +67,16 @@ def _max_tokens(gateway: Gateway, body: _GenerationRequest, n_prompt: int, param
     return requested
 
 
-async def generate(request: Request, gateway: Gateway, body: _GenerationRequest, prompt_ids: list[int], *,
-                    chat: bool, param: str, echo_text: str | None = None, tools: ToolRequest | None = None,
-                    responses: ResponsesRequest | None = None, messages: MessagesRequest | None = None) -> Response:
-    """Submit the request's choices and answer as a chat completion, a completion, (`responses`) a Response or
-    (`messages`) an Anthropic message."""
-    max_tokens = _max_tokens(gateway, body, len(prompt_ids), param, chat)
-    think = gateway.think_tokens if chat else None  # completions answer as the text comes
+async def generate(request: Request, gateway: Gateway, body: GenerationRequest, prompt_ids: list[int],
+                   dialect: Dialect, *, echo_text: str | None = None, tools: ToolRequest | None = None) -> Response:
+    """Submit the request's choices and answer in `dialect`, whole or streamed."""
+    max_tokens = _max_tokens(gateway, body, len(prompt_ids), dialect.param, dialect.chat)
+    think = gateway.think_tokens if dialect.chat else None  # completions answer as the text comes
     start = None if think is None else think.start(prompt_ids, gateway.tokenizer)
     grammar = await _grammar(gateway, body, tools, start)
     sampling = _checked(dataclasses.replace(body.sampling(max_tokens), grammar=grammar))
     client_id = request.headers.get("x-request-id")  # vLLM's: the request's id, echoed back
-    kind = "resp" if responses is not None else "msg" if messages is not None else "chatcmpl" if chat else "cmpl"
-    request_id = f"{kind}-{client_id or uuid.uuid4().hex}"
+    request_id = f"{dialect.kind}-{client_id or uuid.uuid4().hex}"
     if client_id is not None and not REQUEST_ID.fullmatch(client_id):
         raise invalid("the x-request-id header may hold 1 to 128 letters, digits, '-', '_' or ':'", "x-request-id")
     generations = [Generation(
@@ -93,16 +89,11 @@ async def generate(request: Request, gateway: Gateway, body: _GenerationRequest,
         failover_deadline_s=gateway.settings.failover_deadline_s, fork_of=request_id if i else "",
         priority=body.priority, reasoning=None if start is None else ReasoningSplitter(start, think),
     ) for i in range(body.n)]
-    shape = ResponseShape(request_id, int(time.time()), body.model or gateway.served_model, chat)
-    top_n = sampling.logprobs
-    extras = [Extras(None if top_n is None else LogprobFormat(gateway.tokenizer, chat=chat, top_n=top_n,
-                                                                as_ids=body.return_tokens_as_token_ids),
-                     echo_text, tuple(prompt_ids), tools.functions if tools is not None and tools.parses else None,
-                     reasoning=start is not None)
-              for _ in generations]
+    identity = Identity(request_id, int(time.time()), body.model or gateway.served_model)
+    renderer = dialect.renderer(Answering(identity, prompt_ids, generations, sampling))
+    reading = Reading(tools.functions if tools is not None and tools.parses else None, sampling.logprobs is not None,
+                      echo_text, tuple(prompt_ids), reasoning=start is not None)
     headers = {"X-Request-Id": client_id or request_id}
-    view = None if responses is None else ResponseView(responses, shape.model, request_id)
-    message = None if messages is None else MessageView(messages, shape.model, request_id)
     try:
         for generation in generations:  # choice 0 first: the others may share its prompt's KV
             await generation.submit()
@@ -113,9 +104,6 @@ async def generate(request: Request, gateway: Gateway, body: _GenerationRequest,
             exc.headers.update(headers)
         raise
     if body.stream:
-        options = body.stream_options
-        include_usage = bool(options and options.include_usage)
-        continuous = bool(include_usage and options and options.continuous_usage_stats)
         events = ChoiceEvents(generations)
         try:  # the status line waits for the first event: a request shed before it starts is a real 429
             first = await _unless_disconnected(request, events.next())
@@ -124,22 +112,17 @@ async def generate(request: Request, gateway: Gateway, body: _GenerationRequest,
             if isinstance(exc, APIError):
                 exc.headers.update(headers)
             raise
-        body_bytes = (response_events(view, events, first, extras[0].functions) if view is not None
-                      else message.events(events, first, extras[0].functions, len(prompt_ids)) if message is not None
-                      else stream(shape, events, first, include_usage, continuous, extras))
-        return ChoiceStreamResponse(events, body_bytes, media_type="text/event-stream",
+        return ChoiceStreamResponse(events, stream(renderer, events, first, reading), media_type="text/event-stream",
                                     headers={**SSE_HEADERS, **headers})
     try:
-        result = await _unless_disconnected(request, collect(shape, generations, extras))
+        answers = await _unless_disconnected(request, collect(reading, generations))
     except APIError as exc:
         exc.headers.update(headers)
         raise
     finally:
         for generation in generations:
             await asyncio.shield(generation.release("client_disconnected"))
-    answer = view.from_chat(result) if view is not None else message.from_chat(result) if message is not None \
-        else result
-    return JSONResponse(answer, headers=headers)
+    return JSONResponse(renderer.whole(answers), headers=headers)
 
 
 def _checked(sampling: SamplingSpec) -> SamplingSpec:
@@ -151,7 +134,7 @@ def _checked(sampling: SamplingSpec) -> SamplingSpec:
         raise invalid(str(exc), exc.param) from None
 
 
-async def _grammar(gateway: Gateway, body: _GenerationRequest, tools: ToolRequest | None,
+async def _grammar(gateway: Gateway, body: GenerationRequest, tools: ToolRequest | None,
                    start: Start | None) -> str | None:
     """The grammar of a forced tool call or of `response_format`, checked against the vocabulary (a bad
     schema is a 400 here); with a reasoning model (`start`), it applies after the reasoning block."""

@@ -39,11 +39,13 @@ from services.gateway.errors import (
     install_error_handlers,
     invalid,
 )
-from services.gateway.messages_api import CountTokensRequest, MessagesRequest
+from services.gateway.messages_api import CountTokensRequest, MessagesRenderer, MessagesRequest
 from services.gateway.messages_api import chat_request as messages_chat_request
-from services.gateway.openai_schema import ChatCompletionRequest, CompletionRequest, _GenerationRequest
+from services.gateway.openai_render import openai_dialect
+from services.gateway.openai_schema import ChatCompletionRequest, CompletionRequest, GenerationRequest
 from services.gateway.openapi_doc import document
-from services.gateway.responses_api import ResponsesRequest, chat_request
+from services.gateway.responses_api import ResponsesRenderer, ResponsesRequest, chat_request
+from services.gateway.streaming import Dialect
 from services.gateway.tool_calling import ToolRequest, template_messages, tool_request
 from shared import subjects
 from shared.errors import TokenizerError
@@ -115,7 +117,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, gatewa
     if body.top_logprobs is not None and not body.logprobs:
         raise invalid("when using `top_logprobs`, `logprobs` must be set to true", "top_logprobs")
     tools, prompt_ids = await _chat_prompt(gateway, body)
-    return await generate(request, gateway, body, prompt_ids, chat=True, param="messages", tools=tools)
+    return await generate(request, gateway, body, prompt_ids, openai_dialect(gateway.tokenizer, body, chat=True),
+                          tools=tools)
 
 
 async def _chat_prompt(gateway: Gateway, body: ChatCompletionRequest) -> tuple[ToolRequest | None, list[int]]:
@@ -132,7 +135,8 @@ async def responses(body: ResponsesRequest, request: Request, gateway: GatewayDe
     chat = chat_request(body)
     _check_common(gateway, chat)
     tools, prompt_ids = await _chat_prompt(gateway, chat)
-    return await generate(request, gateway, chat, prompt_ids, chat=True, param="input", tools=tools, responses=body)
+    dialect = Dialect("resp", True, "input", lambda answering: ResponsesRenderer(body, answering.identity))
+    return await generate(request, gateway, chat, prompt_ids, dialect, tools=tools)
 
 
 @api.post("/messages")
@@ -141,8 +145,9 @@ async def messages(body: MessagesRequest, request: Request, gateway: GatewayDep)
     chat = messages_chat_request(body)
     _check_common(gateway, chat)
     tools, prompt_ids = await _chat_prompt(gateway, chat)
-    return await generate(request, gateway, chat, prompt_ids, chat=True, param="messages", tools=tools,
-                           messages=body)
+    dialect = Dialect("msg", True, "messages",
+                      lambda answering: MessagesRenderer(answering.identity, len(answering.prompt_ids)))
+    return await generate(request, gateway, chat, prompt_ids, dialect, tools=tools)
 
 
 @api.post("/messages/count_tokens")
@@ -176,10 +181,11 @@ async def completions(body: CompletionRequest, request: Request, gateway: Gatewa
     echo_text = None
     if body.echo:
         echo_text = prompt if isinstance(prompt, str) else await run_in_threadpool(gateway.tokenizer.decode, prompt_ids)
-    return await generate(request, gateway, body, prompt_ids, chat=False, param="prompt", echo_text=echo_text)
+    return await generate(request, gateway, body, prompt_ids, openai_dialect(gateway.tokenizer, body, chat=False),
+                          echo_text=echo_text)
 
 
-def _check_common(gateway: Gateway, body: _GenerationRequest) -> None:
+def _check_common(gateway: Gateway, body: GenerationRequest) -> None:
     check_model(gateway, body.model)
     if body.stream_options is not None and not body.stream:
         raise invalid("Stream options can only be defined when `stream=True`.", "stream_options")

@@ -18,8 +18,6 @@ where `--api-key` is set (context.check_api_key). `POST /v1/messages/count_token
 from __future__ import annotations
 
 import json
-import uuid
-from collections.abc import AsyncIterator
 from typing import Annotated, Any
 
 import orjson
@@ -28,9 +26,8 @@ from pydantic import Field, Strict
 from services.gateway.errors import APIError, invalid
 from services.gateway.generation import cached_tokens
 from services.gateway.openai_schema import Bool, ChatCompletionRequest, _bounds, _Model, chat_completion_of
-from services.gateway.streaming import ChoiceEvents
-from services.gateway.tool_call_stream import CallDelta, ToolCallStream, finish_with_calls
-from services.gateway.tool_call_syntax import Function
+from services.gateway.parts import Answer, CallArguments, CallStart, End, Part, Reasoning, Text
+from services.gateway.streaming import Identity
 
 STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
 
@@ -171,72 +168,27 @@ def chat_request(body: MessagesRequest | CountTokensRequest) -> ChatCompletionRe
 
 
 def usage_of(usage: dict[str, Any]) -> dict[str, Any]:
-    out = {"input_tokens": usage["prompt_tokens"], "output_tokens": usage["completion_tokens"],
-           "cache_read_input_tokens": cached_tokens(usage), "cache_creation_input_tokens": 0}
+    """Anthropic's usage: `input_tokens` are the prompt tokens not read from the cache, so a client that adds
+    `input_tokens` and `cache_read_input_tokens` (as Anthropic defines them) counts the prompt once."""
+    cached = cached_tokens(usage)
+    out = {"input_tokens": usage["prompt_tokens"] - cached, "output_tokens": usage["completion_tokens"],
+           "cache_read_input_tokens": cached, "cache_creation_input_tokens": 0}
     if "energy_j" in usage:
         out["energy_j"] = usage["energy_j"]  # AFlex's, as on chat completions
     return out
 
 
-def _tool_use(call_id: str, name: str, arguments: str) -> dict[str, Any]:
+def _input(arguments: str) -> dict[str, Any]:
+    """A call's arguments as a tool_use block's `input` (empty where they were cut short by `max_tokens`)."""
     try:
         data = json.loads(arguments) if arguments else {}
-    except json.JSONDecodeError:  # cut short by max_tokens: what was written, as text (Anthropic's partial input)
+    except json.JSONDecodeError:
         data = {}
-    return {"type": "tool_use", "id": "toolu_" + call_id.removeprefix("call_"), "name": name, "input": data}
+    return data if isinstance(data, dict) else {}
 
 
-class MessageView:
-    """One Messages answer: its identity, and its content blocks whole or as events."""
-
-    def __init__(self, body: MessagesRequest, model: str, request_id: str) -> None:
-        self.body, self.model = body, model
-        self.id = "msg_" + request_id.split("-", 1)[-1]
-
-    def message(self, content: list[dict[str, Any]], finish: str | None, stop_sequence: str | None,
-                usage: dict[str, Any]) -> dict[str, Any]:
-        return {"id": self.id, "type": "message", "role": "assistant", "model": self.model, "content": content,
-                "stop_reason": stop_reason(finish, stop_sequence), "stop_sequence": stop_sequence, "usage": usage}
-
-    def from_chat(self, result: dict[str, Any]) -> dict[str, Any]:
-        choice = result["choices"][0]
-        message = choice["message"]
-        content = [_thinking_block(message["reasoning_content"])] if message.get("reasoning_content") else []
-        content += [{"type": "text", "text": message["content"]}] if message.get("content") else []
-        content += [_tool_use(c["id"], c["function"]["name"], c["function"]["arguments"])
-                    for c in message.get("tool_calls") or []]
-        return self.message(content, choice["finish_reason"], choice.get("stop_reason"), usage_of(result["usage"]))
-
-    async def events(self, events: ChoiceEvents, first: Any, functions: tuple[Function, ...] | None,
-                     prompt_tokens: int) -> AsyncIterator[bytes]:
-        """The Messages event stream of one answer, from its `first` event on."""
-        yield _event("message_start", message=self.message([], None, None, usage_of(
-            {"prompt_tokens": prompt_tokens, "completion_tokens": 0})))
-        reader = ToolCallStream(functions) if functions is not None else None
-        blocks = _Blocks()
-        try:
-            item = first
-            while item is not None:
-                _, event = item
-                final = event.finish_reason is not None
-                # reasoning; text up to where a call may begin; each call as it is written
-                text, deltas = reader.take(event.text, final) if reader is not None else (event.text, [])
-                for chunk in [*blocks.text(event.reasoning, "thinking"), *blocks.text(text),
-                              *(c for d in deltas for c in blocks.call(d))]:
-                    yield chunk
-                if final:
-                    for chunk in blocks.close():
-                        yield chunk
-                    finish = finish_with_calls(event.finish_reason, reader is not None and reader.called)
-                    usage = usage_of(event.usage or {"prompt_tokens": prompt_tokens, "completion_tokens": 0})
-                    yield _event("message_delta", delta={"stop_reason": stop_reason(finish, event.stop_sequence),
-                                                         "stop_sequence": event.stop_sequence}, usage=usage)
-                    yield _event("message_stop")
-                item = await events.next()
-        except APIError as exc:  # the status line is sent already: an error event ends the stream
-            yield _event("error", error=exc.anthropic_body()["error"])
-        finally:
-            await events.close("client_disconnected")
+def _tool_use_id(call_id: str) -> str:
+    return "toolu_" + call_id.removeprefix("call_")
 
 
 def stop_reason(finish: str | None, stop_sequence: str | None) -> str | None:
@@ -250,45 +202,86 @@ def _thinking_block(text: str) -> dict[str, Any]:
     return {"type": "thinking", "thinking": text, "signature": ""}
 
 
-class _Blocks:
-    """The content blocks of a streamed answer: a thinking block while reasoning comes, a text block while
-    text comes, a tool_use block per call (its input as JSON pieces), each closed when the next opens or the
-    answer ends."""
+def _event(kind: str, **fields: Any) -> bytes:
+    return b"event: " + kind.encode() + b"\ndata: " + orjson.dumps({"type": kind, **fields}) + b"\n\n"
 
-    def __init__(self) -> None:
-        self.count = 0
-        self.open_kind: str | None = None  # "text" or "thinking" while such a block is open
 
-    def text(self, text: str, kind: str = "text") -> list[bytes]:
+class MessagesRenderer:
+    """One Messages answer (one choice): its content blocks whole, or as events: a thinking block while
+    reasoning comes, a text block while text comes, a tool_use block per call (its input as JSON pieces),
+    each closed when the next opens or the answer ends."""
+
+    def __init__(self, identity: Identity, prompt_tokens: int) -> None:
+        self.model, self.prompt_tokens = identity.model, prompt_tokens
+        self.id = "msg_" + identity.id.split("-", 1)[-1]
+        self._count = 0  # blocks opened
+        self._open_kind: str | None = None  # "text" or "thinking" while such a block is open
+
+    def message(self, content: list[dict[str, Any]], finish: str | None, stop_sequence: str | None,
+                usage: dict[str, Any]) -> dict[str, Any]:
+        return {"id": self.id, "type": "message", "role": "assistant", "model": self.model, "content": content,
+                "stop_reason": stop_reason(finish, stop_sequence), "stop_sequence": stop_sequence, "usage": usage}
+
+    def whole(self, answers: list[Answer]) -> dict[str, Any]:
+        answer = answers[0]
+        content = [_thinking_block(answer.reasoning)] if answer.reasoning else []
+        content += [{"type": "text", "text": answer.content}] if answer.content else []
+        content += [{"type": "tool_use", "id": _tool_use_id(c.call_id), "name": c.name, "input": _input(c.arguments)}
+                    for c in answer.calls]
+        stop_sequence = None if answer.calls else answer.stop_sequence
+        return self.message(content, answer.finish_reason, stop_sequence, usage_of(answer.usage))
+
+    def opening(self) -> list[bytes]:
+        usage = usage_of({"prompt_tokens": self.prompt_tokens, "completion_tokens": 0})
+        return [_event("message_start", message=self.message([], None, None, usage))]
+
+    def part(self, part: Part) -> list[bytes]:
+        if isinstance(part, Reasoning):
+            return self._text(part.text, "thinking")
+        if isinstance(part, Text):
+            return self._text(part.text)
+        if isinstance(part, CallStart):
+            start = {"type": "tool_use", "id": _tool_use_id(part.call_id), "name": part.name, "input": {}}
+            out = self._close()
+            self._count += 1
+            out.append(_event("content_block_start", index=self._count - 1, content_block=start))
+            return out + self._arguments(part.arguments)
+        if isinstance(part, CallArguments):
+            return self._arguments(part.arguments)
+        if isinstance(part, End):
+            usage = usage_of(part.usage or {"prompt_tokens": self.prompt_tokens, "completion_tokens": 0})
+            delta = {"stop_reason": stop_reason(part.finish_reason, part.stop_sequence),
+                     "stop_sequence": part.stop_sequence}
+            return [*self._text(part.text), *self._close(), _event("message_delta", delta=delta, usage=usage),
+                    _event("message_stop")]
+        return []
+
+    def closing(self) -> list[bytes]:
+        return []
+
+    def error(self, exc: APIError) -> list[bytes]:
+        return [_event("error", error=exc.anthropic_body()["error"])]
+
+    def _text(self, text: str, kind: str = "text") -> list[bytes]:
         if not text:
             return []
         out = []
-        if self.open_kind != kind:
-            out += self.close()
-            self.open_kind, self.count = kind, self.count + 1
+        if self._open_kind != kind:
+            out += self._close()
+            self._open_kind, self._count = kind, self._count + 1
             start = _thinking_block("") if kind == "thinking" else {"type": "text", "text": ""}
-            out.append(_event("content_block_start", index=self.count - 1, content_block=start))
+            out.append(_event("content_block_start", index=self._count - 1, content_block=start))
         delta = {"type": "thinking_delta", "thinking": text} if kind == "thinking" else \
             {"type": "text_delta", "text": text}
-        return [*out, _event("content_block_delta", index=self.count - 1, delta=delta)]
+        return [*out, _event("content_block_delta", index=self._count - 1, delta=delta)]
 
-    def call(self, delta: CallDelta) -> list[bytes]:
-        out = []
-        if delta.name is not None:
-            out += self.close()
-            self.count += 1
-            out.append(_event("content_block_start", index=self.count - 1, content_block={
-                "type": "tool_use", "id": f"toolu_{uuid.uuid4().hex[:24]}", "name": delta.name, "input": {}}))
-        if delta.arguments:
-            out.append(_event("content_block_delta", index=self.count - 1,
-                              delta={"type": "input_json_delta", "partial_json": delta.arguments}))
-        return out
+    def _arguments(self, arguments: str) -> list[bytes]:
+        if not arguments:
+            return []
+        return [_event("content_block_delta", index=self._count - 1,
+                       delta={"type": "input_json_delta", "partial_json": arguments})]
 
-    def close(self) -> list[bytes]:
+    def _close(self) -> list[bytes]:
         """The open block's end (none before the first)."""
-        self.open_kind = None
-        return [_event("content_block_stop", index=self.count - 1)] if self.count else []
-
-
-def _event(kind: str, **fields: Any) -> bytes:
-    return b"event: " + kind.encode() + b"\ndata: " + orjson.dumps({"type": kind, **fields}) + b"\n\n"
+        self._open_kind = None
+        return [_event("content_block_stop", index=self._count - 1)] if self._count else []

@@ -116,7 +116,7 @@ class ResponseFormat(_Model):
     json_schema: JsonSchemaSpec | None = None
 
 
-class _GenerationRequest(_Model):
+class GenerationRequest(_Model):
     """Fields common to chat completions and completions."""
 
     model: str | None = None
@@ -181,7 +181,7 @@ class _GenerationRequest(_Model):
 LogprobCount = Annotated[int, Strict(), _bounds("logprobs")]
 
 
-class ChatCompletionRequest(_GenerationRequest):
+class ChatCompletionRequest(GenerationRequest):
     messages: list[ChatMessage]
     max_completion_tokens: Annotated[int, Strict(), _bounds("max_tokens")] | None = None
     logprobs: Bool | None = None
@@ -222,7 +222,7 @@ class ChatCompletionRequest(_GenerationRequest):
 Prompt = str | list[str] | list[TokenId] | list[list[TokenId]]
 
 
-class CompletionRequest(_GenerationRequest):
+class CompletionRequest(GenerationRequest):
     prompt: Prompt
     echo: Bool = False  # the prompt comes back before the completion (with `logprobs`, its logprobs too)
     logprobs: LogprobCount | None = None

@@ -12,9 +12,7 @@ with its `sequence_number`.
 
 from __future__ import annotations
 
-import time
 import uuid
-from collections.abc import AsyncIterator, Iterator
 from typing import Annotated, Any, Literal
 
 import orjson
@@ -30,9 +28,8 @@ from services.gateway.openai_schema import (
     _Model,
     chat_completion_of,
 )
-from services.gateway.streaming import ChoiceEvents
-from services.gateway.tool_call_stream import ToolCallStream, finish_with_calls
-from services.gateway.tool_call_syntax import Function
+from services.gateway.parts import Answer, CallArguments, CallStart, End, Part, Reasoning, Text
+from services.gateway.streaming import Identity
 
 
 class TextFormat(_Model):
@@ -179,15 +176,20 @@ def _usage(usage: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-class ResponseView:
-    """One response's identity and settings, and its output items as they are made."""
+class ResponsesRenderer:
+    """One Response: its identity and settings, and its output items as they are made (one choice)."""
 
-    def __init__(self, body: ResponsesRequest, model: str, request_id: str) -> None:
-        self.body, self.model = body, model
-        self.id = "resp_" + request_id.split("-", 1)[-1]
-        self.created_at = int(time.time())
+    def __init__(self, body: ResponsesRequest, identity: Identity) -> None:
+        self.body, self.model = body, identity.model
+        self.id = "resp_" + identity.id.split("-", 1)[-1]
+        self.created_at = identity.created
         self.message_id = f"msg_{uuid.uuid4().hex[:24]}"
         self.reasoning_id = f"rs_{uuid.uuid4().hex[:24]}"
+        self._sequence = 0
+        self._output: list[dict[str, Any]] = []  # the items so far; an open one as its in_progress self
+        self._texts = {"reasoning": "", "message": ""}
+        self._open_at: dict[str, int] = {}  # "reasoning"/"message": output index of the open text item
+        self._calls: dict[int, tuple[int, dict[str, Any]]] = {}  # call index -> (output index, its item)
 
     def reasoning(self, text: str, status: str = "completed") -> dict[str, Any]:
         """A reasoning item: the model's whole reasoning as reasoning text (no summary is made)."""
@@ -199,9 +201,9 @@ class ResponseView:
         return {"type": "message", "id": self.message_id, "status": status, "role": "assistant", "content": content}
 
     @staticmethod
-    def function_call(call: dict[str, Any], status: str = "completed") -> dict[str, Any]:
-        return {"type": "function_call", "id": "fc_" + call["id"].removeprefix("call_"), "call_id": call["id"],
-                "name": call["function"]["name"], "arguments": call["function"]["arguments"], "status": status}
+    def function_call(call_id: str, name: str, arguments: str, status: str = "completed") -> dict[str, Any]:
+        return {"type": "function_call", "id": "fc_" + call_id.removeprefix("call_"), "call_id": call_id,
+                "name": name, "arguments": arguments, "status": status}
 
     def response(self, output: list[dict[str, Any]], status: str, usage: dict[str, Any] | None,
                  finish_reason: str | None = None) -> dict[str, Any]:
@@ -217,115 +219,110 @@ class ResponseView:
                                     if b.text is not None and b.text.format is not None else {"type": "text"})},
                 "store": False, "metadata": b.metadata or {}, "usage": _usage(usage) if usage else None}
 
-    def from_chat(self, result: dict[str, Any]) -> dict[str, Any]:
-        """A whole chat completion's answer as a Response."""
-        choice = result["choices"][0]
-        message = choice["message"]
-        status = "incomplete" if choice["finish_reason"] == "length" else "completed"
-        output = [self.reasoning(message["reasoning_content"], status)] if message.get("reasoning_content") else []
-        output += [self.message(message["content"])] if message.get("content") else []
-        output += [self.function_call(c) for c in message.get("tool_calls") or []]
-        return self.response(output, status, result["usage"], choice["finish_reason"])
+    def whole(self, answers: list[Answer]) -> dict[str, Any]:
+        answer = answers[0]
+        status = "incomplete" if answer.finish_reason == "length" else "completed"
+        output = [self.reasoning(answer.reasoning, status)] if answer.reasoning else []
+        output += [self.message(answer.content)] if answer.content else []
+        output += [self.function_call(c.call_id, c.name, c.arguments) for c in answer.calls]
+        return self.response(output, status, answer.usage, answer.finish_reason)
 
+    # -- the event stream: a reasoning item (a reasoning model's), then the message, then each call ---------
 
-def _event(kind: str, n: int, **fields: Any) -> bytes:
-    return b"event: " + kind.encode() + b"\ndata: " + orjson.dumps({"type": kind, "sequence_number": n, **fields}) \
-        + b"\n\n"
+    def _event(self, kind: str, **fields: Any) -> bytes:
+        self._sequence += 1
+        payload = {"type": kind, "sequence_number": self._sequence - 1, **fields}
+        return b"event: " + kind.encode() + b"\ndata: " + orjson.dumps(payload) + b"\n\n"
 
+    def opening(self) -> list[bytes]:
+        return [self._event("response.created", response=self.response([], "in_progress", None)),
+                self._event("response.in_progress", response=self.response([], "in_progress", None))]
 
-async def response_events(view: ResponseView, events: ChoiceEvents, first: Any,
-                          functions: tuple[Function, ...] | None) -> AsyncIterator[bytes]:
-    """The Responses event stream of one answer (one choice), from its `first` event on: a reasoning item
-    (a reasoning model's), then the message, then each function call, each output item as it is written."""
-    n = 0
+    def part(self, part: Part) -> list[bytes]:
+        if isinstance(part, Reasoning):
+            return self._add_text("reasoning", part.text)
+        if isinstance(part, Text):
+            return self._add_text("message", part.text) if part.text and not self._calls else []
+        if isinstance(part, CallStart):
+            out = self._close_items()
+            call = self.function_call(part.call_id, part.name, "", "in_progress")
+            self._calls[part.index] = (len(self._output), call)
+            self._output.append(call)
+            out.append(self._event("response.output_item.added", output_index=len(self._output) - 1,
+                                   item=dict(call)))
+            return out + self._arguments(part.index, part.arguments)
+        if isinstance(part, CallArguments):
+            return self._arguments(part.index, part.arguments)
+        if isinstance(part, End):
+            return self._end(part)
+        return []
 
-    def ev(kind: str, **fields: Any) -> bytes:
-        nonlocal n
-        n += 1
-        return _event(kind, n - 1, **fields)
+    def _end(self, end: End) -> list[bytes]:
+        out = self._add_text("message", end.text) if end.text and not self._calls else []
+        out += self._close_items()
+        for at, call in self._calls.values():
+            call["status"] = "completed"
+            out.append(self._event("response.function_call_arguments.done", item_id=call["id"], output_index=at,
+                                   arguments=call["arguments"]))
+            out.append(self._event("response.output_item.done", output_index=at, item=call))
+        status = "incomplete" if end.finish_reason == "length" else "completed"
+        kind = "response.incomplete" if status == "incomplete" else "response.completed"
+        return [*out, self._event(kind, response=self.response(self._output, status, end.usage, end.finish_reason))]
 
-    yield ev("response.created", response=view.response([], "in_progress", None))
-    yield ev("response.in_progress", response=view.response([], "in_progress", None))
-    reader = ToolCallStream(functions) if functions is not None else None
-    output: list[dict[str, Any]] = []  # the items so far; an open one as its in_progress self
-    texts = {"reasoning": "", "message": ""}
-    open_at: dict[str, int] = {}  # "reasoning"/"message": output index of the open text item
-    calls: dict[int, tuple[int, dict[str, Any]]] = {}  # call index -> (output index, its item)
-    kinds = {"reasoning": ("reasoning_text", view.reasoning_id), "message": ("output_text", view.message_id)}
+    def closing(self) -> list[bytes]:
+        return []
 
-    def part(kind: str, text: str) -> dict[str, Any]:
+    def error(self, exc: APIError) -> list[bytes]:
+        return [self._event("error", code=exc.code, message=exc.message, param=exc.param)]
+
+    def _arguments(self, index: int, arguments: str) -> list[bytes]:
+        at, call = self._calls[index]
+        if not arguments:
+            return []
+        call["arguments"] += arguments
+        return [self._event("response.function_call_arguments.delta", item_id=call["id"], output_index=at,
+                            delta=arguments)]
+
+    def _where(self, kind: str) -> dict[str, Any]:
+        item_id = self.reasoning_id if kind == "reasoning" else self.message_id
+        return {"item_id": item_id, "output_index": self._open_at[kind], "content_index": 0}
+
+    @staticmethod
+    def _content(kind: str, text: str) -> dict[str, Any]:
         return {"type": "reasoning_text", "text": text} if kind == "reasoning" else \
             {"type": "output_text", "text": text, "annotations": []}
 
-    def add_text(kind: str, delta: str) -> Iterator[bytes]:
+    def _add_text(self, kind: str, delta: str) -> list[bytes]:
         """Open the `kind` item (once: a later one is not streamed), then its piece of text."""
-        if kind not in open_at:
-            if any(item["type"] == kind for item in output):
-                return
-            yield from close_items()
-            open_at[kind] = len(output)
-            output.append(view.reasoning("", "in_progress") if kind == "reasoning" else
-                          view.message("", "in_progress"))
-            yield ev("response.output_item.added", output_index=open_at[kind], item=output[-1])
-            yield ev("response.content_part.added", **where(kind), part=part(kind, ""))
-        texts[kind] += delta
+        out: list[bytes] = []
+        if kind not in self._open_at:
+            if any(item["type"] == kind for item in self._output):
+                return []
+            out += self._close_items()
+            self._open_at[kind] = len(self._output)
+            self._output.append(self.reasoning("", "in_progress") if kind == "reasoning" else
+                                self.message("", "in_progress"))
+            out.append(self._event("response.output_item.added", output_index=self._open_at[kind],
+                                   item=self._output[-1]))
+            out.append(self._event("response.content_part.added", **self._where(kind),
+                                   part=self._content(kind, "")))
+        self._texts[kind] += delta
         extra: dict[str, Any] = {} if kind == "reasoning" else {"logprobs": []}
-        yield ev(f"response.{kinds[kind][0]}.delta", **where(kind), delta=delta, **extra)
+        out.append(self._event(f"response.{_TEXT_KINDS[kind]}.delta", **self._where(kind), delta=delta, **extra))
+        return out
 
-    def where(kind: str) -> dict[str, Any]:
-        return {"item_id": kinds[kind][1], "output_index": open_at[kind], "content_index": 0}
-
-    def close_items() -> Iterator[bytes]:
-        for kind in list(open_at):
-            text = texts[kind]
+    def _close_items(self) -> list[bytes]:
+        out = []
+        for kind in list(self._open_at):
+            text = self._texts[kind]
             extra: dict[str, Any] = {} if kind == "reasoning" else {"logprobs": []}
-            yield ev(f"response.{kinds[kind][0]}.done", **where(kind), text=text, **extra)
-            yield ev("response.content_part.done", **where(kind), part=part(kind, text))
-            at = open_at.pop(kind)
-            output[at] = view.reasoning(text) if kind == "reasoning" else view.message(text)
-            yield ev("response.output_item.done", output_index=at, item=output[at])
+            out.append(self._event(f"response.{_TEXT_KINDS[kind]}.done", **self._where(kind), text=text, **extra))
+            out.append(self._event("response.content_part.done", **self._where(kind),
+                                   part=self._content(kind, text)))
+            at = self._open_at.pop(kind)
+            self._output[at] = self.reasoning(text) if kind == "reasoning" else self.message(text)
+            out.append(self._event("response.output_item.done", output_index=at, item=self._output[at]))
+        return out
 
-    try:
-        item = first
-        while item is not None:
-            _, event = item
-            final = event.finish_reason is not None
-            if event.reasoning:
-                for chunk in add_text("reasoning", event.reasoning):
-                    yield chunk
-            # content up to where a call may begin; each call as it is written
-            delta, deltas = reader.take(event.text, final) if reader is not None else (event.text, [])
-            if delta and not calls:
-                for chunk in add_text("message", delta):
-                    yield chunk
-            for d in deltas:
-                if d.name is not None:
-                    for chunk in close_items():
-                        yield chunk
-                    call = view.function_call({"id": f"call_{uuid.uuid4().hex[:24]}",
-                                               "function": {"name": d.name, "arguments": ""}}, "in_progress")
-                    calls[d.index] = (len(output), call)
-                    output.append(call)
-                    yield ev("response.output_item.added", output_index=len(output) - 1, item=dict(call))
-                at, call = calls[d.index]
-                if d.arguments:
-                    call["arguments"] += d.arguments
-                    yield ev("response.function_call_arguments.delta", item_id=call["id"], output_index=at,
-                             delta=d.arguments)
-            if final:
-                for chunk in close_items():
-                    yield chunk
-                for at, call in calls.values():
-                    call["status"] = "completed"
-                    yield ev("response.function_call_arguments.done", item_id=call["id"], output_index=at,
-                             arguments=call["arguments"])
-                    yield ev("response.output_item.done", output_index=at, item=call)
-                finish = finish_with_calls(event.finish_reason, bool(calls))
-                status = "incomplete" if finish == "length" else "completed"
-                kind = "response.incomplete" if status == "incomplete" else "response.completed"
-                yield ev(kind, response=view.response(output, status, event.usage or {}, finish))
-            item = await events.next()
-    except APIError as exc:  # the status line is sent already: an error event ends the stream
-        yield ev("error", code=exc.code, message=exc.message, param=exc.param)
-    finally:
-        await events.close("client_disconnected")
+
+_TEXT_KINDS = {"reasoning": "reasoning_text", "message": "output_text"}

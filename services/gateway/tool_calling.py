@@ -13,13 +13,11 @@ from __future__ import annotations
 
 import json
 import re
-import uuid
 from dataclasses import dataclass
 from typing import Any
 
 from services.gateway.errors import invalid
 from services.gateway.openai_schema import ChatCompletionRequest, ChatMessage, NamedToolChoice
-from services.gateway.tool_call_stream import CallDelta
 from services.gateway.tool_call_syntax import Function, ToolCall, call_lark, hermes_block
 from shared.model.tokenizer import Tokenizer
 
@@ -134,25 +132,3 @@ def template_messages(messages: list[ChatMessage], tools: ToolRequest | None,
         else:
             out.insert(0, {"role": "system", "content": prompt})
     return out, {}
-
-
-def call_dicts(calls: tuple[ToolCall, ...], *, stream: bool = False) -> list[dict[str, Any]]:
-    """The calls as OpenAI's `tool_calls` (in a stream's delta, each with its `index`)."""
-    return [{**({"index": k} if stream else {}), "id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-             "function": {"name": c.name, "arguments": c.arguments}} for k, c in enumerate(calls)]
-
-
-def delta_dicts(deltas: list[CallDelta], ids: dict[int, str]) -> list[dict[str, Any]]:
-    """Streamed call pieces as `tool_calls` delta entries, one per call in a row of pieces: a call's first
-    carries its `id`, `type` and name (its id kept in `ids`, by index), the rest its arguments so far."""
-    out: list[dict[str, Any]] = []
-    for d in deltas:
-        if out and out[-1]["index"] == d.index:
-            out[-1]["function"]["arguments"] += d.arguments
-            continue
-        entry: dict[str, Any] = {"index": d.index, "function": {"arguments": d.arguments}}
-        if d.name is not None:
-            ids[d.index] = f"call_{uuid.uuid4().hex[:24]}"
-            entry |= {"id": ids[d.index], "type": "function", "function": {"name": d.name, "arguments": d.arguments}}
-        out.append(entry)
-    return out
