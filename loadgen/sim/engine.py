@@ -33,6 +33,7 @@ from shared.policy import (
     BatchStats,
     ClusterSpec,
     PoolShape,
+    PrefillQuery,
     SloMargin,
     WindowLoad,
     WorkItem,
@@ -223,11 +224,10 @@ class Simulation:
             head_rem = pool.queue[0][1]
 
             oldest_s = min(float(self.arr.time_s[rid]) for rid, _ in pool.queue)
-            take = prefill_cap(self.pol.batching, pool.queued_tokens,
-                               lambda st: self.ctrl.plan(shape, st, 0.0, None, AT_MAX).time_s,
-                               n_decode=n_dec, decode_ctx=pool.ctx_sum, head_tokens=head_rem,
-                               tpot_budget_s=tpot_b, ttft_slo_s=self.cfg.ttft_slo_s, units=shape.units,
-                               oldest_wait_s=now - oldest_s)
+            query = PrefillQuery(queued_tokens=pool.queued_tokens, n_decode=n_dec, decode_ctx_tokens=pool.ctx_sum,
+                                 head_tokens=head_rem, oldest_wait_s=now - oldest_s)
+            take = prefill_cap(self.pol.batching, query, lambda st: self.ctrl.plan(shape, st, 0.0, None, AT_MAX).time_s,
+                               tpot_budget_s=tpot_b, ttft_slo_s=self.cfg.ttft_slo_s, units=shape.units)
             cap = seq_chunk_cap(self.pol.batching, take)
             queue = ((float(self.arr.time_s[rid]), rem) for rid, rem in pool.queue)
             budget = min(budget, queue_ttft_budget(now, queue, ttft_margin, max(take, 1)))

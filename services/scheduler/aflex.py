@@ -27,6 +27,7 @@ from shared.policy import (
     ClockRule,
     OperatingPoint,
     PoolShape,
+    PrefillQuery,
     SloMargin,
     choose_operating_point,
     prefill_order,
@@ -198,13 +199,12 @@ class AflexPlanner:
         shape = PoolShape(split=True, attention=max(1, share), ffn=1, link_bytes_s=self.link_bytes_s)
         return choose_operating_point(self.predictor(profile), shape, stats, 0.0, AT_MAX).time_s
 
-    def prefill_tokens(self, profile: GPUProfile, queued_tokens: int, n_decode: int = 0, decode_ctx: float = 0.0,
-                       head_tokens: int | None = None, share: int = 1, oldest_wait_s: float = 0.0) -> int:
-        """Prefill tokens for one iteration of one attention worker (`shared.policy.prefill_cap`)."""
-        return prefill_cap(self.batching, queued_tokens, lambda stats: self._time_at_max(profile, stats, share),
-                           n_decode=n_decode, decode_ctx=decode_ctx, head_tokens=head_tokens, share=share,
+    def prefill_tokens(self, profile: GPUProfile, query: PrefillQuery, share: int = 1) -> int:
+        """Prefill tokens for one iteration of one attention worker (`shared.policy.prefill_cap`), priced on
+        its GPU `profile` with `share` attention workers per FFN worker (as in `plan_pair`)."""
+        return prefill_cap(self.batching, query, lambda stats: self._time_at_max(profile, stats, share), share=share,
                            tpot_budget_s=self.margins["decode"].budget(self.tpot_slo_ms / 1e3),
-                           ttft_slo_s=self.ttft_slo_ms / 1e3, oldest_wait_s=oldest_wait_s)
+                           ttft_slo_s=self.ttft_slo_ms / 1e3)
 
     # -- online correction -------------------------------------------------------------------------
     def observe(self, profile: GPUProfile, phase: ClockPhase, sample: IterationSample, *, attention_s: float,

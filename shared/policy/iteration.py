@@ -18,12 +18,6 @@ from shared.policy.batching import BatchingRule, prefill_order
 
 K = TypeVar("K")
 
-# (prefill tokens queued, the remaining tokens of the first in serving order) -> most prefill tokens
-PrefillCap = Callable[[int, int], int]
-# (prefill tokens queued, decode steps beside them, their context tokens, the first's tokens) -> most prefill tokens
-# (queued tokens, decode steps beside, their context tokens, the head's tokens, the oldest prompt's wait in s)
-DecodeAwareCap = Callable[[int, int, float, int, float], int]
-
 FCFS = BatchingRule(order="fcfs")  # no rule: queue order, but a `priority` still ranks first
 AUTO_DEPTH_MIN_SEQS = 4  # below this many sequences overlap cannot pay: depth 1 (as the paper found)
 AUTO_PLANNER_DEPTHS = (1, 2, 3, 4)  # what a clock planner may choose among under "auto"
@@ -41,6 +35,19 @@ class WorkItem(Generic[K]):
     is_decode: bool = False  # a decode step (one token after the prompt), not prefill work
     context_tokens: int = 0  # tokens already in its KV (what a decode step attends to)
     priority: int = 0  # vLLM's: lower first (`prefill_order`)
+
+
+@dataclass(frozen=True)
+class PrefillQuery:
+    """What the former knows when it asks a prefill cap, once the decode steps are in: the cap (the
+    scheduler's `PrefillCap`, `shared.policy.prefill_cap`) prices prompt tokens beside those steps and
+    against the queue's TTFT, so these are the figures it reads, by name."""
+
+    queued_tokens: int  # the prompt tokens left in the queue
+    n_decode: int = 0  # decode steps already in the iteration
+    decode_ctx_tokens: float = 0.0  # their context tokens, together
+    head_tokens: int | None = None  # the first request's prompt tokens left, in serving order (None: no bound)
+    oldest_wait_s: float = 0.0  # how long the longest-queued prompt has waited
 
 
 @dataclass(frozen=True)
@@ -72,14 +79,16 @@ class IterationForm(Generic[K]):
 
 def form_iteration(decodes: Iterable[WorkItem[K]], queue: Iterable[WorkItem[K]], *, token_budget: int,
                    max_num_seqs: int | None = None, running_count: int = 0, rule: BatchingRule | None = None,
-                   now_s: float = 0.0, prefill_cap: PrefillCap | None = None, seq_cap: int | None = None,
+                   now_s: float = 0.0, prefill_cap: Callable[[PrefillQuery], int] | None = None,
+                   seq_cap: int | None = None,
                    can_admit: Callable[[K], bool] | None = None) -> IterationForm[K]:
     """The sequences of one iteration and the tokens each feeds (module docstring for the rule).
 
     `running_count` sequences already hold a place toward `max_num_seqs` (None: no limit); `rule`
     (None: queue order) orders the queue at `now_s`, a lower `priority` value first either way;
-    `prefill_cap` bounds the queue's tokens once the decode steps are in; `seq_cap` bounds one queue
-    item's tokens (a chunked-prefill chunk).
+    `prefill_cap` bounds the queue's tokens once the decode steps are in (asked a `PrefillQuery`: every
+    decode step and its context, the queue in serving order, the oldest prompt's wait at `now_s`);
+    `seq_cap` bounds one queue item's tokens (a chunked-prefill chunk).
     Items with nothing to feed are skipped. The simulator forms its prefill chunk from its queue,
     already in serving order, with no decodes and nothing waiting (every item is fed, none admitted)::
 
@@ -89,21 +98,26 @@ def form_iteration(decodes: Iterable[WorkItem[K]], queue: Iterable[WorkItem[K]],
     """
     if seq_cap is not None and seq_cap < 1:
         raise ValueError(f"seq_cap must be at least 1 token, got {seq_cap}")
+    steps, items = list(decodes), list(queue)  # the cap's query reads them whole
     feeds: list[Feed[K]] = []
     budget = token_budget
-    for item in decodes:
+    for item in steps:
         if budget <= 0:
             break
         if item.remaining_tokens > 0:
             feeds.append(Feed(item, min(item.remaining_tokens, budget)))
             budget -= feeds[-1].n_tokens
-    work = [i for i in queue if i.remaining_tokens > 0]
+    work = [i for i in items if i.remaining_tokens > 0]
     if len(work) > 1 and (rule is not None or any(i.priority != work[0].priority for i in work)):
         order = prefill_order(rule or FCFS, now_s, [i.arrival_s for i in work],
                               [float(i.remaining_tokens) for i in work], [i.priority for i in work])
         work = [work[k] for k in order]
     if prefill_cap is not None and work:
-        budget = min(budget, max(0, prefill_cap(sum(i.remaining_tokens for i in work), work[0].remaining_tokens)))
+        query = PrefillQuery(queued_tokens=sum(i.remaining_tokens for i in work), n_decode=len(steps),
+                             decode_ctx_tokens=float(sum(i.context_tokens for i in steps)),
+                             head_tokens=work[0].remaining_tokens,
+                             oldest_wait_s=now_s - min((i.arrival_s for i in items), default=now_s))
+        budget = min(budget, max(0, prefill_cap(query)))
     per_item = token_budget if seq_cap is None else seq_cap
     admitted: list[K] = []
     admitting = True
@@ -209,7 +223,7 @@ class IterationPolicy:
     max_num_seqs: int | None = None
     rule: BatchingRule | None = None  # None: first-come first-served, running sequences in their order
     now_s: float = 0.0  # on the clock of the items' `arrival_s`
-    prefill_cap: DecodeAwareCap | None = None
+    prefill_cap: Callable[[PrefillQuery], int] | None = None  # most prompt tokens (None: the token budget only)
     depth: DepthSetting = 1  # `microbatch_depth`'s setting, parsed (`parse_depth`)
     planned_depth: Mapping[ClockPhase, int] = field(default_factory=dict)
     overlaps: bool = True  # its microbatches can overlap (its FFN is elsewhere); false: a colocated worker
@@ -243,13 +257,7 @@ def plan_iteration(running: Sequence[WorkItem[K]], waiting: Iterable[WorkItem[K]
     ordered = policy.rule is not None or policy.prefill_cap is not None
     decodes = [i for i in running if ordered and i.is_decode]
     queue = [i for i in running if not (ordered and i.is_decode)] + [replace(i, is_waiting=True) for i in waiting]
-    n_decode, decode_ctx = len(decodes), float(sum(i.context_tokens for i in decodes))
     sizes = {id(i.key): i.remaining_tokens for i in queue}
-
-    def cap(queued: int, head: int) -> int:  # the decode steps beside the prefill, as only the view knows
-        assert policy.prefill_cap is not None
-        oldest_wait_s = policy.now_s - min((i.arrival_s for i in queue), default=policy.now_s)
-        return policy.prefill_cap(queued, n_decode, decode_ctx, head, oldest_wait_s)
 
     def can_admit(key: K) -> bool:  # the first chunk in the KV room left
         assert kv is not None
@@ -257,8 +265,7 @@ def plan_iteration(running: Sequence[WorkItem[K]], waiting: Iterable[WorkItem[K]
 
     form = form_iteration(decodes, queue, token_budget=policy.token_budget, max_num_seqs=policy.max_num_seqs,
                           running_count=len(running) if running_count is None else running_count,
-                          rule=policy.rule, now_s=policy.now_s,
-                          prefill_cap=cap if policy.prefill_cap is not None else None,
+                          rule=policy.rule, now_s=policy.now_s, prefill_cap=policy.prefill_cap,
                           can_admit=can_admit if kv is not None else None)
     if not form.feeds:
         return IterationPlan((), "decode", form.admitted)

@@ -3,7 +3,8 @@
 The live planner (`services.scheduler.aflex`) and the simulator (`loadgen.sim.engine`) price a candidate
 chunk the same way: its iteration beside the running decodes, at the top clocks (`AT_MAX`), handed to
 `prefill_budget`; and they bound an iteration by the TTFT deadlines of the first `QUEUE_HORIZON`
-queued requests. Each passes its own pricing (`time_of`); the rest is here once.
+queued requests. Both ask with the iteration former's `PrefillQuery` and pass their own pricing
+(`time_of`); the rest is here once.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from itertools import islice
 
 from shared.perf import causal_pairs
 from shared.policy.batching import BatchingRule, prefill_budget, ttft_budget
+from shared.policy.iteration import PrefillQuery
 from shared.policy.operating_point import BatchStats, ClockRule
 
 AT_MAX = ClockRule(max_clock=True, depths=(1,))  # the prefill cap's "time at the top clock"
@@ -34,19 +36,19 @@ def prefill_stats_at(tokens: int, n_decode: int = 0, decode_ctx: float = 0.0, he
                       n_seqs=float(n_decode + max(1, prompts)) * k)
 
 
-def prefill_cap(rule: BatchingRule, queued_tokens: int, time_of: Callable[[BatchStats], float], *,
-                n_decode: int = 0, decode_ctx: float = 0.0, head_tokens: int | None = None, share: int = 1,
-                tpot_budget_s: float, ttft_slo_s: float, units: int = 1, oldest_wait_s: float = 0.0) -> int:
+def prefill_cap(rule: BatchingRule, query: PrefillQuery, time_of: Callable[[BatchStats], float], *,
+                share: int = 1, tpot_budget_s: float, ttft_slo_s: float, units: int = 1) -> int:
     """Prefill tokens for one iteration (`prefill_budget`), a candidate priced by `time_of` (its time at
-    `AT_MAX`) on `prefill_stats_at`; a prefill-only iteration is bounded by `prefill_iter_frac` of the TTFT SLO.
-    `oldest_wait_s`: how long the longest-queued prompt has waited (past the TTFT SLO: `overdue`)."""
+    `AT_MAX`) on `prefill_stats_at`; a prefill-only iteration is bounded by `prefill_iter_frac` of the TTFT SLO,
+    and a prompt waiting past the TTFT SLO (`query.oldest_wait_s`) makes the queue `overdue`."""
     iter_s = rule.prefill_iter_frac * ttft_slo_s
 
     def time_at_max(tokens: int) -> float:
-        return time_of(prefill_stats_at(tokens, n_decode, decode_ctx, head_tokens, share))
+        return time_of(prefill_stats_at(tokens, query.n_decode, query.decode_ctx_tokens, query.head_tokens, share))
 
-    return prefill_budget(rule, queued_tokens, n_decode, time_at_max if n_decode or iter_s > 0 else None,
-                          tpot_budget_s, units=units, prefill_iter_s=iter_s, overdue=oldest_wait_s > ttft_slo_s)
+    return prefill_budget(rule, query.queued_tokens, query.n_decode,
+                          time_at_max if query.n_decode or iter_s > 0 else None, tpot_budget_s, units=units,
+                          prefill_iter_s=iter_s, overdue=query.oldest_wait_s > ttft_slo_s)
 
 
 def queue_ttft_budget(now: float, queue: Iterable[tuple[float, float]], ttft_budget_s: float,

@@ -42,7 +42,7 @@ from shared.messages import (
     encode,
 )
 from shared.policy import BatchingRule
-from shared.policy.iteration import DecodeAwareCap, IterationPolicy, KvRoom, microbatch_depth, parse_depth
+from shared.policy.iteration import IterationPolicy, KvRoom, PrefillQuery, microbatch_depth, parse_depth
 from shared.settings import SchedulerSettings
 
 MODEL = ModelInfo("test-model", frozenset({2}), vocab_size=1000, max_seq_len=4096)
@@ -61,7 +61,7 @@ def _state(rid: str, prompt_len: int, *, computed: int = 0, output: int = 0) -> 
 
 def plan_iteration(running: list[RequestState], waiting: list[RequestState], *, max_batch_tokens: int,
                    max_num_seqs: int, kv: KvRoom[RequestState] | None = None, rule: BatchingRule | None = None,
-                   now: float = 0.0, prefill_cap: DecodeAwareCap | None = None,
+                   now: float = 0.0, prefill_cap: Callable[[PrefillQuery], int] | None = None,
                    ) -> tuple[list[Pass], list[RequestState]]:
     """The scheduler's planning call (passes.plan_passes), as (passes, admitted)."""
     plan = plan_passes(running, waiting, IterationPolicy(max_batch_tokens, max_num_seqs, rule, now, prefill_cap), kv)

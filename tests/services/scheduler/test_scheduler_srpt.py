@@ -13,11 +13,11 @@ import pytest
 
 from loadgen.sim.policies import policy_spec
 from services.scheduler.aflex import BATCHING, CLOCK_OBJECTIVE, AflexPlanner, serving_order
-from services.scheduler.prefill_cap import PrefillCap, PrefillQuery
+from services.scheduler.prefill_cap import PrefillCap
 from services.scheduler.state import RequestState
 from shared.messages import SamplingSpec
 from shared.perf import cached_predictor, causal_pairs
-from shared.policy import BatchStats, ClockRule, PoolShape, choose_operating_point, prefill_budget
+from shared.policy import BatchStats, ClockRule, PoolShape, PrefillQuery, choose_operating_point, prefill_budget
 from shared.policy.iteration import KvRoom
 from shared.policy.prefill_cap import AT_MAX, prefill_stats_at
 from tests.services.scheduler.test_scheduler import FakeAttention, mesh, plan_iteration, wait_for
@@ -98,22 +98,24 @@ def test_a_refused_aged_prompt_is_not_overtaken_and_running_work_goes_on() -> No
 def test_prefill_cap_bounds_prefill_tokens_not_decodes() -> None:
     decs = [_state(f"d{i}", 4, received=0.0, computed=5, output=2) for i in range(3)]  # one token each to feed
     waiting = [_state("w1", 100, received=1.0), _state("w2", 100, received=2.0)]
-    seen: list[tuple[int, int, float, int, float]] = []
+    seen: list[PrefillQuery] = []
 
-    def cap(queued: int, n_decode: int, ctx: float, head: int, oldest_wait_s: float) -> int:
-        seen.append((queued, n_decode, ctx, head, oldest_wait_s))
+    def cap(query: PrefillQuery) -> int:
+        seen.append(query)
         return 120
 
     passes, admitted = plan_iteration(decs, waiting, max_batch_tokens=1000, max_num_seqs=8, rule=BATCHING, now=3.0,
                                       prefill_cap=cap)
-    assert seen == [(200, 3, 15.0, 100, 2.0)]  # w1 came at 1.0: the oldest prompt queued has waited 2 s
+    # w1 came at 1.0: the oldest prompt queued has waited 2 s
+    assert seen == [PrefillQuery(queued_tokens=200, n_decode=3, decode_ctx_tokens=15.0, head_tokens=100,
+                                 oldest_wait_s=2.0)]
     assert _order(passes) == [("d0", 1), ("d1", 1), ("d2", 1), ("w1", 100), ("w2", 20)] and admitted == waiting
     # every prompt token is fed over the iterations: nothing is lost to the cap
     fed = {"w1": 0, "w2": 0}
     running: list[RequestState] = []
     for _ in range(5):
         passes, admitted = plan_iteration(running, [s for s in waiting if s not in running], max_batch_tokens=1000,
-                                          max_num_seqs=8, rule=BATCHING, now=3.0, prefill_cap=lambda *_: 64)
+                                          max_num_seqs=8, rule=BATCHING, now=3.0, prefill_cap=lambda _: 64)
         running += admitted
         for p in passes:
             fed[p.state.request_id] += p.n_new
@@ -127,20 +129,20 @@ def test_the_prefill_cap_hands_the_formers_question_to_the_planner_field_by_fiel
     asked: list[tuple[object, ...]] = []
 
     class Planner:
-        def prefill_tokens(self, *args: object) -> int:
-            asked.append(args)
+        def prefill_tokens(self, profile: object, query: PrefillQuery, share: int) -> int:
+            asked.append((profile, query, share))
             return 120
 
     decs = [_state(f"d{i}", 4, received=0.0, computed=5, output=2) for i in range(3)]
     waiting = [_state("w1", 100, received=1.0), _state("w2", 100, received=2.0)]
     passes, admitted = plan_iteration(decs, waiting, max_batch_tokens=1000, max_num_seqs=8, rule=BATCHING, now=3.0,
                                       prefill_cap=PrefillCap(Planner(), A800, share=2))  # type: ignore[arg-type]
-    assert asked == [(A800, 200, 3, 15.0, 100, 2, 2.0)]  # (profile, queued, decodes, their context, head, share, wait)
+    query = PrefillQuery(queued_tokens=200, n_decode=3, decode_ctx_tokens=15.0, head_tokens=100, oldest_wait_s=2.0)
+    assert asked == [(A800, query, 2)]
     assert _order(passes) == [("d0", 1), ("d1", 1), ("d2", 1), ("w1", 100), ("w2", 20)] and admitted == waiting
     pl = AflexPlanner(QWEN, ttft_slo_ms=400, tpot_slo_ms=120, depths=(1, 2, 3, 4))
-    query = PrefillQuery(queued_tokens=8000, n_decode=64, decode_ctx_tokens=64 * 500.0, head_tokens=8000,
-                         oldest_wait_s=0.0)
-    assert PrefillCap(pl, A800, share=2).tokens(query) == pl.prefill_tokens(A800, 8000, 64, 64 * 500.0, 8000, 2, 0.0)
+    query = PrefillQuery(queued_tokens=8000, n_decode=64, decode_ctx_tokens=64 * 500.0, head_tokens=8000)
+    assert PrefillCap(pl, A800, share=2)(query) == pl.prefill_tokens(A800, query, share=2)
 
 
 def test_serving_order_is_prefill_order_on_the_injected_clock() -> None:
@@ -164,17 +166,18 @@ def test_prefill_tokens_is_the_policys_budget() -> None:
         return choose_operating_point(pred, PoolShape(split=True), st, 0.0, rule).time_s
 
     iter_s = BATCHING.prefill_iter_frac * 0.400
-    n = pl.prefill_tokens(A800, 8000, head_tokens=8000)
+    n = pl.prefill_tokens(A800, PrefillQuery(queued_tokens=8000, head_tokens=8000))
     assert n == prefill_budget(BATCHING, 8000, 0, time_at_max, 0.0, prefill_iter_s=iter_s)
     # the largest that fits, to the 64 tokens the search resolves
     assert BATCHING.min_chunk_tokens <= n < 2048 and time_at_max(n) <= iter_s < time_at_max(n + 64)
     # with decode sequences in the iteration the TPOT budget bounds it, never below min_chunk_tokens
     tpot_b = pl.margins["decode"].budget(0.120)
-    m = pl.prefill_tokens(A800, 8000, 64, 64 * 500.0, 8000)
+    m = pl.prefill_tokens(A800, PrefillQuery(queued_tokens=8000, n_decode=64, decode_ctx_tokens=64 * 500.0,
+                                             head_tokens=8000))
     assert m == prefill_budget(BATCHING, 8000, 64, lambda t: time_at_max(t, 64, 64 * 500.0), tpot_b,
                                prefill_iter_s=iter_s)
     assert m >= BATCHING.min_chunk_tokens
-    assert pl.prefill_tokens(A800, 100) == 100  # a small queue is taken whole
+    assert pl.prefill_tokens(A800, PrefillQuery(queued_tokens=100)) == 100  # a small queue is taken whole
 
 
 # -- live -----------------------------------------------------------------------------------------
@@ -221,7 +224,7 @@ def test_live_prefill_iterations_are_capped_by_the_ttft_budget(nats_url: str) ->
             assert planner is not None and sum(chunks) == 3000 and len(chunks) > 1  # all fed, none twice
             left = 3000
             for c in chunks:  # each iteration takes the policy's cap for what is left
-                assert c == planner.prefill_tokens(A800, left, head_tokens=left)
+                assert c == planner.prefill_tokens(A800, PrefillQuery(queued_tokens=left, head_tokens=left))
                 at_max_s = choose_operating_point(planner.predictor(A800), PoolShape(split=True, link_bytes_s=
                                                   planner.link_bytes_s), prefill_stats_at(c), 0.0, AT_MAX).time_s
                 assert c == left or (BATCHING.min_chunk_tokens <= c and at_max_s <= BATCHING.prefill_iter_frac * 0.400)

@@ -24,6 +24,7 @@ from shared.policy import (
     SHARED_BATCHING,
     SHARED_CLOCK_OBJECTIVE,
     KvRoom,
+    PrefillQuery,
     WorkItem,
     form_iteration,
     microbatch_depth,
@@ -162,15 +163,17 @@ def test_max_num_seqs_counts_every_running_sequence() -> None:
 
 
 def test_prefill_cap_sees_the_queue_in_serving_order_and_spares_decode_steps() -> None:
-    seen: list[tuple[int, int]] = []
+    seen: list[PrefillQuery] = []
 
-    def cap(queued: int, head: int) -> int:
-        seen.append((queued, head))
+    def cap(query: PrefillQuery) -> int:
+        seen.append(query)
         return 100
-    decodes = [WorkItem("d0", 1), WorkItem("d1", 1)]
+    decodes = [WorkItem("d0", 1, context_tokens=7), WorkItem("d1", 1, context_tokens=5)]
     queue = [WorkItem("w1", 100, 1.0, True), WorkItem("w2", 30, 2.0, True)]
     form = form_iteration(decodes, queue, token_budget=1000, rule=SRPT, now_s=3.0, prefill_cap=cap)
-    assert seen == [(130, 30)]  # w2 is first under srpt
+    # w2 is first under srpt; w1, queued at 1.0, has waited 2 s
+    assert seen == [PrefillQuery(queued_tokens=130, n_decode=2, decode_ctx_tokens=12.0, head_tokens=30,
+                                 oldest_wait_s=2.0)]
     assert _fed(form) == [("d0", 1), ("d1", 1), ("w2", 30), ("w1", 70)] and form.admitted == ("w2", "w1")
     form = form_iteration(decodes, queue, token_budget=1000, prefill_cap=lambda *_: -5)
     assert _fed(form) == [("d0", 1), ("d1", 1)] and form.admitted == ()
