@@ -24,7 +24,7 @@ from starlette.responses import Response
 from services.gateway.context import Gateway
 from services.gateway.errors import APIError, JSONResponse, invalid
 from services.gateway.generation import Generation
-from services.gateway.openai_schema import GenerationRequest
+from services.gateway.generation_request import GenerationRequest
 from services.gateway.parts import Reading, collect
 from services.gateway.reasoning import ReasoningSplitter, Start
 from services.gateway.streaming import (
@@ -51,7 +51,7 @@ def _max_tokens(gateway: Gateway, body: GenerationRequest, n_prompt: int, param:
     limit = gateway.max_seq_len
     if n_prompt == 0:
         raise invalid(f"the {param} must not be empty", param)
-    requested = body.requested_max_tokens()
+    requested = body.max_tokens
     if requested is None:
         room = limit - n_prompt
         if room < 1:
@@ -74,14 +74,14 @@ async def generate(request: Request, gateway: Gateway, body: GenerationRequest, 
     think = gateway.think_tokens if dialect.chat else None  # completions answer as the text comes
     start = None if think is None else think.start(prompt_ids, gateway.tokenizer)
     grammar = await _grammar(gateway, body, tools, start)
-    sampling = _checked(dataclasses.replace(body.sampling(max_tokens), grammar=grammar))
+    sampling = _checked(dataclasses.replace(body.sampled(max_tokens), grammar=grammar))
     client_id = request.headers.get("x-request-id")  # vLLM's: the request's id, echoed back
     request_id = f"{dialect.kind}-{client_id or uuid.uuid4().hex}"
     if client_id is not None and not REQUEST_ID.fullmatch(client_id):
         raise invalid("the x-request-id header may hold 1 to 128 letters, digits, '-', '_' or ':'", "x-request-id")
     generations = [Generation(
         nc=gateway.nc, request_id=request_id if i == 0 else f"{request_id}~{i}", model_id=gateway.card.model_id,
-        prompt_ids=prompt_ids, sampling=_choice_sampling(sampling, i), stop=body.stop_strings(),
+        prompt_ids=prompt_ids, sampling=_choice_sampling(sampling, i), stop=body.stop,
         tokenizer=gateway.tokenizer, submit_timeout_s=gateway.settings.submit_timeout_s,
         token_timeout_s=gateway.settings.request_timeout_s, metrics=request.app.state.metrics,
         watch=gateway.schedulers, gateway_id=gateway.gateway_id,
@@ -163,7 +163,7 @@ def _choice_sampling(sampling: SamplingSpec, index: int) -> SamplingSpec:
     """Choice `index` of n: its own seed (seed + index, as vLLM's n does), so each choice reproduces alone."""
     if index == 0 or sampling.seed is None:
         return sampling
-    return dataclasses.replace(sampling, seed=sampling.seed + index)
+    return dataclasses.replace(sampling, seed=(sampling.seed + index + 2**63) % 2**64 - 2**63)  # stays 64-bit
 
 
 async def _unless_disconnected(request: Request, work: Coroutine[Any, Any, T]) -> T:

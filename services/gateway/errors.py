@@ -8,6 +8,7 @@ Anthropic's shape, `{"type": "error", "error": {"type", "message"}}`.
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 from typing import Any
@@ -33,13 +34,22 @@ TIMEOUT = ErrorType.TIMEOUT
 SERVER_ERROR = ErrorType.SERVER_ERROR
 
 
+def json_bytes(content: Any) -> bytes:
+    """JSON by orjson, or by the standard library where orjson cannot (an integer beyond 64 bits, which JSON
+    allows and a request may carry into what is echoed back)."""
+    try:
+        return orjson.dumps(content)
+    except TypeError:
+        return json.dumps(content, ensure_ascii=False, separators=(",", ":")).encode()
+
+
 class JSONResponse(Response):
     """orjson-rendered JSON (FastAPI's ORJSONResponse is on its way out)."""
 
     media_type = "application/json"
 
     def render(self, content: Any) -> bytes:
-        return orjson.dumps(content)
+        return json_bytes(content)
 
 
 class APIError(Exception):

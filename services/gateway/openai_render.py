@@ -17,7 +17,7 @@ from typing import Any
 from services.gateway.errors import APIError
 from services.gateway.generation import cached_tokens, reasoning_tokens, usage_dict
 from services.gateway.logprobs import Entry, LogprobFormat
-from services.gateway.openai_schema import GenerationRequest
+from services.gateway.openai_schema import OpenAIRequest
 from services.gateway.parts import Answer, Begin, CallArguments, CallStart, End, Part, Reasoning, Text
 from services.gateway.streaming import DONE, Answering, Dialect, Identity, sse
 from shared.model.tokenizer import Tokenizer
@@ -136,7 +136,7 @@ class OpenAIRenderer:
         return choice if answer.calls else {**choice, "stop_reason": answer.stop_sequence}
 
 
-def openai_dialect(tokenizer: Tokenizer, body: GenerationRequest, *, chat: bool) -> Dialect:
+def openai_dialect(tokenizer: Tokenizer, body: OpenAIRequest, *, chat: bool) -> Dialect:
     """A chat completion (`chat`) or a completion, with the request's logprobs and usage options."""
     options = body.stream_options
     include_usage = bool(options and options.include_usage)

@@ -1,59 +1,63 @@
-"""Request bodies of the OpenAI endpoints, as pydantic models (unknown extra fields are ignored).
+"""Request bodies of OpenAI's chat completions and completions, as pydantic models (services.gateway.api_model).
 
-Numbers and booleans are strict (`"temperature": "hot"` or `"stream": "yes"` is a 400, an int where a
-float is expected is fine). Ranges follow OpenAI and vLLM; `SamplingSpec` is built from the validated
-fields. vLLM's extensions `top_k`, `min_tokens`, `ignore_eos`, `stop_token_ids` and `repetition_penalty`
-are honoured (the trace replayer needs the first four to force output lengths).
+Ranges follow OpenAI and vLLM; each request maps itself to the answer path's `GenerationRequest` (and a chat
+to its `Conversation`). vLLM's extensions `top_k`, `min_tokens`, `ignore_eos`, `stop_token_ids` and
+`repetition_penalty` are honoured (the trace replayer needs the first four to force output lengths). Rules
+between fields (`top_logprobs` needs `logprobs`, a forced call needs `tools`, ...) are in the JSON Schema
+too (`if`/`then`), so a request built from /openapi.json alone meets them.
 """
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, Strict, field_validator
+from pydantic import ConfigDict, Field, Strict, WithJsonSchema, field_validator
 
-from services.gateway.errors import invalid
+from services.gateway.api_model import (
+    NEEDS_TOOLS,
+    WHOLE,
+    APIModel,
+    Bool,
+    NonEmpty,
+    Priority,
+    Seed,
+    TokenId,
+    bounds,
+    needs,
+    refuse_kinds,
+    text_of,
+    when,
+)
+from services.gateway.generation_request import Conversation, GenerationRequest
 from shared.messages import SamplingSpec
-from shared.model.params import VALUE_RANGES
 
-Int = Annotated[int, Strict()]
-Float = Annotated[float, Strict()]
-Bool = Annotated[bool, Strict()]
-TokenId = Annotated[int, Strict(), Field(ge=0)]
-
-INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
-
-
-def _bounds(name: str) -> Any:
-    """The pydantic bounds of a sampling value: its range as `shared.model.params.VALUE_RANGES` declares it."""
-    allowed = VALUE_RANGES[name]
-    if allowed.low_open:
-        return Field(gt=allowed.low, le=allowed.high)
-    return Field(ge=allowed.low, le=allowed.high)
 MAX_N = 16  # choices per request
+TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for function names
 ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"]
+# A function's name and its arguments' JSON Schema (an object's) as the schema states them; tool_calling checks
+# both with a 400 that names the tool (`tools[k].function.name`)
+FunctionName = Annotated[str, WithJsonSchema({"type": "string", "pattern": f"^{TOOL_NAME.pattern}$"})]
+ObjectSchema = Annotated[dict[str, Any], WithJsonSchema(
+    {"type": "object", "properties": {"type": {"const": "object"}}, "additionalProperties": True})]
 
 
-class _Model(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
-
-class StreamOptions(_Model):
+class StreamOptions(APIModel):
     include_usage: Bool = False
     continuous_usage_stats: Bool = False  # vLLM's: the usage so far on every chunk (with include_usage)
 
 
-class ContentPart(_Model):
-    type: str
-    text: str | None = None
+class TextPart(APIModel):
+    type: Literal["text"]
+    text: str
 
 
-class FunctionCallSpec(_Model):
+class FunctionCallSpec(APIModel):
     name: str
     arguments: str  # a JSON object's text
 
 
-class ToolCallSpec(_Model):
+class ToolCallSpec(APIModel):
     """An earlier assistant turn's call, sent back with the conversation."""
 
     id: str | None = None
@@ -61,96 +65,97 @@ class ToolCallSpec(_Model):
     function: FunctionCallSpec
 
 
-class ChatMessage(_Model):
+class ChatMessage(APIModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[ContentPart] | None = None
+    content: str | list[TextPart] | None = None
     name: str | None = None
     tool_calls: list[ToolCallSpec] | None = None  # assistant turns
     tool_call_id: str | None = None  # tool turns: the call this result answers
     reasoning_content: str | None = None  # assistant turns: their reasoning, sent back (a template may render it)
 
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_parts_only(cls, value: Any) -> Any:
+        return refuse_kinds(value, ("text",), "content parts")
+
     def text(self) -> str:
-        """The content as one string; content-part arrays may only hold text parts."""
-        if self.content is None or isinstance(self.content, str):
-            return self.content or ""
-        texts = []
-        for part in self.content:
-            if part.type != "text" or part.text is None:
-                raise ValueError(f"content parts of type {part.type!r} are not supported (text only)")
-            texts.append(part.text)
-        return "".join(texts)
+        return text_of(self.content)
 
 
-class FunctionSpec(_Model):
-    name: str
+class FunctionSpec(APIModel):
+    name: FunctionName
     description: str | None = None
-    parameters: dict[str, Any] | None = None  # a JSON Schema of the arguments
+    parameters: ObjectSchema | None = None  # a JSON Schema of the arguments
     strict: Bool | None = None
 
 
-class ToolSpec(_Model):
+class ToolSpec(APIModel):
     type: Literal["function"]
     function: FunctionSpec
 
 
-class NamedFunction(_Model):
+class NamedFunction(APIModel):
     name: str
 
 
-class NamedToolChoice(_Model):
+class NamedToolChoice(APIModel):
     type: Literal["function"]
     function: NamedFunction
 
 
-class JsonSchemaSpec(_Model):
+class JsonSchemaSpec(APIModel):
     name: str | None = None
     schema_: dict[str, Any] | None = Field(default=None, alias="schema")
     strict: Bool | None = None
     description: str | None = None
 
 
-class ResponseFormat(_Model):
+class ResponseFormat(APIModel):
     """OpenAI's structured outputs: the output is constrained to JSON (any object, or one schema)."""
+
+    model_config = ConfigDict(json_schema_extra=when("type", {"const": "json_schema"}, {
+        "required": ["json_schema"], "properties": {"json_schema": {
+            "type": "object", "required": ["schema"], "properties": {"schema": {"type": "object"}}}}}))
 
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaSpec | None = None
 
 
-class GenerationRequest(_Model):
+def effort_variables(effort: str | None) -> dict[str, Any]:
+    """A reasoning effort as the template's variables: "none" turns thinking off (`enable_thinking`), the others
+    turn it on and pass the effort on (templates that grade it read `reasoning_effort`)."""
+    if effort is None:
+        return {}
+    return {"enable_thinking": False} if effort == "none" else {"enable_thinking": True, "reasoning_effort": effort}
+
+
+STREAM_OPTIONS_NEED_STREAM = when("stream_options", {"type": "object"}, needs("stream", True))
+
+
+class OpenAIRequest(APIModel):
     """Fields common to chat completions and completions."""
 
     model: str | None = None
-    max_tokens: Annotated[int, Strict(), _bounds("max_tokens")] | None = None
-    temperature: Annotated[float, Strict(), _bounds("temperature")] | None = None
-    top_p: Annotated[float, Strict(), _bounds("top_p")] | None = None
-    n: Annotated[int, Strict(), Field(ge=1, le=MAX_N)] = 1  # choices; they share the prompt's prefill
+    max_tokens: Annotated[int, Strict(), bounds("max_tokens"), WHOLE] | None = None
+    temperature: Annotated[float, Strict(), bounds("temperature")] | None = None
+    top_p: Annotated[float, Strict(), bounds("top_p")] | None = None
+    n: Annotated[int, Strict(), Field(ge=1, le=MAX_N), WHOLE] = 1  # choices; they share the prompt's prefill
     stream: Bool = False
-    stream_options: StreamOptions | None = None
-    stop: str | list[str] | None = None
-    seed: Annotated[int, Strict(), Field(ge=INT64_MIN, le=INT64_MAX)] | None = None
-    presence_penalty: Annotated[float, Strict(), _bounds("presence_penalty")] | None = None
-    frequency_penalty: Annotated[float, Strict(), _bounds("frequency_penalty")] | None = None
+    stream_options: StreamOptions | None = None  # with `stream` only
+    stop: NonEmpty | list[NonEmpty] | None = None
+    seed: Seed | None = None
+    presence_penalty: Annotated[float, Strict(), bounds("presence_penalty")] | None = None
+    frequency_penalty: Annotated[float, Strict(), bounds("frequency_penalty")] | None = None
     user: str | None = None
     response_format: ResponseFormat | None = None
     # vLLM extensions
-    repetition_penalty: Annotated[float, Strict(), _bounds("repetition_penalty")] | None = None
+    repetition_penalty: Annotated[float, Strict(), bounds("repetition_penalty")] | None = None
     return_tokens_as_token_ids: Bool = False  # logprobs name tokens "token_id:<id>", as vLLM can
-    top_k: Annotated[int, Strict(), _bounds("top_k")] | None = None
-    min_tokens: Annotated[int, Strict(), _bounds("min_tokens")] = 0
+    top_k: Annotated[int, Strict(), bounds("top_k"), WHOLE] | None = None
+    min_tokens: Annotated[int, Strict(), bounds("min_tokens"), WHOLE] = 0
     ignore_eos: Bool = False
     stop_token_ids: list[TokenId] | None = None
-    priority: Annotated[int, Strict(), Field(ge=-(2**31), le=2**31 - 1)] = 0  # lower is served first
-
-    @field_validator("stop")
-    @classmethod
-    def _non_empty_stops(cls, value: str | list[str] | None) -> str | list[str] | None:
-        stops = [value] if isinstance(value, str) else value or []
-        if any(not s for s in stops):
-            raise ValueError("stop strings must be non-empty")
-        return value
-
-    def stop_strings(self) -> tuple[str, ...]:
-        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+    priority: Priority = 0
 
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens
@@ -159,16 +164,15 @@ class GenerationRequest(_Model):
         """(top alternatives per sampled token, per prompt token); None: not asked."""
         return None, None
 
-    def sampling(self, max_tokens: int) -> SamplingSpec:
+    def generation(self) -> GenerationRequest:
         logprobs, prompt_logprobs = self.logprob_counts()
-        return SamplingSpec(
+        sampling = SamplingSpec(
             temperature=1.0 if self.temperature is None else self.temperature,
             top_p=1.0 if self.top_p is None else self.top_p,
             top_k=self.top_k or 0,
             seed=self.seed,
             presence_penalty=self.presence_penalty or 0.0,
             frequency_penalty=self.frequency_penalty or 0.0,
-            max_tokens=max_tokens,
             min_tokens=self.min_tokens,
             stop_token_ids=tuple(self.stop_token_ids or ()),
             ignore_eos=self.ignore_eos,
@@ -176,14 +180,26 @@ class GenerationRequest(_Model):
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
         )
+        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+        return GenerationRequest(self.model, sampling, self.requested_max_tokens(), stop, self.n, self.stream,
+                                 self.priority, self.response_format)
 
 
-LogprobCount = Annotated[int, Strict(), _bounds("logprobs")]
+LogprobCount = Annotated[int, Strict(), bounds("logprobs"), WHOLE]
+_FORCED_CALL = {"anyOf": [{"const": "required"}, {"type": "object"}]}
 
 
-class ChatCompletionRequest(GenerationRequest):
-    messages: list[ChatMessage]
-    max_completion_tokens: Annotated[int, Strict(), _bounds("max_tokens")] | None = None
+class ChatCompletionRequest(OpenAIRequest):
+    model_config = ConfigDict(json_schema_extra={"allOf": [
+        STREAM_OPTIONS_NEED_STREAM,
+        when("top_logprobs", {"type": "integer"}, needs("logprobs", True)),
+        when("tool_choice", _FORCED_CALL, NEEDS_TOOLS),
+        when("tool_choice", _FORCED_CALL, {"properties": {"response_format": {
+            "anyOf": [{"type": "null"}, {"properties": {"type": {"const": "text"}}}]}}}),
+    ]})
+
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_completion_tokens: Annotated[int, Strict(), bounds("max_tokens"), WHOLE] | None = None
     logprobs: Bool | None = None
     top_logprobs: LogprobCount | None = None  # needs `logprobs: true` (the route says so)
     tools: list[ToolSpec] | None = None
@@ -204,12 +220,7 @@ class ChatCompletionRequest(GenerationRequest):
 
     def template_variables(self) -> dict[str, Any]:
         """The chat template's extra variables this request sets (`reasoning_effort`, `chat_template_kwargs`)."""
-        variables: dict[str, Any] = {}
-        if self.reasoning_effort is not None:
-            variables["enable_thinking"] = self.reasoning_effort != "none"
-            if self.reasoning_effort != "none":
-                variables["reasoning_effort"] = self.reasoning_effort
-        return variables | (self.chat_template_kwargs or {})
+        return effort_variables(self.reasoning_effort) | (self.chat_template_kwargs or {})
 
     def logprob_counts(self) -> tuple[int | None, int | None]:
         return (self.top_logprobs or 0) if self.logprobs else None, None
@@ -218,25 +229,29 @@ class ChatCompletionRequest(GenerationRequest):
         """`max_completion_tokens` wins over the deprecated `max_tokens`, as in vLLM."""
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
+    def conversation(self) -> Conversation:
+        return Conversation(self.messages, self.tools, self.tool_choice, self.parallel_tool_calls,
+                            self.template_variables(), self.response_format)
 
-Prompt = str | list[str] | list[TokenId] | list[list[TokenId]]
+
+Prompt = NonEmpty | Annotated[list[NonEmpty], Field(min_length=1, max_length=1)] | \
+    Annotated[list[TokenId], Field(min_length=1)] | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]],
+                                                               Field(min_length=1, max_length=1)]
 
 
-class CompletionRequest(GenerationRequest):
-    prompt: Prompt
+class CompletionRequest(OpenAIRequest):
+    model_config = ConfigDict(json_schema_extra={"allOf": [STREAM_OPTIONS_NEED_STREAM]})
+
+    prompt: Prompt  # one prompt per request: batched prompts are several requests
     echo: Bool = False  # the prompt comes back before the completion (with `logprobs`, its logprobs too)
     logprobs: LogprobCount | None = None
 
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _one_prompt(cls, value: Any) -> Any:
+        if isinstance(value, list) and len(value) > 1 and all(isinstance(p, str | list) for p in value):
+            raise ValueError("only one prompt per request is supported (batched prompts: send several requests)")
+        return value
+
     def logprob_counts(self) -> tuple[int | None, int | None]:
         return self.logprobs, self.logprobs if self.echo else None
-
-
-def chat_completion_of(fields: dict[str, Any], param: str, empty: str) -> ChatCompletionRequest:
-    """The chat completion another API's request amounts to (Responses, Messages): its `fields`, those that are
-    None left out; a 400 naming `param` when there are no messages (`empty` says so) or a field is invalid."""
-    if not fields["messages"]:
-        raise invalid(empty, param)
-    try:
-        return ChatCompletionRequest.model_validate({k: v for k, v in fields.items() if v is not None})
-    except ValueError as exc:
-        raise invalid(f"{param}: {exc}", param) from None

@@ -14,6 +14,8 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel, ConfigDict
 
+from services.gateway.openapi_streams import STREAMS, stream_schema
+
 
 class _Body(BaseModel):
     model_config = ConfigDict(extra="allow")  # documented fields; an extension may add more
@@ -57,6 +59,7 @@ class ChatMessageOut(_Body):
     role: Literal["assistant"]
     content: str | None  # None when the answer is only tool calls
     tool_calls: list[ToolCallOut] | None = None
+    reasoning_content: str | None = None  # a reasoning model's reasoning
 
 
 class TopLogprob(_Body):
@@ -135,6 +138,19 @@ class ResponseFunctionCall(_Body):
     status: str
 
 
+class ReasoningTextOut(_Body):
+    type: Literal["reasoning_text"]
+    text: str
+
+
+class ResponseReasoning(_Body):
+    type: Literal["reasoning"]
+    id: str
+    summary: list[Any]
+    content: list[ReasoningTextOut]
+    status: str
+
+
 class ResponseUsage(_Body):
     input_tokens: int
     input_tokens_details: dict[str, int]
@@ -152,7 +168,7 @@ class ResponseObject(_Body):
     created_at: int
     status: Literal["completed", "incomplete"]
     model: str
-    output: list[ResponseMessage | ResponseFunctionCall]
+    output: list[ResponseReasoning | ResponseMessage | ResponseFunctionCall]
     usage: ResponseUsage | None
     error: None
     incomplete_details: dict[str, str] | None
@@ -220,7 +236,7 @@ class AnthropicErrorResponse(_Body):
 
 
 class AnthropicUsage(_Body):
-    input_tokens: int
+    input_tokens: int  # prompt tokens not read from the cache (Anthropic's: the prompt is the two added)
     output_tokens: int
     cache_read_input_tokens: int  # prompt tokens the prefix cache held
     cache_creation_input_tokens: int
@@ -230,6 +246,12 @@ class AnthropicUsage(_Body):
 class AnthropicTextBlock(_Body):
     type: Literal["text"]
     text: str
+
+
+class AnthropicThinkingBlock(_Body):
+    type: Literal["thinking"]
+    thinking: str
+    signature: str
 
 
 class AnthropicToolUseBlock(_Body):
@@ -246,7 +268,7 @@ class AnthropicMessage(_Body):
     type: Literal["message"]
     role: Literal["assistant"]
     model: str
-    content: list[AnthropicTextBlock | AnthropicToolUseBlock]
+    content: list[AnthropicThinkingBlock | AnthropicTextBlock | AnthropicToolUseBlock]
     stop_reason: Literal["end_turn", "max_tokens", "stop_sequence", "tool_use"]
     stop_sequence: str | None
     usage: AnthropicUsage
@@ -285,11 +307,16 @@ ROUTES: dict[tuple[str, str], tuple[type[BaseModel], tuple[int, ...], bool]] = {
 }
 
 
-# One server-sent event of a streamed completion: its `data` is a chunk's JSON, or `[DONE]` at the end.
-SSE_EVENT = {"type": "object", "required": ["data"], "properties": {
-    "data": {"type": "string", "description": "a chunk (`chat.completion.chunk` / `text_completion`) as JSON, "
-                                              "an error body, or `[DONE]`"},
-    "event": {"type": "string"}}}
+def _cap_token_ids(schema: Any, vocab: int) -> None:
+    """Token ids (non-negative integers) in `schema` bounded by the served model's vocabulary, as the route is."""
+    if isinstance(schema, dict):
+        if schema.get("type") == "integer" and schema.get("minimum") == 0:
+            schema["maximum"] = vocab - 1
+        for value in schema.values():
+            _cap_token_ids(value, vocab)
+    elif isinstance(schema, list):
+        for value in schema:
+            _cap_token_ids(value, vocab)
 
 
 def _ref(model: type[BaseModel]) -> dict[str, str]:
@@ -311,7 +338,8 @@ def document(app: FastAPI) -> None:
         spec = get_openapi(title=app.title, version=app.version, routes=app.routes)
         schemas = spec.setdefault("components", {}).setdefault("schemas", {})
         models: list[type[BaseModel]] = [ErrorResponse, AnthropicErrorResponse,
-                                         *dict.fromkeys(m for m, _, _ in ROUTES.values())]
+                                         *dict.fromkeys(m for m, _, _ in ROUTES.values()),
+                                         *(m for m, _ in STREAMS.values())]
         for model in models:
             for name, schema in model.model_json_schema(ref_template="#/components/schemas/{model}").get(
                     "$defs", {}).items():
@@ -320,11 +348,14 @@ def document(app: FastAPI) -> None:
                 ref_template="#/components/schemas/{model}").items() if k != "$defs"}
         for name in ("HTTPValidationError", "ValidationError"):
             schemas.pop(name, None)
+        vocab = app.state.gateway.tokenizer.vocab_size  # token ids the served model has
+        for name, field in (("CompletionRequest", "prompt"), ("DetokenizeRequest", "tokens")):
+            _cap_token_ids(schemas[name]["properties"][field], vocab)
         for (path, method), (body, errors, streams) in ROUTES.items():
             operation = spec["paths"][path][method]
             ok: dict[str, Any] = {"application/json": {"schema": _ref(body)}}
             if streams:
-                ok["text/event-stream"] = {"schema": SSE_EVENT}
+                ok["text/event-stream"] = {"schema": stream_schema(path, _ref(STREAMS[path][0]), _ref(ErrorResponse))}
             operation["responses"] = {"200": {"description": "OK", "content": ok}} | {
                 str(status): {"description": ERROR_STATUSES[status],
                               "content": {"application/json": {"schema": _ref(_error_body(path))}}}

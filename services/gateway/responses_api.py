@@ -1,169 +1,24 @@
-"""`POST /v1/responses`, stateless: a Responses request served as the chat completion it amounts to, and
-the answer in the Responses shape (a `message` item, `function_call` items), whole or as its event stream.
+"""`POST /v1/responses`, stateless: the answer in the Responses shape (a `reasoning` item, a `message` item,
+`function_call` items), whole or as its event stream; the request is services.gateway.responses_schema.
 
-Stateless only (`store: false`, as Codex-style clients send it): AFlex keeps no responses, so `store: true`,
-`previous_response_id` and `background` are refused with a 400 that says so, and so are built-in tools
-(web search, file search, computer use): only `function` tools can run here. A request that leaves `store`
-out is served, statelessly. The stream's events are OpenAI's: `response.created`, `response.in_progress`,
-`response.output_item.added`, `response.content_part.added`, `response.output_text.delta`, ...,
-`response.function_call_arguments.delta`/`.done`, `response.output_item.done`, `response.completed`, each
-with its `sequence_number`.
+The stream's events are OpenAI's: `response.created`, `response.in_progress`, `response.output_item.added`,
+`response.content_part.added`, `response.output_text.delta`, ..., `response.function_call_arguments.delta`/
+`.done`, `response.output_item.done`, `response.completed` (or `response.incomplete`), each with its
+`sequence_number`.
 """
 
 from __future__ import annotations
 
 import uuid
-from typing import Annotated, Any, Literal
+from typing import Any
 
-import orjson
-from pydantic import Field, Strict
+from pydantic import BaseModel
 
-from services.gateway.errors import APIError, invalid
+from services.gateway.errors import APIError, json_bytes
 from services.gateway.generation import cached_tokens, reasoning_tokens
-from services.gateway.openai_schema import (
-    Bool,
-    ChatCompletionRequest,
-    ReasoningEffort,
-    _bounds,
-    _Model,
-    chat_completion_of,
-)
 from services.gateway.parts import Answer, CallArguments, CallStart, End, Part, Reasoning, Text
+from services.gateway.responses_schema import ResponsesRequest
 from services.gateway.streaming import Identity
-
-
-class TextFormat(_Model):
-    type: Literal["text", "json_object", "json_schema"]
-    name: str | None = None
-    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
-    strict: Bool | None = None
-    description: str | None = None
-
-
-class TextConfig(_Model):
-    format: TextFormat | None = None
-
-
-class ReasoningConfig(_Model):
-    effort: ReasoningEffort | None = None  # "none": no reasoning (the template's `enable_thinking`)
-    summary: str | None = None  # the whole reasoning is given as reasoning text; no summaries are made
-
-
-class ResponsesRequest(_Model):
-    model: str | None = None
-    input: str | list[dict[str, Any]]
-    instructions: str | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
-    parallel_tool_calls: Bool = True
-    max_output_tokens: Annotated[int, Strict(), _bounds("max_tokens")] | None = None
-    temperature: Annotated[float, Strict(), _bounds("temperature")] | None = None
-    top_p: Annotated[float, Strict(), _bounds("top_p")] | None = None
-    text: TextConfig | None = None
-    reasoning: ReasoningConfig | None = None
-    stream: Bool = False
-    store: Bool | None = None
-    previous_response_id: str | None = None
-    background: Bool | None = None
-    seed: Annotated[int, Strict()] | None = None  # not OpenAI's: for reproducible answers, as chat has it
-    priority: Annotated[int, Strict(), Field(ge=-(2**31), le=2**31 - 1)] = 0  # vLLM's, as on chat completions
-    metadata: dict[str, str] | None = None
-    user: str | None = None
-
-
-def _text_of(content: Any, where: str) -> str:
-    if isinstance(content, str):
-        return content
-    if not isinstance(content, list):
-        raise invalid(f"{where}.content must be text or a list of text parts", "input")
-    texts = []
-    for k, part in enumerate(content):
-        kind = part.get("type") if isinstance(part, dict) else None
-        if kind not in ("input_text", "output_text", "text") or not isinstance(part.get("text"), str):
-            raise invalid(f"{where}.content[{k}] of type {kind!r} is not supported (text parts only)", "input")
-        texts.append(part["text"])
-    return "".join(texts)
-
-
-def _messages(body: ResponsesRequest) -> list[dict[str, Any]]:
-    """The input items as chat messages: consecutive function calls become one assistant turn's tool_calls,
-    their outputs `tool` turns; a reasoning item is the `reasoning_content` of the assistant turn after it."""
-    out: list[dict[str, Any]] = [{"role": "system", "content": body.instructions}] if body.instructions else []
-    items = [{"role": "user", "content": body.input}] if isinstance(body.input, str) else body.input
-    reasoning: str | None = None  # a reasoning item's text, for the next assistant turn
-    for k, item in enumerate(items):
-        kind = item.get("type", "message")
-        where = f"input[{k}]"
-        if kind == "reasoning":
-            reasoning = _reasoning_text(item, where)
-        elif kind == "message":
-            role = item.get("role")
-            if role not in ("user", "system", "developer", "assistant"):
-                raise invalid(f"{where}.role must be user, system, developer or assistant, got {role!r}", "input")
-            out.append({"role": role, "content": _text_of(item.get("content"), where)})
-            if role == "assistant" and reasoning is not None:
-                out[-1]["reasoning_content"], reasoning = reasoning, None
-        elif kind == "function_call":
-            call = {"id": item.get("call_id"), "type": "function",
-                    "function": {"name": item.get("name"), "arguments": item.get("arguments")}}
-            last = out[-1] if out else None
-            if last is not None and last["role"] == "assistant" and "tool_calls" in last:
-                last["tool_calls"].append(call)
-            else:
-                out.append({"role": "assistant", "content": None, "tool_calls": [call]})
-                if reasoning is not None:
-                    out[-1]["reasoning_content"], reasoning = reasoning, None
-        elif kind == "function_call_output":
-            output = item.get("output")
-            out.append({"role": "tool", "tool_call_id": item.get("call_id"),
-                        "content": output if isinstance(output, str) else orjson.dumps(output).decode()})
-        else:
-            raise invalid(f"{where} of type {kind!r} is not supported (message, reasoning, function_call and "
-                          "function_call_output items only)", "input")
-    return out
-
-
-def _reasoning_text(item: dict[str, Any], where: str) -> str:
-    """A reasoning item's text: its reasoning_text parts (else its summary's text)."""
-    parts = item.get("content") or item.get("summary") or []
-    if not isinstance(parts, list) or not all(isinstance(p, dict) and isinstance(p.get("text"), str) for p in parts):
-        raise invalid(f"{where}.content must be a list of reasoning_text parts", "input")
-    return "".join(p["text"] for p in parts)
-
-
-def chat_request(body: ResponsesRequest) -> ChatCompletionRequest:
-    """The chat completion a Responses request amounts to; a 400 for what a stateless server cannot serve."""
-    if body.store:
-        raise invalid("store: true is not supported: AFlex serves /v1/responses statelessly and keeps no "
-                      "responses; send store: false", "store")
-    if body.previous_response_id is not None:
-        raise invalid("previous_response_id is not supported: AFlex keeps no responses; send the conversation "
-                      "so far in `input`", "previous_response_id")
-    if body.background:
-        raise invalid("background responses are not supported", "background")
-    tools = []
-    for k, tool in enumerate(body.tools or []):
-        if tool.get("type") != "function":
-            raise invalid(f"tools[{k}] of type {tool.get('type')!r} is a built-in tool, which AFlex cannot run; "
-                          "only function tools are supported", "tools")
-        function = {key: tool[key] for key in ("name", "description", "parameters", "strict") if key in tool}
-        tools.append({"type": "function", "function": function})
-    choice: Any = body.tool_choice
-    if isinstance(choice, dict):
-        if choice.get("type") != "function" or not isinstance(choice.get("name"), str):
-            raise invalid("tool_choice must be none, auto, required or {type: function, name: ...}", "tool_choice")
-        choice = {"type": "function", "function": {"name": choice["name"]}}
-    form = body.text.format if body.text is not None else None
-    response_format = None
-    if form is not None:
-        response_format = {"type": form.type} if form.type != "json_schema" else {
-            "type": "json_schema", "json_schema": {"name": form.name, "schema": form.schema_, "strict": form.strict}}
-    fields = {"model": body.model, "messages": _messages(body), "tools": tools or None, "tool_choice": choice,
-              "parallel_tool_calls": body.parallel_tool_calls, "max_completion_tokens": body.max_output_tokens,
-              "temperature": body.temperature, "top_p": body.top_p, "response_format": response_format,
-              "stream": body.stream, "seed": body.seed, "user": body.user, "priority": body.priority,
-              "reasoning_effort": body.reasoning.effort if body.reasoning is not None else None}
-    return chat_completion_of(fields, "input", "input must hold at least one message")
 
 
 def _usage(usage: dict[str, Any]) -> dict[str, Any]:
@@ -174,6 +29,11 @@ def _usage(usage: dict[str, Any]) -> dict[str, Any]:
     if "energy_j" in usage:
         out["energy_j"] = usage["energy_j"]  # AFlex extension, as on chat completions
     return out
+
+
+def _sent(value: Any) -> Any:
+    """A request's field as the client sent it (the Response echoes the request's settings)."""
+    return value.model_dump(exclude_unset=True, by_alias=True) if isinstance(value, BaseModel) else value
 
 
 class ResponsesRenderer:
@@ -214,7 +74,7 @@ class ResponsesRenderer:
                 "instructions": b.instructions, "max_output_tokens": b.max_output_tokens,
                 "temperature": 1.0 if b.temperature is None else b.temperature,
                 "top_p": 1.0 if b.top_p is None else b.top_p, "parallel_tool_calls": b.parallel_tool_calls,
-                "tool_choice": b.tool_choice or "auto", "tools": b.tools or [],
+                "tool_choice": _sent(b.tool_choice) or "auto", "tools": [_sent(t) for t in b.tools or []],
                 "text": {"format": (b.text.format.model_dump(by_alias=True, exclude_none=True)
                                     if b.text is not None and b.text.format is not None else {"type": "text"})},
                 "store": False, "metadata": b.metadata or {}, "usage": _usage(usage) if usage else None}
@@ -232,7 +92,7 @@ class ResponsesRenderer:
     def _event(self, kind: str, **fields: Any) -> bytes:
         self._sequence += 1
         payload = {"type": kind, "sequence_number": self._sequence - 1, **fields}
-        return b"event: " + kind.encode() + b"\ndata: " + orjson.dumps(payload) + b"\n\n"
+        return b"event: " + kind.encode() + b"\ndata: " + json_bytes(payload) + b"\n\n"
 
     def opening(self) -> list[bytes]:
         return [self._event("response.created", response=self.response([], "in_progress", None)),

@@ -14,11 +14,10 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import anyio
-import orjson
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from services.gateway.errors import SERVER_ERROR, APIError
+from services.gateway.errors import SERVER_ERROR, APIError, json_bytes
 from services.gateway.generation import Generation, TextEvent
 from services.gateway.parts import Answer, Part, Reading, answer_parts
 from shared.messages import SamplingSpec
@@ -28,7 +27,7 @@ SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
 def sse(payload: dict[str, Any]) -> bytes:
-    return b"data: " + orjson.dumps(payload) + b"\n\n"
+    return b"data: " + json_bytes(payload) + b"\n\n"
 
 
 @dataclass(frozen=True)

@@ -14,20 +14,25 @@ from __future__ import annotations
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends
-from pydantic import Field, Strict
+from pydantic import ConfigDict, Field, Strict
 from starlette.concurrency import run_in_threadpool
 from starlette.responses import Response
 
+from services.gateway.api_model import APIModel, Bool, TokenId
 from services.gateway.context import GatewayDep, check_api_key, check_model, render_chat
 from services.gateway.errors import JSONResponse, invalid
-from services.gateway.openai_schema import Bool, ChatMessage, TokenId, _Model
+from services.gateway.openai_schema import ChatMessage
 from services.gateway.tool_calling import template_messages
 
 router = APIRouter(dependencies=[Depends(check_api_key)])
 
 
-class TokenizeRequest(_Model):
-    """vLLM's `TokenizeCompletionRequest` (`prompt`) or `TokenizeChatRequest` (`messages`)."""
+class TokenizeRequest(APIModel):
+    """vLLM's `TokenizeCompletionRequest` (`prompt`) or `TokenizeChatRequest` (`messages`): exactly one."""
+
+    model_config = ConfigDict(json_schema_extra={"oneOf": [
+        {"required": ["prompt"], "properties": {"prompt": {"type": "string"}, "messages": {"type": "null"}}},
+        {"required": ["messages"], "properties": {"messages": {"type": "array"}, "prompt": {"type": "null"}}}]})
 
     model: str | None = None
     prompt: str | None = None
@@ -37,7 +42,7 @@ class TokenizeRequest(_Model):
     return_token_strs: Bool = False
 
 
-class DetokenizeRequest(_Model):
+class DetokenizeRequest(APIModel):
     model: str | None = None
     tokens: Annotated[list[TokenId], Strict()] = Field(max_length=1 << 20)
 

@@ -12,16 +12,15 @@ named function are enforced by an llguidance grammar built from the functions' J
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import dataclass
 from typing import Any
 
 from services.gateway.errors import invalid
-from services.gateway.openai_schema import ChatCompletionRequest, ChatMessage, NamedToolChoice
+from services.gateway.generation_request import Conversation
+from services.gateway.openai_schema import TOOL_NAME, ChatMessage, NamedToolChoice
 from services.gateway.tool_call_syntax import Function, ToolCall, call_lark, hermes_block
 from shared.model.tokenizer import Tokenizer
 
-TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for function names
 TOOL_PROMPT = (
     "You are a function calling AI model. You are provided with function signatures within <tools></tools> "
     "XML tags. You may call one or more functions to assist with the user query. Don't make assumptions about "
@@ -55,7 +54,7 @@ class ToolRequest:
         return None
 
 
-def tool_request(body: ChatCompletionRequest) -> ToolRequest | None:
+def tool_request(body: Conversation) -> ToolRequest | None:
     """The request's tools, checked (a 400 names what is wrong); None when it offers none."""
     choice = body.tool_choice
     named = choice.function.name if isinstance(choice, NamedToolChoice) else None
@@ -100,10 +99,7 @@ def _arguments(text: str) -> Any:
 def template_messages(messages: list[ChatMessage], tools: ToolRequest | None,
                       tokenizer: Tokenizer) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """(the messages, the template's extra variables) for `apply_chat_template` (module docstring)."""
-    try:
-        texts = [m.text() for m in messages]
-    except ValueError as exc:
-        raise invalid(str(exc), "messages") from None
+    texts = [m.text() for m in messages]
     if tokenizer.template_takes_tools:
         out = []
         for m, text in zip(messages, texts, strict=True):
