@@ -1,5 +1,5 @@
 """`POST /v1/messages` (Anthropic's Messages API) through the whole mesh with the official `anthropic` client:
-text equal to the chat completion it amounts to, the event stream, `stop_sequences`, a tool round trip
+text equal to the chat completion of the same conversation, the event stream, `stop_sequences`, a tool round trip
 (tool_use, tool_result, final answer) whole and streamed with the input as it is generated, count_tokens,
 and errors in Anthropic's shape."""
 

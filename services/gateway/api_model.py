@@ -25,8 +25,6 @@ def _whole(value: Any) -> Any:
 
 
 WHOLE = BeforeValidator(_whole)  # the last of an int's annotations: its bounds before it stay JSON Schema's
-Int = Annotated[int, Strict(), WHOLE]
-Float = Annotated[float, Strict()]
 Bool = Annotated[bool, Strict()]
 TokenId = Annotated[int, Strict(), Field(ge=0, le=2**31 - 1), WHOLE]  # no vocabulary is larger
 Seed = Annotated[int, Strict(), Field(ge=-(2**63), le=2**63 - 1), WHOLE]  # a 64-bit seed, as vLLM's

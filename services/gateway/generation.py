@@ -132,7 +132,6 @@ class Generation:
     priority: int = 0  # vLLM's: lower is served first
     reasoning: ReasoningSplitter | None = None  # a reasoning model's answer: its reasoning split from the text
     output_ids: list[int] = field(default_factory=list, init=False)  # every token streamed so far
-    failovers: int = field(default=0, init=False)  # times the request was resubmitted (taken over or resynced)
     _instance: str = field(default="", init=False)  # the scheduler run that holds it
     _heard_mono: float = field(default=0.0, init=False)  # its last sign of life (accepted, or an output)
     _synced_epoch: int = field(default=0, init=False)  # `watch.loss_epoch` when it last took the request
@@ -234,7 +233,6 @@ class Generation:
             else:
                 if reply.accepted:
                     self._taken(reply)
-                    self.failovers += 1
                     log.info("%s: taken by scheduler run %s, %.1f s later", self.request_id,
                              reply.scheduler_instance, time.monotonic() - deadline + self.failover_deadline_s)
                     return

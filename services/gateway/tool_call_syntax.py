@@ -107,16 +107,10 @@ def parse_tool_calls(text: str, functions: Sequence[Function]) -> Parsed:
     return _hermes(text, names) or _llama_json(text, names) or Parsed(text, (), len(text))
 
 
-def call_grammar(functions: Sequence[Function], parallel: bool = True) -> str:
-    """An llguidance grammar for one (or, `parallel`, one or more) Hermes call blocks to `functions`."""
-    import llguidance  # the gateway and the attention worker have it; the parsers above need nothing
-
-    return str(llguidance.LLMatcher.grammar_from_lark(call_lark(functions, parallel)))
-
-
 def call_lark(functions: Sequence[Function], parallel: bool = True, rule: str = "start",
               marker_ids: tuple[int, int] | None = None) -> str:
-    """`call_grammar`'s lark text, its calls in rule `rule` (a reasoning block may come before it).
+    """The lark text of one (or, `parallel`, one or more) Hermes call blocks to `functions`, in rule `rule` (a
+    reasoning block may come before it); llguidance compiles it (answering._grammar).
     `marker_ids`: the ids of `<tool_call>` and `</tool_call>` where the vocabulary has them as tokens of
     their own (Qwen's): the grammar names those tokens, since llguidance will not spell an added token's text."""
     if not functions:

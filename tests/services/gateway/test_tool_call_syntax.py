@@ -12,7 +12,7 @@ from services.gateway.tool_call_stream import CallDelta, ToolCallStream, read_ca
 from services.gateway.tool_call_syntax import (
     Function,
     ToolCall,
-    call_grammar,
+    call_lark,
     hermes_block,
     parse_tool_calls,
 )
@@ -140,6 +140,11 @@ def _accepts(vocabulary: Vocabulary, grammar: str, text: str) -> bool:
     ids = tokenizer.encode(text, False)
     matcher = llguidance.LLMatcher(llg, grammar)
     return bool(matcher.try_consume_tokens(ids) == len(ids) and matcher.is_accepting())
+
+
+def call_grammar(functions: list[Function], parallel: bool = True) -> str:
+    """A forced call's grammar, compiled as the gateway compiles it (answering._grammar)."""
+    return str(llguidance.LLMatcher.grammar_from_lark(call_lark(functions, parallel)))
 
 
 def test_the_grammar_takes_exactly_calls_to_the_offered_functions(vocabulary: Vocabulary) -> None:
