@@ -64,6 +64,38 @@ CHAT_CASES: list[tuple[str, str, dict[str, Any]]] = [
                                            "tool_choice": {"type": "any"}, **SEEDED}),
 ]
 
+# conversations with history: earlier calls, their results and reasoning, in each API's own shape
+_CALL_ARGS = '{"city": "Paris"}'
+_CALL = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": _CALL_ARGS}}
+CHAT_HISTORY = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Weather in Paris?"},
+                {"role": "assistant", "content": None, "tool_calls": [_CALL]},
+                {"role": "tool", "tool_call_id": "call_1", "content": '{"sky": "sunny"}'},
+                {"role": "user", "content": [{"type": "text", "text": "And "}, {"type": "text", "text": "Rome?"}]}]
+RESPONSES_HISTORY = [{"role": "user", "content": [{"type": "input_text", "text": "Weather in Paris?"}]},
+                     {"type": "reasoning", "summary": [{"type": "summary_text", "text": "Ask the tool."}]},
+                     {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": _CALL_ARGS},
+                     {"type": "function_call_output", "call_id": "call_1", "output": {"sky": "sunny"}},
+                     {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Sunny."}]},
+                     {"role": "user", "content": "And Rome?"}]
+_THOUGHT = {"type": "thinking", "thinking": "Ask the tool.", "signature": ""}
+MESSAGES_HISTORY = [{"role": "user", "content": "Weather in Paris?"},
+                    {"role": "assistant", "content": [_THOUGHT,
+                                                      {"type": "text", "text": "Let me look."},
+                                                      {"type": "tool_use", "id": "toolu_1", "name": "get_weather",
+                                                       "input": {"city": "Paris"}}]},
+                    {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1",
+                                                  "content": [{"type": "text", "text": '{"sky": "sunny"}'}]},
+                                                 {"type": "text", "text": "And Rome?"}]}]
+CHAT_CASES += [
+    ("chat-history", "/v1/chat/completions", {"messages": CHAT_HISTORY, "max_tokens": 8, "tools": CHAT_TOOLS,
+                                              **GREEDY}),
+    ("responses-history", "/v1/responses", {"input": RESPONSES_HISTORY, "instructions": "Be brief.",
+                                            "max_output_tokens": 8, "tools": RESPONSES_TOOLS, **GREEDY}),
+    ("messages-history", "/v1/messages", {"messages": MESSAGES_HISTORY, "system": [{"type": "text", "text": "Be "},
+                                                                                  {"type": "text", "text": "brief."}],
+                                          "max_tokens": 8, "tools": MESSAGES_TOOLS, **GREEDY}),
+]
+
 # Ids, times and joules differ on every run; cached prompt tokens with what the mesh served before (and so
 # Anthropic's input_tokens, which leave them out: `_prompt_as_input`).
 _MASKS = [
@@ -82,7 +114,19 @@ def _prompt_as_input(match: re.Match[str]) -> str:
     return f'"input_tokens":{int(match[1]) + int(match[3])},"output_tokens":{match[2]},"cache_read_input_tokens":0'
 
 
+# vLLM's continuous usage on a chunk of n > 1 choices counts every choice's tokens so far: how far the
+# other choices' readers got when the chunk was made, which is a matter of timing
+_TOKENS_SO_FAR = re.compile(r'"completion_tokens":\d+,"total_tokens":\d+')
+
+
+def _chunk_usage_masked(text: str) -> str:
+    lines = text.split("\n")
+    return "\n".join(_TOKENS_SO_FAR.sub('"completion_tokens":0,"total_tokens":0', line)
+                     if line.startswith("data: ") and '"choices":[{' in line else line for line in lines)
+
+
 def normalized(text: str) -> str:
+    text = _chunk_usage_masked(text)
     text = _ANTHROPIC_USAGE.sub(_prompt_as_input, text)
     for pattern, repl in _MASKS:
         text = pattern.sub(repl, text)
@@ -106,15 +150,24 @@ def answers(base_url: str, model: str, cases: list[tuple[str, str, dict[str, Any
     return out
 
 
+def first_difference(recorded: str, now: str) -> tuple[str, str]:
+    """The first line where an answer differs from its recording: (recorded, now)."""
+    for before, after in zip(recorded.splitlines(), now.splitlines(), strict=False):
+        if before != after:
+            return before, after
+    return recorded[-200:], now[-200:]
+
+
 def replay(path: Path, base_url: str, model: str,
            cases: list[tuple[str, str, dict[str, Any]]]) -> list[tuple[str, str, str]]:
-    """Record (AFLEX_RECORD_STREAMS=1) or compare: the answers that differ from the recording."""
+    """Record (AFLEX_RECORD_STREAMS=1) or compare: the answers that differ from the recording, each as (case,
+    its first recorded line that differs, the line now)."""
     now = answers(base_url, model, cases)
     if RECORDING:
         path.write_text(json.dumps(now, indent=1, ensure_ascii=False) + "\n")
     recorded: dict[str, str] = json.loads(path.read_text())
     assert sorted(recorded) == sorted(now)
-    return [(name, recorded[name], now[name]) for name in recorded if recorded[name] != now[name]]
+    return [(name, *first_difference(recorded[name], now[name])) for name in recorded if recorded[name] != now[name]]
 
 REASONING_TOOLS = [{"type": "function", "function": {
     "name": "get_weather", "description": "The weather in a city",

@@ -80,7 +80,8 @@ def narrowed(spec: dict[str, Any], model: str) -> dict[str, Any]:
     - short conversations and texts, so that a prompt fits the context (1024 tokens here);
     - a forced call names no function, tools have one function each, and a JSON Schema to follow is any
       object: a named function must be one of the tools, names are unique, and a schema must compile,
-      rules the server checks and JSON Schema cannot state;
+      rules the server checks and JSON Schema cannot state; a function's name is one of two (Python's regex
+      `$` matches before a final newline, so a generator may write a name the server rightly refuses);
     - a completion's prompt text holds a letter or digit: one of control characters only has no tokens, an
       empty prompt the tokenizer knows of, not the schema."""
     schemas = spec["components"]["schemas"]
@@ -126,6 +127,8 @@ def narrowed(spec: dict[str, Any], model: str) -> dict[str, Any]:
             {"type": "null"}]}
         schemas[name]["properties"]["tool_choice"] = {"anyOf": [{"type": "null"}, {"allOf": [
             {"$ref": "#/components/schemas/ToolChoice"}, {"properties": {"type": {"enum": ["auto", "any", "none"]}}}]}]}
+    for name in ("FunctionSpec", "FunctionTool", "ClientTool"):
+        schemas[name]["properties"]["name"] = {"enum": ["get_weather", "lookup"]}
     for name, field in (("JsonSchemaSpec", "schema"), ("TextFormat", "schema")):
         schemas[name]["properties"][field] = {"const": {"type": "object"}}
     for name, field in (("FunctionSpec", "parameters"), ("FunctionTool", "parameters"), ("ClientTool", "input_schema")):

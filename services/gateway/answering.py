@@ -2,8 +2,8 @@
 the answer, whole or streamed, in the dialect of the API that asked (a `Dialect`: its renderer). This path
 names no API: a new one is a route that maps its request and a renderer of the answer's parts.
 
-Token budget: without `max_tokens`/`max_completion_tokens`, a chat completion may use the rest of the
-context, capped at `DEFAULT_CHAT_MAX_TOKENS`; a completion gets OpenAI's default of 16 tokens.
+Token budget: where the request sets none, a chat-like dialect may use the rest of the context, capped at
+`DEFAULT_CHAT_MAX_TOKENS`; a plain completion gets OpenAI's default of 16 tokens.
 """
 
 from __future__ import annotations

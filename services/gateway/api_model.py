@@ -77,4 +77,5 @@ def needs(field: str, value: Any) -> dict[str, Any]:
     return {"required": [field], "properties": {field: {"const": value}}}
 
 
+FORCED_CALL = {"anyOf": [{"const": "required"}, {"type": "object"}]}  # a tool_choice that forces a call
 NEEDS_TOOLS = {"required": ["tools"], "properties": {"tools": {"type": "array", "minItems": 1}}}

@@ -93,5 +93,9 @@ def render_chat(tokenizer: Tokenizer, messages: list[dict[str, Any]], *, add_gen
         raise invalid(str(exc), exc.param or "messages") from None
     except TokenizerError as exc:
         raise invalid(str(exc), "messages") from None
+    except (TypeError, ValueError, KeyError, IndexError, AttributeError) as exc:  # the template on the client's
+        # values (`chat_template_kwargs`, a turn's fields) failing inside the template's own code
+        raise invalid(f"the chat template cannot render this conversation: {type(exc).__name__}: {exc}",
+                      "messages") from None
     # The rendered template carries its own BOS when the model wants one: by default add no special tokens.
     return tokenizer.encode(text, add_special_tokens)

@@ -120,7 +120,8 @@ async def _api_error_handler(request: Request, exc: Exception) -> Response:
 async def _validation_error_handler(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, RequestValidationError)
     errors = exc.errors()
-    first = errors[0] if errors else {}
+    # a refusal by name (a validator's ValueError) says more than a union branch's type error before it
+    first = next((e for e in errors if e.get("type") == "value_error"), errors[0] if errors else {})
     loc = tuple(first.get("loc", ()))
     if first.get("type") == "json_invalid":
         message = f"request body is not valid JSON: {first.get('ctx', {}).get('error', 'parse error')}"

@@ -44,4 +44,3 @@ class Conversation:
     tool_choice: str | NamedToolChoice | None = None  # "none", "auto", "required", or one named function
     parallel_tool_calls: bool = True
     template_variables: dict[str, Any] = field(default_factory=dict)
-    response_format: ResponseFormat | None = None  # a forced call may not have one too (tool_calling)

@@ -20,7 +20,7 @@ from typing import Any
 from services.gateway.errors import APIError, json_bytes
 from services.gateway.generation import cached_tokens
 from services.gateway.parts import Answer, CallArguments, CallStart, End, Part, Reasoning, Text
-from services.gateway.streaming import Identity
+from services.gateway.streaming import Dialect, Identity
 
 STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
 
@@ -86,8 +86,7 @@ class MessagesRenderer:
         content += [{"type": "text", "text": answer.content}] if answer.content else []
         content += [{"type": "tool_use", "id": _tool_use_id(c.call_id), "name": c.name, "input": _input(c.arguments)}
                     for c in answer.calls]
-        stop_sequence = None if answer.calls else answer.stop_sequence
-        return self.message(content, answer.finish_reason, stop_sequence, usage_of(answer.usage))
+        return self.message(content, answer.finish_reason, answer.stop_sequence, usage_of(answer.usage))
 
     def opening(self) -> list[bytes]:
         usage = usage_of({"prompt_tokens": self.prompt_tokens, "completion_tokens": 0})
@@ -143,3 +142,8 @@ class MessagesRenderer:
         """The open block's end (none before the first)."""
         self._open_kind = None
         return [_event("content_block_stop", index=self._count - 1)] if self._count else []
+
+
+# An Anthropic message: its usage at the start counts the prompt
+MESSAGES_DIALECT = Dialect("msg", True, "messages",
+                           lambda answering: MessagesRenderer(answering.identity, len(answering.prompt_ids)))

@@ -18,6 +18,7 @@ from typing import Annotated, Any, Literal
 from pydantic import ConfigDict, Field, Strict, field_validator, model_validator
 
 from services.gateway.api_model import WHOLE, APIModel, Bool, NonEmpty, Seed, bounds, refuse_kinds, text_of, when
+from services.gateway.errors import invalid
 from services.gateway.generation_request import Conversation, GenerationRequest
 from services.gateway.openai_schema import (
     ChatMessage,
@@ -97,6 +98,9 @@ class AssistantMessage(APIModel):
 
 
 InputMessage = Annotated[UserMessage | AssistantMessage, Field(discriminator="role")]
+# at least one message that is a turn: text, or a text, tool_use or tool_result block (thinking alone is none)
+_A_TURN = {"contains": {"anyOf": [{"properties": {"content": {"type": "string"}}}, {"properties": {"content": {
+    "type": "array", "contains": {"properties": {"type": {"enum": ["text", "tool_use", "tool_result"]}}}}}}]}}
 
 
 class ClientTool(APIModel):
@@ -123,14 +127,15 @@ class ToolChoice(APIModel):
 
 class Thinking(APIModel):
     model_config = ConfigDict(json_schema_extra=when("type", {"const": "enabled"}, {
-        "required": ["budget_tokens"], "properties": {"budget_tokens": {"type": "integer"}}}))
+        "required": ["budget_tokens"], "properties": {"budget_tokens": {"type": "integer", "minimum": 1}}}))
 
     type: Literal["enabled", "adaptive", "disabled"]
-    budget_tokens: Annotated[int, Strict(), Field(ge=1), WHOLE] | None = None
+    budget_tokens: Any = None  # taken as given: `max_tokens` bounds reasoning and answer
 
     @model_validator(mode="after")
     def _budget(self) -> Thinking:
-        if self.type == "enabled" and self.budget_tokens is None:
+        budget = self.budget_tokens
+        if self.type == "enabled" and (not isinstance(budget, int) or isinstance(budget, bool) or budget < 1):
             raise ValueError("thinking of type enabled needs budget_tokens, a positive integer")
         return self
 
@@ -142,7 +147,7 @@ class CountTokensRequest(APIModel):
     """The prompt of a Messages request: what count_tokens counts."""
 
     model: str | None = None
-    messages: Annotated[list[InputMessage], Field(min_length=1)]
+    messages: Annotated[list[InputMessage], Field(min_length=1, json_schema_extra=_A_TURN)]
     system: str | list[TextBlock] | None = None
     tools: list[ClientTool] | None = None
     tool_choice: ToolChoice | None = None
@@ -193,6 +198,8 @@ class CountTokensRequest(APIModel):
             if texts or calls:
                 out.append(ChatMessage(role=message.role, content="".join(texts) or None, tool_calls=calls or None,
                                        reasoning_content="".join(thoughts) if thoughts else None))
+        if not any(m.role != "system" for m in out):  # thinking alone is no turn
+            raise invalid("messages must hold at least one turn of text, tool_use or tool_result", "messages")
         return out
 
 

@@ -15,6 +15,7 @@ from typing import Annotated, Any, Literal
 from pydantic import ConfigDict, Field, Strict, WithJsonSchema, field_validator
 
 from services.gateway.api_model import (
+    FORCED_CALL,
     NEEDS_TOOLS,
     WHOLE,
     APIModel,
@@ -33,6 +34,7 @@ from services.gateway.generation_request import Conversation, GenerationRequest
 from shared.messages import SamplingSpec
 
 MAX_N = 16  # choices per request
+RESERVED_VARIABLES = {"messages", "tools", "add_generation_prompt", "add_special_tokens"}  # the request's own
 TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for function names
 ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"]
 # A function's name and its arguments' JSON Schema (an object's) as the schema states them; tool_calling checks
@@ -186,15 +188,14 @@ class OpenAIRequest(APIModel):
 
 
 LogprobCount = Annotated[int, Strict(), bounds("logprobs"), WHOLE]
-_FORCED_CALL = {"anyOf": [{"const": "required"}, {"type": "object"}]}
 
 
 class ChatCompletionRequest(OpenAIRequest):
     model_config = ConfigDict(json_schema_extra={"allOf": [
         STREAM_OPTIONS_NEED_STREAM,
         when("top_logprobs", {"type": "integer"}, needs("logprobs", True)),
-        when("tool_choice", _FORCED_CALL, NEEDS_TOOLS),
-        when("tool_choice", _FORCED_CALL, {"properties": {"response_format": {
+        when("tool_choice", FORCED_CALL, NEEDS_TOOLS),
+        when("tool_choice", FORCED_CALL, {"properties": {"response_format": {
             "anyOf": [{"type": "null"}, {"properties": {"type": {"const": "text"}}}]}}}),
     ]})
 
@@ -208,12 +209,13 @@ class ChatCompletionRequest(OpenAIRequest):
     # reasoning models: "none" turns thinking off through the template's `enable_thinking`; the others turn
     # it on and reach the template as `reasoning_effort` (templates that grade effort read it)
     reasoning_effort: ReasoningEffort | None = None
-    chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: extra variables for the chat template
+    chat_template_kwargs: Annotated[dict[str, Any], Field(json_schema_extra={"propertyNames": {
+        "not": {"enum": sorted(RESERVED_VARIABLES)}}})] | None = None  # vLLM's: extra variables for the template
 
     @field_validator("chat_template_kwargs")
     @classmethod
     def _no_reserved_variables(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
-        taken = sorted(set(value or ()) & {"messages", "tools", "add_generation_prompt", "add_special_tokens"})
+        taken = sorted(set(value or ()) & RESERVED_VARIABLES)
         if taken:
             raise ValueError(f"chat_template_kwargs may not set {', '.join(taken)}: the request's own fields do")
         return value
@@ -231,7 +233,7 @@ class ChatCompletionRequest(OpenAIRequest):
 
     def conversation(self) -> Conversation:
         return Conversation(self.messages, self.tools, self.tool_choice, self.parallel_tool_calls,
-                            self.template_variables(), self.response_format)
+                            self.template_variables())
 
 
 Prompt = NonEmpty | Annotated[list[NonEmpty], Field(min_length=1, max_length=1)] | \

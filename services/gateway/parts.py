@@ -89,7 +89,7 @@ class End:
     choice: int
     finish_reason: str  # `tool_calls` where the answer made calls (finish_with_calls)
     usage: dict[str, Any]
-    stop_sequence: str | None
+    stop_sequence: str | None  # the stop string that ended it (None once it made calls: they ended it)
     text: str = ""
     logprobs: list[Entry] | None = None
 
@@ -98,7 +98,7 @@ Part = Begin | Reasoning | Text | CallStart | CallArguments | End
 
 
 @dataclass
-class _Choice:
+class _ChoiceState:
     """What a streamed choice's reading holds between its events."""
 
     calls: ToolCallStream | None
@@ -123,7 +123,7 @@ def _call_parts(choice: int, deltas: list[CallDelta], ids: dict[int, str]) -> li
     return out
 
 
-def event_parts(reading: Reading, index: int, state: _Choice, event: TextEvent) -> list[Part]:
+def _event_parts(reading: Reading, index: int, state: _ChoiceState, event: TextEvent) -> list[Part]:
     """One event of choice `index` as parts (module docstring)."""
     out: list[Part] = []
     if not state.started:
@@ -149,7 +149,8 @@ def event_parts(reading: Reading, index: int, state: _Choice, event: TextEvent) 
                 text, logprobs = "", None
             out += _call_parts(index, deltas, state.call_ids)
     if finish is not None:
-        out.append(End(index, finish, event.usage or {}, event.stop_sequence, text, logprobs))
+        called = state.calls is not None and state.calls.called
+        out.append(End(index, finish, event.usage or {}, None if called else event.stop_sequence, text, logprobs))
     elif text or logprobs is not None:
         out.append(Text(index, text, logprobs))
     return out
@@ -159,15 +160,15 @@ async def answer_parts(reading: Reading, first: tuple[int, TextEvent] | None,
                        next_event: Callable[[], Awaitable[tuple[int, TextEvent] | None]]) -> AsyncIterator[Part]:
     """The parts of a streamed answer's choices, as their events come (`first`, then each `next_event()`;
     None when all choices are over)."""
-    states: dict[int, _Choice] = {}
+    states: dict[int, _ChoiceState] = {}
     item = first
     while item is not None:
         index, event = item
         state = states.get(index)
         if state is None:
-            state = states[index] = _Choice(ToolCallStream(reading.functions) if reading.functions is not None
+            state = states[index] = _ChoiceState(ToolCallStream(reading.functions) if reading.functions is not None
                                             else None)
-        for part in event_parts(reading, index, state, event):
+        for part in _event_parts(reading, index, state, event):
             yield part
         item = await next_event()
 
@@ -194,7 +195,7 @@ class Answer:
     stop_sequence: str | None
 
 
-def whole_answer(reading: Reading, index: int, texts: list[str], reasoning: list[str], entries: list[Entry],
+def _whole_answer(reading: Reading, index: int, texts: list[str], reasoning: list[str], entries: list[Entry],
                  event: TextEvent) -> Answer:
     """A finished choice, its calls read from the answer where functions were offered."""
     text = "".join(texts)
@@ -209,7 +210,8 @@ def whole_answer(reading: Reading, index: int, texts: list[str], reasoning: list
     finish = finish_with_calls(event.finish_reason, bool(calls))
     assert finish is not None, "a whole answer has ended"
     return Answer(index, text, content if calls else text, calls, "".join(reasoning) if reading.reasoning else None,
-                  entries if reading.logprobs else None, finish, event.usage or {}, event.stop_sequence)
+                  entries if reading.logprobs else None, finish, event.usage or {},
+                  None if calls else event.stop_sequence)
 
 
 async def _collect_one(reading: Reading, index: int, generation: Generation) -> Answer:
@@ -222,7 +224,7 @@ async def _collect_one(reading: Reading, index: int, generation: Generation) -> 
         reasoning.append(event.reasoning)
         entries += new
         if event.finish_reason is not None:
-            return whole_answer(reading, index, texts, reasoning, entries, event)
+            return _whole_answer(reading, index, texts, reasoning, entries, event)
     raise AssertionError("events() ended without a finish reason")
 
 

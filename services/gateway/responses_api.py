@@ -18,7 +18,7 @@ from services.gateway.errors import APIError, json_bytes
 from services.gateway.generation import cached_tokens, reasoning_tokens
 from services.gateway.parts import Answer, CallArguments, CallStart, End, Part, Reasoning, Text
 from services.gateway.responses_schema import ResponsesRequest
-from services.gateway.streaming import Identity
+from services.gateway.streaming import Dialect, Identity
 
 
 def _usage(usage: dict[str, Any]) -> dict[str, Any]:
@@ -186,3 +186,8 @@ class ResponsesRenderer:
 
 
 _TEXT_KINDS = {"reasoning": "reasoning_text", "message": "output_text"}
+
+
+def responses_dialect(body: ResponsesRequest) -> Dialect:
+    """A Response: its settings echo the request's."""
+    return Dialect("resp", True, "input", lambda answering: ResponsesRenderer(body, answering.identity))

@@ -14,6 +14,7 @@ from typing import Annotated, Any, Literal
 from pydantic import ConfigDict, Discriminator, Field, Strict, Tag, ValidationInfo, WithJsonSchema, field_validator
 
 from services.gateway.api_model import (
+    FORCED_CALL,
     NEEDS_TOOLS,
     WHOLE,
     APIModel,
@@ -91,7 +92,7 @@ class MessageItem(APIModel):
 
 
 class ReasoningText(APIModel):
-    type: Literal["reasoning_text", "summary_text"] = "reasoning_text"
+    type: str = "reasoning_text"  # reasoning_text, summary_text: the text is what counts
     text: str
 
 
@@ -108,15 +109,15 @@ class ReasoningItem(APIModel):
 
 class FunctionCallItem(APIModel):
     type: Literal["function_call"]
-    call_id: str
+    call_id: str | None = None
     name: str
     arguments: str
 
 
 class FunctionCallOutputItem(APIModel):
     type: Literal["function_call_output"]
-    call_id: str
-    output: Any  # text, or any JSON (sent to the model as its JSON text)
+    call_id: str | None = None
+    output: Any = None  # text, or any JSON (sent to the model as its JSON text)
 
 
 def _item_kind(item: Any) -> str:
@@ -143,13 +144,10 @@ class NamedFunctionChoice(APIModel):
     name: str
 
 
-_FORCED = {"anyOf": [{"const": "required"}, {"type": "object"}]}
-
-
 class ResponsesRequest(APIModel):
     model_config = ConfigDict(json_schema_extra={"allOf": [
-        when("tool_choice", _FORCED, NEEDS_TOOLS),
-        when("tool_choice", _FORCED, {"properties": {"text": {"anyOf": [{"type": "null"}, {"properties": {
+        when("tool_choice", FORCED_CALL, NEEDS_TOOLS),
+        when("tool_choice", FORCED_CALL, {"properties": {"text": {"anyOf": [{"type": "null"}, {"properties": {
             "format": {"anyOf": [{"type": "null"}, {"properties": {"type": {"const": "text"}}}]}}}]}}}),
     ]})
 
@@ -213,7 +211,7 @@ class ResponsesRequest(APIModel):
             choice = self.tool_choice
         effort = self.reasoning.effort if self.reasoning is not None else None
         return Conversation(self._messages(), tools or None, choice, self.parallel_tool_calls,
-                            effort_variables(effort), self.response_format())
+                            effort_variables(effort))
 
     def _messages(self) -> list[ChatMessage]:
         """The input items as chat turns (module docstring); a 400 when there is no turn."""

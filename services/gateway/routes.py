@@ -15,14 +15,13 @@ from starlette.responses import Response
 from services.gateway.answering import generate
 from services.gateway.context import Gateway, GatewayDep, check_api_key, check_model, render_chat
 from services.gateway.errors import JSONResponse, invalid
-from services.gateway.generation_request import Conversation
-from services.gateway.messages_api import MessagesRenderer
+from services.gateway.generation_request import Conversation, GenerationRequest
+from services.gateway.messages_api import MESSAGES_DIALECT
 from services.gateway.messages_schema import CountTokensRequest, MessagesRequest
 from services.gateway.openai_render import openai_dialect
 from services.gateway.openai_schema import ChatCompletionRequest, CompletionRequest, OpenAIRequest
-from services.gateway.responses_api import ResponsesRenderer
+from services.gateway.responses_api import responses_dialect
 from services.gateway.responses_schema import ResponsesRequest
-from services.gateway.streaming import Dialect
 from services.gateway.tool_calling import ToolRequest, template_messages, tool_request
 
 MAX_PROMPT_LOGPROBS = 200_000  # an echoed prompt's entries x (alternatives + 1): they travel in one NATS message
@@ -46,9 +45,10 @@ async def retrieve_model(model: str, gateway: GatewayDep) -> Response:
     return JSONResponse(_model_entry(gateway))
 
 
-async def _chat_prompt(gateway: Gateway, body: Conversation) -> tuple[ToolRequest | None, list[int]]:
-    """The conversation's tools, checked, and its prompt ids with them."""
-    tools = tool_request(body)
+async def _chat_prompt(gateway: Gateway, body: Conversation, generation: GenerationRequest | None = None
+                       ) -> tuple[ToolRequest | None, list[int]]:
+    """The conversation's tools, checked (against the request's `response_format`), and its prompt ids."""
+    tools = tool_request(body, generation.response_format if generation is not None else None)
     messages, variables = template_messages(body.messages, tools, gateway.tokenizer)
     variables |= body.template_variables
     return tools, await run_in_threadpool(lambda: render_chat(gateway.tokenizer, messages, **variables))
@@ -65,9 +65,10 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, gatewa
     _check_openai(gateway, body)
     if body.top_logprobs is not None and not body.logprobs:
         raise invalid("when using `top_logprobs`, `logprobs` must be set to true", "top_logprobs")
-    tools, prompt_ids = await _chat_prompt(gateway, body.conversation())
-    return await generate(request, gateway, body.generation(), prompt_ids,
-                          openai_dialect(gateway.tokenizer, body, chat=True), tools=tools)
+    generation = body.generation()
+    tools, prompt_ids = await _chat_prompt(gateway, body.conversation(), generation)
+    return await generate(request, gateway, generation, prompt_ids, openai_dialect(gateway.tokenizer, body, chat=True),
+                          tools=tools)
 
 
 @api.post("/completions")
@@ -96,19 +97,18 @@ async def completions(body: CompletionRequest, request: Request, gateway: Gatewa
 async def responses(body: ResponsesRequest, request: Request, gateway: GatewayDep) -> Response:
     """OpenAI's Responses API, stateless (services.gateway.responses_api)."""
     check_model(gateway, body.model)
-    tools, prompt_ids = await _chat_prompt(gateway, body.conversation())
-    dialect = Dialect("resp", True, "input", lambda answering: ResponsesRenderer(body, answering.identity))
-    return await generate(request, gateway, body.generation(), prompt_ids, dialect, tools=tools)
+    generation = body.generation()
+    tools, prompt_ids = await _chat_prompt(gateway, body.conversation(), generation)
+    return await generate(request, gateway, generation, prompt_ids, responses_dialect(body), tools=tools)
 
 
 @api.post("/messages")
 async def messages(body: MessagesRequest, request: Request, gateway: GatewayDep) -> Response:
     """Anthropic's Messages API, stateless (services.gateway.messages_api)."""
     check_model(gateway, body.model)
-    tools, prompt_ids = await _chat_prompt(gateway, body.conversation())
-    dialect = Dialect("msg", True, "messages",
-                      lambda answering: MessagesRenderer(answering.identity, len(answering.prompt_ids)))
-    return await generate(request, gateway, body.generation(), prompt_ids, dialect, tools=tools)
+    generation = body.generation()
+    tools, prompt_ids = await _chat_prompt(gateway, body.conversation(), generation)
+    return await generate(request, gateway, generation, prompt_ids, MESSAGES_DIALECT, tools=tools)
 
 
 @api.post("/messages/count_tokens")

@@ -40,17 +40,29 @@ class Identity:
 
 
 class Renderer(Protocol):
-    """One API's dialect: an answer's parts (services.gateway.parts) as that API's bytes, or its whole body."""
+    """One API's dialect: an answer's parts (services.gateway.parts) as that API's bytes, or its whole body.
+    A stream is `opening`, then `part` for each part, then `closing`; or, when the answer fails after the
+    status line went out, `error` in place of what is left (the API's error event and its end)."""
 
-    def opening(self) -> list[bytes]: ...
+    def opening(self) -> list[bytes]:
+        """What a stream says before any part (a Response's `created` and `in_progress`)."""
+        ...
 
-    def part(self, part: Part) -> list[bytes]: ...
+    def part(self, part: Part) -> list[bytes]:
+        """One part in this dialect (nothing where the dialect has no word for it)."""
+        ...
 
-    def closing(self) -> list[bytes]: ...
+    def closing(self) -> list[bytes]:
+        """What a stream says once every choice ended (OpenAI's usage chunk and `[DONE]`)."""
+        ...
 
-    def error(self, exc: APIError) -> list[bytes]: ...
+    def error(self, exc: APIError) -> list[bytes]:
+        """A failure after the status line: the dialect's error event, then its end."""
+        ...
 
-    def whole(self, answers: list[Answer]) -> dict[str, Any]: ...
+    def whole(self, answers: list[Answer]) -> dict[str, Any]:
+        """The body of a non-streamed answer, its choices in order."""
+        ...
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,5 @@
-"""Tool calling on chat completions: `tools` and `tool_choice` checked, the conversation rendered with
-them, the grammar that forces a call, and the answer's calls in OpenAI's `tool_calls` shape.
+"""Tool calling, for every chat-like API's `Conversation`: the tools and tool choice checked, the conversation
+rendered with them, and the grammar that forces a call (the answer's calls are read in services.gateway.parts).
 
 Rendering: a chat template that reads `tools` (Qwen, Llama 3.x, Hermes, ...) gets them, and earlier calls
 with their arguments as objects, as transformers passes them. A template that does not (SmolLM2's) gets
@@ -17,7 +17,7 @@ from typing import Any
 
 from services.gateway.errors import invalid
 from services.gateway.generation_request import Conversation
-from services.gateway.openai_schema import TOOL_NAME, ChatMessage, NamedToolChoice
+from services.gateway.openai_schema import TOOL_NAME, ChatMessage, NamedToolChoice, ResponseFormat
 from services.gateway.tool_call_syntax import Function, ToolCall, call_lark, hermes_block
 from shared.model.tokenizer import Tokenizer
 
@@ -54,8 +54,9 @@ class ToolRequest:
         return None
 
 
-def tool_request(body: Conversation) -> ToolRequest | None:
-    """The request's tools, checked (a 400 names what is wrong); None when it offers none."""
+def tool_request(body: Conversation, form: ResponseFormat | None = None) -> ToolRequest | None:
+    """The request's tools, checked (a 400 names what is wrong; a forced call may not have a `response_format`
+    `form` too); None when it offers none."""
     choice = body.tool_choice
     named = choice.function.name if isinstance(choice, NamedToolChoice) else None
     if not body.tools:
@@ -80,7 +81,6 @@ def tool_request(body: Conversation) -> ToolRequest | None:
         raise invalid(f"tool_choice names {named!r}, which is not one of the tools ({', '.join(names)})",
                       "tool_choice")
     kind = "function" if named is not None else (choice or "auto")
-    form = body.response_format
     if kind in ("required", "function") and form is not None and form.type != "text":
         raise invalid("a forced tool call (tool_choice required or a function) cannot also have a "
                       "response_format", "response_format")

@@ -42,7 +42,8 @@ def smollm2() -> Tokenizer:
 
 def _render(tokenizer: Tokenizer, body: dict[str, Any]) -> str:
     request = ChatCompletionRequest.model_validate({"messages": HISTORY, **body})
-    messages, variables = template_messages(request.messages, tool_request(request.conversation()), tokenizer)
+    tools = tool_request(request.conversation(), request.response_format)
+    messages, variables = template_messages(request.messages, tools, tokenizer)
     return tokenizer.apply_chat_template(messages, **variables)
 
 
@@ -69,5 +70,5 @@ def test_a_template_that_reads_tools_gets_them(smollm2: Tokenizer) -> None:
 def test_tool_choice_needs_tools() -> None:
     request = ChatCompletionRequest.model_validate({"messages": HISTORY, "tool_choice": "required"})
     with pytest.raises(APIError) as info:
-        tool_request(request.conversation())
+        tool_request(request.conversation(), request.response_format)
     assert (info.value.status, info.value.param) == (400, "tool_choice") and "needs `tools`" in info.value.message
