@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 from shared.messages import SamplingSpec
 
 if TYPE_CHECKING:
-    from services.gateway.openai_schema import ChatMessage, NamedToolChoice, ResponseFormat, ToolSpec
+    from services.gateway.conversation_schema import ChatMessage, NamedToolChoice, ResponseFormat, ToolSpec
 
 
 @dataclass(frozen=True)

@@ -18,9 +18,7 @@ from typing import Annotated, Any, Literal
 from pydantic import ConfigDict, Field, Strict, field_validator, model_validator
 
 from services.gateway.api_model import WHOLE, APIModel, Bool, NonEmpty, Seed, bounds, refuse_kinds, text_of, when
-from services.gateway.errors import invalid
-from services.gateway.generation_request import Conversation, GenerationRequest
-from services.gateway.openai_schema import (
+from services.gateway.conversation_schema import (
     ChatMessage,
     FunctionCallSpec,
     FunctionName,
@@ -31,6 +29,8 @@ from services.gateway.openai_schema import (
     ToolCallSpec,
     ToolSpec,
 )
+from services.gateway.errors import invalid
+from services.gateway.generation_request import Conversation, GenerationRequest
 from shared.messages import SamplingSpec
 
 

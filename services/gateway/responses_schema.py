@@ -26,9 +26,7 @@ from services.gateway.api_model import (
     text_of,
     when,
 )
-from services.gateway.errors import invalid, json_bytes
-from services.gateway.generation_request import Conversation, GenerationRequest
-from services.gateway.openai_schema import (
+from services.gateway.conversation_schema import (
     ChatMessage,
     FunctionCallSpec,
     FunctionName,
@@ -43,6 +41,8 @@ from services.gateway.openai_schema import (
     ToolSpec,
     effort_variables,
 )
+from services.gateway.errors import invalid, json_bytes
+from services.gateway.generation_request import Conversation, GenerationRequest
 from shared.messages import SamplingSpec
 
 TEXT_PARTS = ("input_text", "output_text", "text")

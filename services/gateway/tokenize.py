@@ -20,8 +20,8 @@ from starlette.responses import Response
 
 from services.gateway.api_model import APIModel, Bool, TokenId
 from services.gateway.context import GatewayDep, check_api_key, check_model, render_chat
+from services.gateway.conversation_schema import ChatMessage
 from services.gateway.errors import JSONResponse, invalid
-from services.gateway.openai_schema import ChatMessage
 from services.gateway.tool_calling import template_messages
 
 router = APIRouter(dependencies=[Depends(check_api_key)])

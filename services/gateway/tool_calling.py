@@ -15,9 +15,9 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from services.gateway.conversation_schema import TOOL_NAME, ChatMessage, NamedToolChoice, ResponseFormat
 from services.gateway.errors import invalid
 from services.gateway.generation_request import Conversation
-from services.gateway.openai_schema import TOOL_NAME, ChatMessage, NamedToolChoice, ResponseFormat
 from services.gateway.tool_call_syntax import Function, ToolCall, call_lark, hermes_block
 from shared.model.tokenizer import Tokenizer
 
