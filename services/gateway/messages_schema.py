@@ -134,8 +134,10 @@ class Thinking(APIModel):
 
     @model_validator(mode="after")
     def _budget(self) -> Thinking:
-        budget = self.budget_tokens
-        if self.type == "enabled" and (not isinstance(budget, int) or isinstance(budget, bool) or budget < 1):
+        budget = self.budget_tokens  # an integer as JSON has it (2.0 is one), as every int field takes it
+        whole = (isinstance(budget, int) and not isinstance(budget, bool)) or (
+            isinstance(budget, float) and budget.is_integer())
+        if self.type == "enabled" and not (whole and budget >= 1):
             raise ValueError("thinking of type enabled needs budget_tokens, a positive integer")
         return self
 
