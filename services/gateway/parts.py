@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from services.gateway.generation import Generation, TextEvent
@@ -97,16 +97,7 @@ class End:
 Part = Begin | Reasoning | Text | CallStart | CallArguments | End
 
 
-@dataclass
-class _ChoiceState:
-    """What a streamed choice's reading holds between its events."""
-
-    calls: ToolCallStream | None
-    started: bool = False
-    call_ids: dict[int, str] = field(default_factory=dict)
-
-
-def _call_parts(choice: int, deltas: list[CallDelta], ids: dict[int, str]) -> list[Part]:
+def _call_parts(choice: int, deltas: list[CallDelta]) -> list[Part]:
     """Call pieces as parts: a call's name and its arguments' first piece in one `CallStart`, the pieces of one
     call in a row as one `CallArguments`."""
     out: list[Part] = []
@@ -116,22 +107,18 @@ def _call_parts(choice: int, deltas: list[CallDelta], ids: dict[int, str]) -> li
             out[-1] = (CallStart(choice, d.index, last.call_id, last.name, last.arguments + d.arguments)
                        if isinstance(last, CallStart) else CallArguments(choice, d.index, last.arguments + d.arguments))
         elif d.name is not None:
-            ids[d.index] = new_call_id()
-            out.append(CallStart(choice, d.index, ids[d.index], d.name, d.arguments))
+            out.append(CallStart(choice, d.index, new_call_id(), d.name, d.arguments))
         else:
             out.append(CallArguments(choice, d.index, d.arguments))
     return out
 
 
-def _event_parts(reading: Reading, index: int, state: _ChoiceState, event: TextEvent) -> list[Part]:
-    """One event of choice `index` as parts (module docstring)."""
-    out: list[Part] = []
-    if not state.started:
-        out.append(Begin(index))
-        text, entries = reading.first(event)
-        state.started = True
-    else:
-        text, entries = event.text, event.logprobs
+def _event_parts(reading: Reading, index: int, calls: ToolCallStream | None, event: TextEvent, *,
+                 first: bool) -> list[Part]:
+    """One event of choice `index` as parts (module docstring); `calls` reads the choice's calls across its
+    events, `first`: the choice's first event."""
+    out: list[Part] = [Begin(index)] if first else []
+    text, entries = reading.first(event) if first else (event.text, event.logprobs)
     logprobs = entries if reading.logprobs else None
     final = event.finish_reason is not None
     if event.reasoning:  # reasoning first: its pieces never hold call syntax or the answer
@@ -140,16 +127,16 @@ def _event_parts(reading: Reading, index: int, state: _ChoiceState, event: TextE
         if not text and not final:
             return out
     finish = event.finish_reason
-    if state.calls is not None:  # content up to where a call may begin; each call's name, then its arguments
-        text, deltas = state.calls.take(text, final)
-        finish = finish_with_calls(finish, state.calls.called)
+    if calls is not None:  # content up to where a call may begin; each call's name, then its arguments
+        text, deltas = calls.take(text, final)
+        finish = finish_with_calls(finish, calls.called)
         if deltas:
             if text or logprobs is not None:
                 out.append(Text(index, text, logprobs))
                 text, logprobs = "", None
-            out += _call_parts(index, deltas, state.call_ids)
+            out += _call_parts(index, deltas)
     if finish is not None:
-        called = state.calls is not None and state.calls.called
+        called = calls is not None and calls.called
         out.append(End(index, finish, event.usage or {}, None if called else event.stop_sequence, text, logprobs))
     elif text or logprobs is not None:
         out.append(Text(index, text, logprobs))
@@ -160,15 +147,14 @@ async def answer_parts(reading: Reading, first: tuple[int, TextEvent] | None,
                        next_event: Callable[[], Awaitable[tuple[int, TextEvent] | None]]) -> AsyncIterator[Part]:
     """The parts of a streamed answer's choices, as their events come (`first`, then each `next_event()`;
     None when all choices are over)."""
-    states: dict[int, _ChoiceState] = {}
+    readers: dict[int, ToolCallStream | None] = {}  # each choice's, from its first event on
     item = first
     while item is not None:
         index, event = item
-        state = states.get(index)
-        if state is None:
-            state = states[index] = _ChoiceState(ToolCallStream(reading.functions) if reading.functions is not None
-                                            else None)
-        for part in _event_parts(reading, index, state, event):
+        new = index not in readers
+        if new:
+            readers[index] = ToolCallStream(reading.functions) if reading.functions is not None else None
+        for part in _event_parts(reading, index, readers[index], event, first=new):
             yield part
         item = await next_event()
 
