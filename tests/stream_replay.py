@@ -150,6 +150,17 @@ def answers(base_url: str, model: str, cases: list[tuple[str, str, dict[str, Any
     return out
 
 
+_CHOICE = re.compile(r'"choices":\[\{"index":(\d+)')
+
+
+def choices_in_order(text: str) -> str:
+    """A stream's events with each choice's together, in choice order (a stable sort: each choice's own events
+    keep their order; the events of no choice, usage and [DONE], come last as they came). With n > 1 choices
+    the generators take turns as their tokens come, which is a matter of timing, not of the renderer."""
+    events = text.split("\n\n")
+    return "\n\n".join(sorted(events, key=lambda e: int(m[1]) if (m := _CHOICE.search(e)) else 1 << 30))
+
+
 def first_difference(recorded: str, now: str) -> tuple[str, str]:
     """The first line where an answer differs from its recording: (recorded, now)."""
     for before, after in zip(recorded.splitlines(), now.splitlines(), strict=False):
@@ -167,7 +178,8 @@ def replay(path: Path, base_url: str, model: str,
         path.write_text(json.dumps(now, indent=1, ensure_ascii=False) + "\n")
     recorded: dict[str, str] = json.loads(path.read_text())
     assert sorted(recorded) == sorted(now)
-    return [(name, *first_difference(recorded[name], now[name])) for name in recorded if recorded[name] != now[name]]
+    ordered = {name: (choices_in_order(recorded[name]), choices_in_order(now[name])) for name in recorded}
+    return [(name, *first_difference(*pair)) for name, pair in ordered.items() if pair[0] != pair[1]]
 
 REASONING_TOOLS = [{"type": "function", "function": {
     "name": "get_weather", "description": "The weather in a city",

@@ -1,4 +1,4 @@
-"""The short fault campaign (benchmarks/chaos.py, seed 1, ~60 s of load) on the tiny checkpoint: kills and
+"""The short fault campaign (benchmarks/chaos.py, seed 1, ~40 s of load) on the tiny checkpoint: kills and
 hangs of every worker, the scheduler and either gateway, and kills aimed at a seam peer mid-hop, a KV
 handoff and a role change, while a mixed load runs on P/D pools. Every request ends with its no-fault
 answer, token for token (streams: each token once, then `[DONE]`), or a typed error; none is lost or hung,
@@ -13,7 +13,7 @@ from benchmarks.chaos import campaign
 from tools.chaos.campaign import Plan
 from tools.chaos.faults import TARGETED
 
-PLAN = Plan(seed=1, standard_s=10.0, fault_s=45.0, recovery_s=10.0, concurrency=3, fault_gap_s=4.0, bound_s=120.0)
+PLAN = Plan(seed=1, standard_s=5.0, fault_s=28.0, recovery_s=5.0, concurrency=3, fault_gap_s=3.0, bound_s=120.0)
 
 
 def test_a_short_campaign_loses_nothing(tiny_chat_checkpoint: Path) -> None:
