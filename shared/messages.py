@@ -260,6 +260,8 @@ class Register(Message):
     # can serve the whole model (`colocate`), which the global scheduler may assign `colocated`
     halves: list[Role] = Field(default_factory=list)
     gpu_memory_bytes: float = 0.0  # its GPU's memory (NVML's total, or the emulated profile's); 0: unknown
+    # a worker group (--attention-tp, --ffn-tp, --ffn-ep): its ranks' devices, rank 0 (this registrant) first
+    group_devices: list[str] = Field(default_factory=list)
 
 
 class RegisterReply(Message):
@@ -335,8 +337,19 @@ class PhaseLatency(Message):
     count: int
 
 
+class DeviceReading(Message):
+    """One rank's GPU in a worker group's telemetry."""
+
+    rank: int
+    device: str
+    clock_mhz: int
+    power_w: float
+    energy_j: float  # monotonic
+
+
 class WorkerTelemetry(Message):
-    """`aflex.v1.telemetry.<role>.<wid>`: a worker's GPU and work, at the telemetry rate (10 Hz)."""
+    """`aflex.v1.telemetry.<role>.<wid>`: a worker's GPU and work, at the telemetry rate (10 Hz). A worker
+    group's rank 0 reports the group: `power_w` and `energy_j` are its devices' sums, `devices` each one."""
 
     worker_id: str
     role: Role
@@ -356,6 +369,7 @@ class WorkerTelemetry(Message):
     tokens_done: int = 0  # monotonic
     microbatches_done: int = 0  # monotonic
     assignment: Assignment | None = None  # the global scheduler's latest for it (None: none received)
+    devices: list[DeviceReading] = Field(default_factory=list)  # a group's ranks, rank 0 first ([]: one device)
 
 
 class RoleAssignment(Message):

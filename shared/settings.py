@@ -161,6 +161,21 @@ class WorkerSettings(ServiceSettings):
     seam_host: str = Field(
         default="", description="the address an FFN worker advertises for its torch seam (default: this machine's "
                         "address on the route to the NATS server)")
+    group_rank: int = Field(
+        default=0, ge=0, description="this process's rank in its worker group: 0 is the group's face on NATS (it "
+                                     "starts the others unless --no-group-spawn); the others follow it")
+    group_address: str = Field(
+        default="", description="ranks > 0: rank 0's group store, gloo://host:port (rank 0 hands it to the ranks "
+                                "it starts)")
+    group_port: int = Field(
+        default=0, ge=0, description="rank 0: the port of its group store (0: a free one; fix it when the other "
+                                     "ranks run on other hosts)")
+    group_spawn: bool = Field(
+        default=True, description="rank 0 starts the group's other ranks on this host, one per device from "
+                                  "--device on (off: they are started elsewhere, e.g. by a LeaderWorkerSet)")
+    group_timeout_s: float = Field(
+        default=30.0, gt=0, description="the longest a rank waits for the others in a step: a rank that hangs "
+                                        "fails its group's step after this, one that dies at once")
 
 
 class AttentionWorkerSettings(WorkerSettings):
@@ -175,8 +190,23 @@ class AttentionWorkerSettings(WorkerSettings):
     colocate: bool = Field(
         default=False, description="also load the FFN half, so that the global scheduler may run the whole model "
                                    "here (assignment colocated: no FFN worker, no per-layer hop)")
+    attention_tp: int = Field(
+        default=1, ge=1, description="devices (ranks) of this worker's tensor-parallel group: heads split over "
+                                     "them, and both halves with --colocate")
+
+    @property
+    def group_size(self) -> int:
+        return self.attention_tp
 
 
 class FFNWorkerSettings(WorkerSettings):
     worker_id: str = Field(default="ffn-0", description="unique id; becomes a NATS subject token")
     merge_microbatches: bool = Field(default=True, description="stack queued microbatches of one layer into one GEMM")
+    ffn_tp: int = Field(default=1, ge=1, description="tensor-parallel ranks of this FFN group: the FFN width split "
+                                                     "over them (an MoE: each expert's)")
+    ffn_ep: int = Field(default=1, ge=1, description="expert-parallel ranks of this FFN group (an MoE's experts "
+                                                     "split over them); the group has ffn_tp * ffn_ep ranks")
+
+    @property
+    def group_size(self) -> int:
+        return self.ffn_tp * self.ffn_ep

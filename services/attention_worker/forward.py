@@ -17,29 +17,53 @@ import torch
 from torch import Tensor
 
 from services.attention_worker.done_report import MicrobatchTiming
-from services.attention_worker.local_ffn import FFNPath
+from services.attention_worker.follower import ATTEND, END, PASS, pass_args
+from services.attention_worker.local_ffn import FFNPath, LocalFFN
 from services.attention_worker.logprob_rows import PromptPart, prompt_parts, sampled_logprobs
 from services.attention_worker.sequences import Admitted
 from services.worker_base.gpu import WorkerGPU
+from services.worker_base.rank_group import clock_state
 from shared.gpu.base import OperatorWork
 from shared.gpu.workload import attention_work, lm_head_work
 from shared.kinds import ClockPhase, clock_phase
 from shared.messages import MicrobatchDescriptor, SeqResult, TokenLogprob
 from shared.model.attention import AttentionHalf, AttentionMeta, PagedKVStore
 from shared.model.sampling import sample_next_tokens
+from shared.transport.device_group import DeviceGroup, leading
 
 log = logging.getLogger("aflex.attention_worker")
 
 
 async def forward(model: AttentionHalf, kv: PagedKVStore, worker_gpu: WorkerGPU, hops: FFNPath,
-                  desc: MicrobatchDescriptor, admitted: list[Admitted], timing: MicrobatchTiming
+                  desc: MicrobatchDescriptor, admitted: list[Admitted], timing: MicrobatchTiming,
+                  group: DeviceGroup | None = None, block_size: int = 0
                   ) -> tuple[list[int], list[TokenLogprob | None], dict[int, PromptPart]]:
     """The sampled tokens and their logprobs (of the sequences that sample, in order), and the echoed
-    prompts' logprob parts by index into `admitted`."""
+    prompts' logprob parts by index into `admitted`. Rank 0 of a `group` tells its followers each step
+    first (follower.py); their energy joins the microbatch's at the end."""
+    if group is None:
+        return await _forward(model, kv, worker_gpu, hops, desc, admitted, timing, None)
+    with group.lock:
+        group.send(PASS, mb_id=desc.mb_id, phase=clock_phase(desc.phase), clock=clock_state(worker_gpu),
+                   **pass_args(admitted, block_size))
+    try:
+        return await _forward(model, kv, worker_gpu, hops, desc, admitted, timing, group)
+    finally:
+        if not group.broken:
+            with group.step(END, mb_id=desc.mb_id):
+                attention_j, ffn_j = group.sum_floats([0.0, 0.0])
+            timing.attention_energy_j += attention_j
+            timing.ffn_energy_j += ffn_j
+
+
+async def _forward(model: AttentionHalf, kv: PagedKVStore, worker_gpu: WorkerGPU, hops: FFNPath,
+                   desc: MicrobatchDescriptor, admitted: list[Admitted], timing: MicrobatchTiming,
+                   group: DeviceGroup | None) -> tuple[list[int], list[TokenLogprob | None], dict[int, PromptPart]]:
     gpu, controller, meter = worker_gpu.gpu, worker_gpu.controller, worker_gpu.meter
     phase = clock_phase(desc.phase)
     device = model.embed_tokens.weight.device
     dtype_bytes = model.weight_bytes
+    local = isinstance(hops, LocalFFN)  # a group's followers then hold each layer's FFN output themselves
     t = time.perf_counter()
     with torch.inference_mode():
         meta = AttentionMeta.build([a.seq_pass for a in admitted], device)
@@ -54,7 +78,8 @@ async def forward(model: AttentionHalf, kv: PagedKVStore, worker_gpu: WorkerGPU,
         controller.before_microbatch(phase)
         energy0 = gpu.total_energy_j()
         t = time.perf_counter()
-        with torch.inference_mode():
+        sent = [] if ffn_out is None or local else [ffn_out]
+        with torch.inference_mode(), leading(group, ATTEND, sent, mb_id=desc.mb_id, layer=layer):
             residual, ffn_in = model.attend(layer, residual, ffn_out, rope, meta, kv)
         attend_s = time.perf_counter() - t
         t = time.perf_counter()

@@ -21,10 +21,10 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from services.attention_worker.sequences import SequenceTable
-from shared.error_types import KV_HANDOFF_UNREACHABLE, ErrorType
+from services.attention_worker.sequences import SequenceRefused, SequenceTable
+from shared.error_types import KV_HANDOFF_MISSING, KV_HANDOFF_UNREACHABLE, ErrorType
 from shared.errors import AFlexError
-from shared.messages import ErrorBody, KVHandoff, KVHandoffReply
+from shared.messages import ErrorBody, KVHandoff, KVHandoffReply, SeqWork
 from shared.model.attention import PagedKVStore
 from shared.transport.header import SeamHeader
 from shared.transport.seam import Frame, Peer, Seam, SeamError
@@ -140,3 +140,19 @@ class KVHandoffs:
         self.sent += 1
         self.sent_bytes += nbytes
         return KVHandoffReply(handoff_id=req.handoff_id, ok=True, nbytes=nbytes, seconds=time.perf_counter() - started)
+
+
+def adopt(sequences: SequenceTable, kv: PagedKVStore, handoffs: KVHandoffs, work: SeqWork) -> None:
+    """A handed-off sequence's first pass here: its KV, arrived on the KV seam, into fresh blocks."""
+    assert work.kv_from is not None
+    arrived = handoffs.take(work.kv_from)
+    if arrived is None:
+        raise SequenceRefused(KV_HANDOFF_MISSING, f"sequence {work.seq_id}: the KV of handoff {work.kv_from} is "
+                              f"not on {handoffs.worker_id} (resend it from start_pos 0)", ErrorType.SERVER_ERROR)
+    slots = sequences.adopt(work)
+    try:
+        with torch.inference_mode():
+            unpack(kv, slots, arrived)
+    except KVHandoffError as exc:
+        sequences.free(work.seq_id)
+        raise SequenceRefused(KV_HANDOFF_MISSING, f"sequence {work.seq_id}: {exc}", ErrorType.SERVER_ERROR) from None

@@ -14,11 +14,13 @@ from typing import Protocol
 
 from torch import Tensor
 
+from services.attention_worker.follower import FFN
 from services.worker_base.ffn_forward import ffn_forward
 from services.worker_base.gpu import WorkerGPU
 from shared.kinds import clock_phase
 from shared.messages import MicrobatchDescriptor
 from shared.model.ffn import FFNHalf
+from shared.transport.device_group import DeviceGroup, leading
 
 
 class FFNPath(Protocol):
@@ -32,13 +34,18 @@ class FFNPath(Protocol):
 
 
 class LocalFFN:
-    def __init__(self, model: FFNHalf, worker_gpu: WorkerGPU) -> None:
-        self.model, self.worker_gpu = model, worker_gpu
+    """This worker's FFN half; in a group, every rank's share of it (the followers' over their own copy of the
+    FFN input: follower.py)."""
+
+    def __init__(self, model: FFNHalf, worker_gpu: WorkerGPU, group: DeviceGroup | None = None) -> None:
+        self.model, self.worker_gpu, self.group = model, worker_gpu, group
 
     async def round_trip(self, desc: MicrobatchDescriptor, layer: int, ffn_in: Tensor,
                          while_waiting: Callable[[], None] | None = None, *, block: bool = False
                          ) -> tuple[Tensor, float, float]:
         if while_waiting is not None:  # the attention layer's accounting first, as on the seam path
             while_waiting()
-        out, energy_j, measured_s = ffn_forward(self.model, self.worker_gpu, layer, clock_phase(desc.phase), ffn_in)
+        phase = clock_phase(desc.phase)
+        with leading(self.group, FFN, mb_id=desc.mb_id, layer=layer, phase=phase):
+            out, energy_j, measured_s = ffn_forward(self.model, self.worker_gpu, layer, phase, ffn_in)
         return out.to(dtype=ffn_in.dtype), energy_j, measured_s

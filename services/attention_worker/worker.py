@@ -15,23 +15,25 @@ import logging
 import time
 from contextlib import AsyncExitStack
 
-import torch
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 
 from services.attention_worker.done_report import Failures, MicrobatchTiming, microbatch_done, undecodable
 from services.attention_worker.ffn_hops import FFN_FAILED, FFNHops, FFNReplyError
+from services.attention_worker.follower import LOAD, RELEASE, follow
 from services.attention_worker.forward import commit, forward
-from services.attention_worker.kv_handoff import KVHandoffError, KVHandoffs, unpack
+from services.attention_worker.halves import Halves, load_halves
+from services.attention_worker.kv_handoff import KVHandoffs, adopt
 from services.attention_worker.local_ffn import FFNPath, LocalFFN
 from services.attention_worker.microbatch_book import MicrobatchBook, MicrobatchEntry
 from services.attention_worker.sequences import Admitted, SequenceRefused, SequenceTable
 from services.worker_base.gpu import WorkerGPU
-from services.worker_base.loading import eos_token_ids, load_half, parameter_bytes
+from services.worker_base.loading import eos_token_ids
 from services.worker_base.parking import ColdParking
 from services.worker_base.presence import Presence, RoleFollower, registration
+from services.worker_base.rank_group import GroupLeader, group_devices
 from shared import subjects
-from shared.error_types import KV_HANDOFF_MISSING, ErrorType
+from shared.error_types import ErrorType
 from shared.errors import AFlexError
 from shared.gpu.base import GPU
 from shared.lifecycle import stop_on_signals
@@ -42,16 +44,15 @@ from shared.messages import (
     MicrobatchDone,
     ProtocolError,
     SeqResult,
-    SeqWork,
     decode,
     encode,
 )
 from shared.model.attention import AttentionHalf, PagedKVStore
-from shared.model.cpu_kernels import load_kernels
 from shared.model.ffn import FFNHalf
 from shared.model.kv_cache import BlockAllocator, BlockTables
 from shared.settings import AttentionWorkerSettings
 from shared.transport import bus
+from shared.transport.device_group import GroupError
 from shared.transport.seam import Frame, Seam
 from shared.transport.seam_factory import make_seam
 
@@ -83,46 +84,53 @@ class AttentionWorker:
         self.gpu: WorkerGPU | None = None
         self.parking: ColdParking | None = None
         self.weight_bytes = 0
+        self.halves: Halves | None = None
+        # rank 0 of a group of devices (--attention-tp): the other ranks follow it (follower.py)
+        self.leader = GroupLeader(settings, "attention-worker", settings.group_size) if settings.group_size > 1 \
+            else None
 
     # -- lifecycle ------------------------------------------------------------------------------
 
     def load(self) -> None:
-        """Load the attention half and allocate the KV cache (blocking)."""
-        checkpoint, module = load_half(self.settings, AttentionHalf)
-        self.model, self.model_id = module, checkpoint.model_id
-        self.weight_bytes = parameter_bytes(module)
-        if self.settings.colocate:
-            _, ffn = load_half(self.settings, FFNHalf)
-            self.weight_bytes += parameter_bytes(ffn)
-            with torch.inference_mode():  # the FFN's first forward loads its CPU kernels (seconds): here, in the
-                ffn(0, torch.zeros(1, ffn.args.dim, device=ffn.device, dtype=ffn.activation_dtype))  # load thread
-            self.ffn = ffn
-        n_blocks, block_size = self.settings.num_kv_blocks, self.settings.block_size
-        weight = module.embed_tokens.weight
-        if weight.device.type == "cpu":  # the attention kernels build on first use (~30 s where no build is cached):
-            load_kernels()  # here, in the load thread, not on the event loop's first forward, where heartbeats stop
-        self.kv = PagedKVStore(module.args, n_blocks * block_size, weight.dtype, weight.device)
-        tables = BlockTables(BlockAllocator(n_blocks, block_size))
-        self.sequences = SequenceTable(tables, eos_token_ids(checkpoint), module.args.vocab_size,
-                                       module.args.max_seq_len, checkpoint.tokenizer)
+        """Load the halves (this rank's share in a group) and allocate the KV cache (blocking)."""
+        if self.leader is not None:  # loading again after a cold park: the followers too
+            self.leader.tell(LOAD)
+        halves = load_halves(self.settings)
+        checkpoint, args = halves.checkpoint, halves.model.args
+        self.model, self.ffn, self.kv, self.model_id = halves.model, halves.ffn, halves.kv, checkpoint.model_id
+        self.weight_bytes = halves.weight_bytes
+        tables = BlockTables(BlockAllocator(self.settings.num_kv_blocks, self.settings.block_size))
+        self.sequences = SequenceTable(tables, eos_token_ids(checkpoint), args.vocab_size, args.max_seq_len,
+                                       checkpoint.tokenizer)
+        if self.leader is not None and self.leader.group is not None:
+            halves.reduce_over(self.leader.group)
+        self.halves = halves
 
     async def run(self, stop: asyncio.Event | None = None) -> None:
         """Serve until `stop` is set (or SIGTERM/SIGINT), then drain: no new work, what is here finishes (up to
         `drain_timeout_s`, `Presence.drain`); then finish in-flight microbatches, unsubscribe, close."""
         stop = stop or asyncio.Event()
         with stop_on_signals(stop):
-            if self.model is None:
+            if self.leader is not None:  # rank 0 of a group: the others start and load too
+                group = await asyncio.to_thread(self.leader.form_with, self.load)
+                assert self.halves is not None
+                self.halves.reduce_over(group)
+            elif self.model is None:
                 await asyncio.to_thread(self.load)
             gc.freeze()  # see the FFN worker: no full collection walks the model's objects mid-microbatch
             assert self.model is not None and self.sequences is not None
             s, args = self.settings, self.model.args
             async with AsyncExitStack() as stack:  # each step's undo pushed as it starts: they run in reverse
+                if self.leader is not None:  # the followers go last, once nothing runs any more
+                    stack.push_async_callback(asyncio.to_thread, self.leader.close)
                 self.nc = nc = await bus.connect(s.nats_url, name=f"aflex-attention-{self.worker_id}",
                                                  on_disconnect=self._connection_dropped, user=s.nats_user,
                                                  password=s.nats_password)
                 stack.callback(log.info, "attention worker %s stopped", self.worker_id)
                 stack.push_async_callback(bus.close, nc)
                 self.gpu = gpu = WorkerGPU(s, self.worker_id, "attention", self._gpu_arg)
+                if self.leader is not None:
+                    self.leader.report_to(gpu.meter)
                 stack.push_async_callback(gpu.stop)  # resets the clock
                 gpu.meter.kv(0, self.sequences.total_blocks)
                 self.parking = ColdParking(self.worker_id, gpu.gpu, release=self._release_weights, load=self.load,
@@ -137,7 +145,8 @@ class AttentionWorker:
                 stack.push_async_callback(seam.close)
                 await seam.start()
                 self.seam = self.hops.seam = seam
-                if s.seam_transport == "torch":  # P/D handoffs: KV between attention workers, never through NATS
+                if s.seam_transport == "torch" and self.leader is None:  # P/D handoffs: KV between attention workers
+                    # over the seam, never through NATS (a group takes none yet: its KV is split over its ranks)
                     kv_seam = make_seam("torch", self.worker_id, nc, self.handoffs.on_frame, self.handoffs.peer_lost,
                                         listen=True, nats_url=s.nats_url, device=s.device, host=s.seam_host)
                     stack.push_async_callback(kv_seam.close)
@@ -150,7 +159,8 @@ class AttentionWorker:
                                      kv_total_blocks=self.sequences.total_blocks, block_size=s.block_size,
                                      max_seq_len=args.max_seq_len, gpu=gpu.gpu, seam_address=seam.address,
                                      kv_address=self.handoffs.seam.address if self.handoffs.seam else "",
-                                     halves=["attention", "ffn"] if self.ffn is not None else []),
+                                     halves=["attention", "ffn"] if self.ffn is not None else [],
+                                     group_devices=group_devices(s, s.group_size)),
                     self._heartbeat, period_s=s.heartbeat_period_s, register_timeout_s=s.register_timeout_s,
                     on_new_scheduler=self._forget_sequences)
                 stack.push_async_callback(presence.stop)
@@ -178,6 +188,8 @@ class AttentionWorker:
     def _release_weights(self) -> None:
         """Parked cold and holding nothing: the model and the KV cache go (the empty block tables stay)."""
         self.model = self.kv = self.ffn = None
+        if self.leader is not None:
+            self.leader.tell(RELEASE)
 
     def _holds_nothing(self) -> bool:
         return not self._tasks and self.sequences is not None and len(self.sequences) == 0
@@ -188,13 +200,19 @@ class AttentionWorker:
         if self.settings.seam_transport == "nats":
             self.hops.connection_dropped()
 
+    def _energy_j(self) -> float | None:
+        """This worker's GPU energy counter; a group's devices' summed."""
+        if self.gpu is None:
+            return None
+        return self.gpu.gpu.total_energy_j() + (self.leader.followers_energy_j() if self.leader is not None else 0.0)
+
     def _heartbeat(self) -> Heartbeat:
         assert self.sequences is not None
         return Heartbeat(worker_id=self.worker_id, role="attention", ts=time.time(),
                          kv_free_blocks=self.sequences.free_blocks, kv_total_blocks=self.sequences.total_blocks,
                          queue_depth=self.book.queue_depth, active_mb_ids=self.book.active_mb_ids(),
                          newest_mb_id=self.book.newest_mb_id,
-                         gpu_energy_j=self.gpu.gpu.total_energy_j() if self.gpu is not None else None)
+                         gpu_energy_j=self._energy_j())
 
     # -- dispatch -------------------------------------------------------------------------------
 
@@ -300,6 +318,10 @@ class AttentionWorker:
                 self._meter_after(admitted, results)
             timing.total_s = time.perf_counter() - started
             await self._publish_done(self._done(desc.mb_id, failures, results, timing))
+            if self.leader is not None and self.leader.group is not None and self.leader.group.broken:
+                if self.nc is not None:  # the failed Done reaches the scheduler before this process ends
+                    await self.nc.flush()
+                self.leader.check(GroupError("a step failed"))
 
     def _admit(self, desc: MicrobatchDescriptor, entry: MicrobatchEntry, admitted: list[Admitted],
                failures: Failures) -> None:
@@ -312,7 +334,8 @@ class AttentionWorker:
                 continue
             try:
                 if work.kv_from is not None and work.seq_id not in self.sequences:
-                    self._adopt(work)
+                    assert self.kv is not None
+                    adopt(self.sequences, self.kv, self.handoffs, work)
                 admitted.append(self.sequences.admit(work))
             except SequenceRefused as exc:
                 failures.add(work.seq_id, exc.error_type, exc.code, str(exc))
@@ -320,22 +343,6 @@ class AttentionWorker:
             if admitted[-1].copies and self.kv is not None:  # a shared block, before this pass writes it
                 self.kv.copy_blocks(admitted[-1].copies, self.sequences.block_tables.block_size)
             entry.claim(work.seq_id)
-
-    def _adopt(self, work: SeqWork) -> None:
-        """A handed-off sequence's first pass here: its KV, arrived on the KV seam, into fresh blocks."""
-        assert self.sequences is not None and self.kv is not None and work.kv_from is not None
-        arrived = self.handoffs.take(work.kv_from)
-        if arrived is None:
-            raise SequenceRefused(KV_HANDOFF_MISSING, f"sequence {work.seq_id}: the KV of handoff {work.kv_from} is "
-                                  f"not on {self.worker_id} (resend it from start_pos 0)", ErrorType.SERVER_ERROR)
-        slots = self.sequences.adopt(work)
-        try:
-            with torch.inference_mode():
-                unpack(self.kv, slots, arrived)
-        except KVHandoffError as exc:
-            self.sequences.free(work.seq_id)
-            raise SequenceRefused(KV_HANDOFF_MISSING, f"sequence {work.seq_id}: {exc}",
-                                  ErrorType.SERVER_ERROR) from None
 
     def _meter_after(self, admitted: list[Admitted], results: list[SeqResult]) -> None:
         """The meter once a microbatch has left: queue depth, KV in use, and its tokens when it produced any."""
@@ -361,8 +368,10 @@ class AttentionWorker:
                        ) -> list[SeqResult]:
         """The microbatch's forward (`forward.py`), committed to its sequences."""
         assert self.model is not None and self.kv is not None and self.gpu is not None
+        group = self.leader.group if self.leader is not None else None
+        assert self.sequences is not None
         results = commit(admitted, *await forward(self.model, self.kv, self.gpu, self._ffn_path(desc), desc,
-                                                  admitted, timing))
+                                                  admitted, timing, group, self.sequences.block_tables.block_size))
         assert self.sequences is not None
         self.sequences.name_computed(admitted)  # their K/V are written: full blocks join the prefix cache
         return results
@@ -375,7 +384,7 @@ class AttentionWorker:
         if self.ffn is None or self.gpu is None:
             raise FFNReplyError(f"microbatch {desc.mb_id} asks attention worker {self.worker_id} to run the FFN "
                                 f"itself, but it holds no FFN half (start it with --colocate)", FFN_FAILED)
-        return LocalFFN(self.ffn, self.gpu)
+        return LocalFFN(self.ffn, self.gpu, self.leader.group if self.leader is not None else None)
 
     def _done(self, mb_id: str, failures: Failures, results: list[SeqResult],
               timing: MicrobatchTiming | None = None) -> MicrobatchDone:
@@ -392,5 +401,9 @@ class AttentionWorker:
 
 
 async def run(settings: AttentionWorkerSettings, *, stop: asyncio.Event | None = None) -> None:
-    """The `aflex attention-worker` service: serve until `stop` is set or SIGTERM, then drain and exit."""
+    """The `aflex attention-worker` service: serve until `stop` is set or SIGTERM, then drain and exit; a rank > 0
+    of a group follows its rank 0 instead (follower.py)."""
+    if settings.group_rank > 0:
+        await asyncio.to_thread(follow, settings)
+        return
     await AttentionWorker(settings).run(stop)

@@ -18,12 +18,14 @@ import torch
 from nats.aio.client import Client
 from torch import Tensor
 
+from services.ffn_worker.follower import LOAD, RELEASE, follow, lead_ffn
 from services.ffn_worker.serving import ServingQueue, Work
 from services.worker_base.ffn_forward import ffn_forward
 from services.worker_base.gpu import WorkerGPU
 from services.worker_base.loading import load_half, parameter_bytes
 from services.worker_base.parking import ColdParking
 from services.worker_base.presence import Presence, RoleFollower, registration
+from services.worker_base.rank_group import GroupLeader, group_devices
 from shared import subjects
 from shared.errors import AFlexError
 from shared.gpu.base import GPU
@@ -63,20 +65,30 @@ class FFNWorker:
         self.parking: ColdParking | None = None
         self.args: ModelArgs | None = None  # the model's shape, kept while its weights are released
         self.weight_bytes = 0
+        # rank 0 of a group of devices (--ffn-tp, --ffn-ep): the other ranks follow it (follower.py)
+        self.leader = GroupLeader(settings, "ffn-worker", settings.group_size) if settings.group_size > 1 else None
 
     # -- lifecycle ------------------------------------------------------------------------------
 
     def load(self) -> None:
+        """This rank's share of the FFN half (all of it outside a group); a group's other ranks load theirs."""
+        if self.leader is not None:  # loading again after a cold park: the followers too
+            self.leader.tell(LOAD)
         checkpoint, self.model = load_half(self.settings, FFNHalf)
         self.model_id, self.args = checkpoint.model_id, self.model.args
         self.weight_bytes = parameter_bytes(self.model)
+        if self.leader is not None and self.leader.group is not None:
+            self.model.reduce = self.leader.group.all_reduce
 
     async def run(self, stop: asyncio.Event | None = None) -> None:
         """Serve until `stop` is set (or SIGTERM/SIGINT); then drain (`Presence.drain`: the scheduler sends its
         microbatches elsewhere, or none are left), unsubscribe, serve what is queued, close."""
         stop = stop or asyncio.Event()
         with stop_on_signals(stop):
-            if self.model is None:
+            if self.leader is not None:  # rank 0 of a group: the others start and load too
+                group = await asyncio.to_thread(self.leader.form_with, self.load)
+                self.model.reduce = group.all_reduce  # type: ignore[union-attr]
+            elif self.model is None:
                 await asyncio.to_thread(self.load)
             # What exists now (the model, torch, nats) lives as long as the worker: out of the
             # collector's sight, a full collection no longer walks it all in the middle of a hop.
@@ -84,11 +96,15 @@ class FFNWorker:
             assert self.model is not None
             s = self.settings
             async with AsyncExitStack() as stack:  # each step's undo pushed as it starts: they run in reverse
+                if self.leader is not None:  # the followers go last, once nothing is served any more
+                    stack.push_async_callback(asyncio.to_thread, self.leader.close)
                 self.nc = nc = await bus.connect(s.nats_url, name=f"aflex-ffn-{self.worker_id}", user=s.nats_user,
                                                  password=s.nats_password)
                 stack.callback(log.info, "ffn worker %s stopped", self.worker_id)
                 stack.push_async_callback(bus.close, nc)
                 self.gpu = gpu = WorkerGPU(s, self.worker_id, "ffn", self._gpu_arg)
+                if self.leader is not None:
+                    self.leader.report_to(gpu.meter)
                 stack.push_async_callback(gpu.stop)  # resets the clock
                 stack.callback(self.queue.stop)
                 self.parking = ColdParking(self.worker_id, gpu.gpu, release=self._release_weights, load=self.load,
@@ -103,7 +119,8 @@ class FFNWorker:
                 stack.push_async_callback(self._close_seam, seam)
                 await seam.start()
                 presence = Presence(nc, registration(self.worker_id, "ffn", self.model_id, self.model.args.n_layers,
-                                                     gpu=gpu.gpu, seam_address=seam.address),
+                                                     gpu=gpu.gpu, seam_address=seam.address,
+                                                     group_devices=group_devices(s, s.group_size)),
                                     self._heartbeat, period_s=s.heartbeat_period_s,
                                     register_timeout_s=s.register_timeout_s)
                 stack.push_async_callback(presence.stop)
@@ -118,10 +135,16 @@ class FFNWorker:
         await asyncio.to_thread(self.queue.idle.wait, SHUTDOWN_GRACE_S)
         await seam.close()
 
+    def _energy_j(self) -> float | None:
+        """This worker's GPU energy counter; a group's devices' summed."""
+        if self.gpu is None:
+            return None
+        return self.gpu.gpu.total_energy_j() + (self.leader.followers_energy_j() if self.leader is not None else 0.0)
+
     def _heartbeat(self) -> Heartbeat:
         return Heartbeat(worker_id=self.worker_id, role="ffn", ts=time.time(), queue_depth=len(self.queue),
                          seam_address=self.seam.address if self.seam is not None else "",
-                         gpu_energy_j=self.gpu.gpu.total_energy_j() if self.gpu is not None else None)
+                         gpu_energy_j=self._energy_j())
 
     # -- receiving ------------------------------------------------------------------------------
 
@@ -162,7 +185,11 @@ class FFNWorker:
         phase: ClockPhase = "prefill" if any(w.request.header.phase == "prefill" for w in batch) else "decode"
         rows = [w.hidden.shape[0] for w in batch]
         x = batch[0].hidden if len(batch) == 1 else torch.cat([w.hidden for w in batch])
-        out, energy, measured_s = ffn_forward(model, worker_gpu, batch[0].layer, phase, x)
+        group = self.leader.group if self.leader is not None else None
+        if group is None:
+            out, energy, measured_s = ffn_forward(model, worker_gpu, batch[0].layer, phase, x)
+        else:  # every rank's share; the energy is the group's
+            out, energy, measured_s = lead_ffn(group, model, worker_gpu, batch[0].layer, phase, x)
         total_rows = sum(rows)
         meter = worker_gpu.meter
         meter.done(total_rows, len(batch))
@@ -175,8 +202,11 @@ class FFNWorker:
         return [part.to(dtype) for part in out.split(rows)], shares, measured_s
 
     def _release_weights(self) -> None:
-        """Parked cold with nothing queued: the weights go (the model's shape stays, to check frames)."""
+        """Parked cold with nothing queued: the weights go (the model's shape stays, to check frames), on every
+        rank of a group."""
         self.model = None
+        if self.leader is not None:
+            self.leader.tell(RELEASE)
 
     def _serve(self, batch: list[Work]) -> None:
         try:
@@ -187,6 +217,8 @@ class FFNWorker:
             log.exception("ffn worker %s: layer %d forward failed", self.worker_id, batch[0].layer)
             for work in batch:
                 self._reply_error(work.request, f"FFN forward failed: {exc}")
+            if self.leader is not None:  # a broken group ends this process, to be started again whole
+                self.leader.check(exc)
             return
         log.debug("ffn layer %d: %d frame(s), %d rows in one forward (%.2f ms)", batch[0].layer, len(batch),
                   sum(o.shape[0] for o in outputs), compute_s * 1e3)
@@ -214,5 +246,9 @@ class FFNWorker:
 
 
 async def run(settings: FFNWorkerSettings, *, stop: asyncio.Event | None = None) -> None:
-    """The `aflex ffn-worker` service: serve until `stop` is set or SIGTERM, then drain and exit."""
+    """The `aflex ffn-worker` service: serve until `stop` is set or SIGTERM, then drain and exit; a rank > 0 of a
+    group follows its rank 0 instead (follower.py)."""
+    if settings.group_rank > 0:
+        await asyncio.to_thread(follow, settings)
+        return
     await FFNWorker(settings).run(stop)

@@ -28,7 +28,13 @@ from services.launcher.children import ChildDeathHook, ChildExit, ChildSpec, Rol
 from services.launcher.restarts import RestartPolicy, Restarts
 from services.launcher.worker_gpus import device_env, reset_clock_hook, worker_devices
 from shared.errors import AFlexError
-from shared.settings import AttentionWorkerSettings, GatewaySettings, SchedulerSettings, WorkerSettings
+from shared.settings import (
+    AttentionWorkerSettings,
+    FFNWorkerSettings,
+    GatewaySettings,
+    SchedulerSettings,
+    WorkerSettings,
+)
 from shared.settings_flags import add_flags, env_of
 
 ON_FAILURE = RestartPolicy()  # a crashed child is started again (compose's `restart: on-failure`)
@@ -68,7 +74,8 @@ SCHEDULER_KNOBS = ("microbatch_depth", "batching", "freq_policy", "queue_deadlin
 GATEWAY_KNOBS = ("api_key",)
 WORKER_KNOBS = ("device", "dtype", "quantize", "torch_threads", "seam_transport", "gpu_backend", "gpu_profile",
                 "gpu_pace")  # (the flags of both are generated from these settings fields)
-ATTENTION_KNOBS = ("colocate",)  # the attention workers' own
+ATTENTION_KNOBS = ("colocate", "attention_tp")  # the attention workers' own
+FFN_KNOBS = ("ffn_tp", "ffn_ep")  # the FFN workers' own
 
 
 def describe_status(returncode: int) -> str:
@@ -283,6 +290,7 @@ def add_up_arguments(parser: argparse.ArgumentParser) -> None:
     add_flags(parser, GatewaySettings, only=GATEWAY_KNOBS)
     add_flags(parser, WorkerSettings, only=WORKER_KNOBS, aliases={"gpu_backend": ("--gpu-control",)})
     add_flags(parser, AttentionWorkerSettings, only=ATTENTION_KNOBS)
+    add_flags(parser, FFNWorkerSettings, only=FFN_KNOBS)
     parser.add_argument("--ready-timeout", type=float, default=300.0, metavar="SECONDS",
                         help="how long to wait for the gateway's /ready")
     parser.add_argument("--grace", type=float, default=10.0, metavar="SECONDS",
@@ -332,18 +340,22 @@ def build_commands(args: argparse.Namespace) -> list[ChildSpec]:
     model = {"model": str(args.model)}
     worker = {k: getattr(args, k) for k in WORKER_KNOBS}
     attention = {k: getattr(args, k) for k in ATTENTION_KNOBS}
-    n_workers = args.attention_workers + args.ffn_workers
+    ffn = {k: getattr(args, k) for k in FFN_KNOBS}
+    names = [f"attn-{i}" for i in range(args.attention_workers)] + [f"ffn-{i}" for i in range(args.ffn_workers)]
+    # each worker's devices: one per rank of its group (--attention-tp, --ffn-tp x --ffn-ep)
+    ffn_size = (ffn["ffn_tp"] or 1) * (ffn["ffn_ep"] or 1)
+    sizes = [(attention["attention_tp"] or 1) if name.startswith("attn") else ffn_size for name in names]
     split_cores = worker["torch_threads"] is None and not os.environ.get("AFLEX_TORCH_THREADS")  # else as given
     real_gpus = worker["gpu_backend"] in (None, "auto", "nvml", "nvml-readonly")
-    devices = worker_devices(n_workers) if real_gpus else [None] * n_workers
+    devices = worker_devices(sizes) if real_gpus else [None] * len(names)
     scheduler = {k: getattr(args, k) for k in SCHEDULER_KNOBS}
     specs = [ChildSpec("scheduler", "scheduler", [*cli, "scheduler"], env_of({**model, **scheduler}))]
-    names = [f"attn-{i}" for i in range(args.attention_workers)] + [f"ffn-{i}" for i in range(args.ffn_workers)]
-    for name, device in zip(names, devices, strict=True):
+    for name, device, size in zip(names, devices, sizes, strict=True):
         role: Role = "attention-worker" if name.startswith("attn") else "ffn-worker"
-        own = attention if role == "attention-worker" else {}
-        if split_cores:
-            own = {**own, "torch_threads": torch_threads(role, args.attention_workers, args.ffn_workers)}
+        own = attention if role == "attention-worker" else ffn
+        if split_cores:  # a group's ranks share their worker's cores
+            threads = torch_threads(role, args.attention_workers, args.ffn_workers)
+            own = {**own, "torch_threads": max(1, threads // size)}
         env = env_of({**model, **worker, **own, "worker_id": name}) | device_env(device)
         specs.append(ChildSpec(name, role, [*cli, role], env))
     gateway = {k: getattr(args, k) for k in GATEWAY_KNOBS}

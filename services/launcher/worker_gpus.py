@@ -17,10 +17,11 @@ def device_env(device: str | None) -> dict[str, str]:
     return {} if device is None else {"CUDA_VISIBLE_DEVICES": device}
 
 
-def worker_devices(n_workers: int) -> list[str | None]:
-    """One GPU per worker when the host has enough (so each runs at its own clock), else None each.
+def worker_devices(sizes: Sequence[int]) -> list[str | None]:
+    """Each worker's GPUs (`CUDA_VISIBLE_DEVICES`: one per rank of a group of `sizes[i]`) when the host has
+    enough (so each runs at its own clock), else None each.
 
-    With fewer GPUs than workers nothing is pinned: the workers share what CUDA_VISIBLE_DEVICES
+    With fewer GPUs than ranks nothing is pinned: the workers share what CUDA_VISIBLE_DEVICES
     shows them, and a clock command of one moves the clock of the others on the same GPU.
     """
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
@@ -37,9 +38,10 @@ def worker_devices(n_workers: int) -> list[str | None]:
                 pynvml.nvmlShutdown()
         except Exception:  # no NVML library or driver: no GPUs to pin
             ids = []
-    if len(ids) < n_workers:
-        return [None] * n_workers
-    return list(ids[:n_workers])
+    if len(ids) < sum(sizes):
+        return [None] * len(sizes)
+    firsts = [sum(sizes[:i]) for i in range(len(sizes))]
+    return [",".join(ids[first:first + size]) for first, size in zip(firsts, sizes, strict=True)]
 
 
 def reset_clock_hook(specs: Sequence[ChildSpec]) -> ChildDeathHook:
@@ -71,14 +73,17 @@ def reset_clock_hook(specs: Sequence[ChildSpec]) -> ChildDeathHook:
         from shared.gpu.nvml import NvmlGPU
 
         device = spec.env.get("CUDA_VISIBLE_DEVICES")
-        try:
-            gpu = NvmlGPU(index=None if device is None else int(device.split(",")[0]))
+        indexes: list[int | None] = [None] if device is None else [int(d) for d in device.split(",") if d.strip()]
+        for index in indexes:  # every rank's GPU of a group
             try:
-                gpu.reset_sm_clock()
-            finally:
-                gpu.close()
-            print(f"aflex up: reset the GPU clock of {exit_.name}", file=sys.stderr, flush=True)
-        except (GPUError, ValueError) as exc:
-            print(f"aflex up: could not reset the GPU clock of {exit_.name}: {exc}", file=sys.stderr, flush=True)
+                gpu = NvmlGPU(index=index)
+                try:
+                    gpu.reset_sm_clock()
+                finally:
+                    gpu.close()
+                print(f"aflex up: reset the GPU clock of {exit_.name} (GPU {index})", file=sys.stderr, flush=True)
+            except (GPUError, ValueError) as exc:
+                print(f"aflex up: could not reset the GPU clock of {exit_.name}: {exc}", file=sys.stderr,
+                      flush=True)
 
     return reset

@@ -11,6 +11,7 @@ if TYPE_CHECKING:
     from torch import nn
 
     from shared.model.checkpoint import Checkpoint
+    from shared.model.sharding import Sharding
     from shared.settings import WorkerSettings
 
 HalfT = TypeVar("HalfT", bound="nn.Module")
@@ -25,8 +26,20 @@ def torch_dtype(name: str) -> torch.dtype:
     return dtype
 
 
+def rank_sharding(settings: WorkerSettings) -> Sharding:
+    """This rank's share of its worker group: an FFN group by `ffn_tp` x `ffn_ep`, an attention (or
+    whole-model) group by `attention_tp`, both halves alike."""
+    from shared.model.sharding import Sharding
+    from shared.settings import FFNWorkerSettings
+
+    if isinstance(settings, FFNWorkerSettings):
+        return Sharding(settings.group_rank, settings.ffn_tp, settings.ffn_ep)
+    return Sharding(settings.group_rank, getattr(settings, "attention_tp", 1))
+
+
 def load_half(settings: WorkerSettings, half: type[HalfT]) -> tuple[Checkpoint, HalfT]:
-    """Open the settings' checkpoint and load only `half`'s tensors (a worker never holds the other half).
+    """Open the settings' checkpoint and load only `half`'s tensors (a worker never holds the other half), only
+    this rank's share of them in a worker group.
 
     Blocking (reads weights): services call it through `asyncio.to_thread`.
     """
@@ -36,7 +49,8 @@ def load_half(settings: WorkerSettings, half: type[HalfT]) -> tuple[Checkpoint, 
 
     checkpoint = open_checkpoint(settings.model)
     load = load_attention_half if issubclass(half, AttentionHalf) else load_ffn_half
-    module = load(checkpoint.args, checkpoint.tensors, torch_dtype(settings.dtype), settings.device, settings.quantize)
+    module = load(checkpoint.args, checkpoint.tensors, torch_dtype(settings.dtype), settings.device, settings.quantize,
+                  rank_sharding(settings))
     if not isinstance(module, half):
         raise TypeError(f"asked to load a {half.__name__}, got a {type(module).__name__}")
     return checkpoint, module

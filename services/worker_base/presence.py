@@ -62,7 +62,7 @@ async def wait_stop(stop: asyncio.Event, timeout_s: float) -> bool:
 def registration(worker_id: str, role: Role, model_id: str, n_layers: int, *,
                  kv_total_blocks: int = 0, block_size: int = 0, max_seq_len: int = 0,
                  gpu: GPU | None = None, seam_address: str = "", kv_address: str = "",
-                 halves: list[Role] | None = None) -> Register:
+                 halves: list[Role] | None = None, group_devices: list[str] | None = None) -> Register:
     return Register(worker_id=worker_id, role=role, model_id=model_id, n_layers=n_layers,
                     kv_total_blocks=kv_total_blocks, block_size=block_size, max_seq_len=max_seq_len,
                     pid=os.getpid(), started_ts=time.time(),
@@ -71,6 +71,7 @@ def registration(worker_id: str, role: Role, model_id: str, n_layers: int, *,
                     gpu_profile=str(getattr(getattr(gpu, "profile", None), "key", "")),
                     supported_clocks_mhz=list(gpu.supported_sm_clocks_mhz()) if gpu is not None else [],
                     seam_address=seam_address, kv_address=kv_address, halves=halves or [],
+                    group_devices=group_devices or [],
                     gpu_memory_bytes=gpu.memory_bytes() if gpu is not None else 0.0)
 
 

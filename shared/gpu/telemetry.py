@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 
 from shared.gpu.base import GPU
 from shared.kinds import Assignment, Role
-from shared.messages import PhaseLatency, WorkerTelemetry, encode
+from shared.messages import DeviceReading, PhaseLatency, WorkerTelemetry, encode
 
 if TYPE_CHECKING:
     from nats.aio.client import Client
@@ -49,6 +49,9 @@ class WorkerMeter:
         self.kv_blocks_used = 0
         self.kv_blocks_total = 0
         self.assignment: Assignment | None = None  # the global scheduler's latest (None: none received)
+        # rank 0 of a worker group: its device, and the other ranks' latest readings (rank_group.py keeps them)
+        self.device = ""
+        self.followers: list[DeviceReading] = []
 
     def op(self, phase: str, measured_s: float, modelled_s: float) -> None:
         """One operator call (a layer's attention, an FFN forward, the lm_head) on the GPU."""
@@ -82,12 +85,17 @@ class WorkerMeter:
                    for phase, acc in self._phase.items() if acc[1] > 0}
         utilization = min(1.0, max(0.0, self.modelled_s / period))
         self._period_start, self.busy_s, self.modelled_s, self._phase = now, 0.0, 0.0, {}
+        power_w, energy_j, devices = gpu.power_w(), gpu.total_energy_j(), list(self.followers)
+        if devices:  # a group: rank 0's own reading first, the sums over every rank's
+            devices.insert(0, DeviceReading(rank=0, device=self.device, clock_mhz=gpu.sm_clock_mhz(),
+                                            power_w=power_w, energy_j=energy_j))
+            power_w, energy_j = sum(d.power_w for d in devices), sum(d.energy_j for d in devices)
         return WorkerTelemetry(
             worker_id=self.worker_id, role=self.role, ts=time.time() if ts is None else ts,
             gpu_backend=gpu.backend, gpu_name=gpu.name, clock_mhz=gpu.sm_clock_mhz(),
             target_clock_mhz=controller.target_clock_mhz if controller is not None else None,
             command_applied=controller.applied if controller is not None else True,
-            power_w=gpu.power_w(), energy_j=gpu.total_energy_j(), utilization=utilization,
+            power_w=power_w, energy_j=energy_j, utilization=utilization, devices=devices,
             latency_ms=latency, queue_depth=self.queue_depth, kv_blocks_used=self.kv_blocks_used,
             kv_blocks_total=self.kv_blocks_total, tokens_done=self.tokens_done,
             microbatches_done=self.microbatches_done, assignment=self.assignment)

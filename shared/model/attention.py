@@ -11,6 +11,7 @@ names map on by a prefix.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import cast
 
@@ -21,6 +22,7 @@ from torch import Tensor, nn
 from shared.model.config import ModelArgs
 from shared.model.cpu_kernels import CPUKernels, load_kernels
 from shared.model.layers import RMSNorm, RotaryEmbedding, apply_rope
+from shared.model.sharding import WHOLE, Sharding, attention_args
 from shared.model.split_point import add_rms_norm
 
 
@@ -244,11 +246,18 @@ class AttentionBlock(nn.Module):
 
 
 class AttentionHalf(nn.Module):
-    """Embeddings, all layers' attention, final norm and lm_head."""
+    """Embeddings, all layers' attention, final norm and lm_head.
 
-    def __init__(self, args: ModelArgs) -> None:
+    Built for one rank of a tensor-parallel group (`sharding`), it holds that rank's heads (sharding.py)
+    and `args` is the share's shape; `reduce` (the group's all-reduce, set by the group) sums the ranks'
+    o_proj outputs. The residual stream, norms, embeddings and lm_head are whole on every rank.
+    """
+
+    def __init__(self, args: ModelArgs, sharding: Sharding = WHOLE) -> None:
         super().__init__()
-        self.args = args
+        self.sharding = sharding
+        self.args = args = attention_args(args, sharding)
+        self.reduce: Callable[[Tensor], Tensor] | None = None
         # no init: every half is built on the meta device and filled (from a checkpoint, or randomly by the
         # benchmarks); nn.Embedding's own normal_ init on meta imports ~800 torch modules, 0.9 s a process
         self.embed_tokens = nn.Embedding(args.vocab_size, args.dim, _weight=torch.empty(args.vocab_size, args.dim))
@@ -296,7 +305,11 @@ class AttentionHalf(nn.Module):
             x = block.input_layernorm(residual)
         else:
             residual, x = add_rms_norm(residual, ffn_out, block.input_layernorm)
-        attn_out = block.self_attn(x, rope[0], rope[1], meta, kv.k[layer], kv.v[layer])
+        attn_out = block.self_attn(x, rope[0], rope[1], meta, kv.k[layer], kv.v[layer])  # [T, D]
+        if self.sharding.size > 1:  # this rank's heads' share: the group's sum is the layer's output
+            if self.reduce is None:
+                raise RuntimeError("a sharded attention half runs only inside its group (reduce is not set)")
+            attn_out = self.reduce(attn_out)
         residual, ffn_in = add_rms_norm(residual, attn_out, block.post_attention_layernorm)
         return residual, ffn_in
 

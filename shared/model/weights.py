@@ -20,6 +20,9 @@ from torch import nn
 from shared.errors import CheckpointError, DeviceError, MissingTensorError, TensorShapeError
 from shared.model.config import ModelArgs
 from shared.model.quant import check_quantization
+from shared.model.sharding import WHOLE, Sharding, attention_slice, ffn_slice
+
+Slice = tuple[int, int, int]  # (dim, start, length) of a checkpoint tensor that one rank of a group holds
 
 
 class TensorSource(Protocol):
@@ -120,8 +123,11 @@ def check_device(device: torch.device | str) -> torch.device:
 
 
 def load_module(module: nn.Module, tensors: TensorSource, name_of: dict[str, str],
-                dtype: torch.dtype, device: torch.device) -> None:
+                dtype: torch.dtype, device: torch.device, slices: dict[str, Slice] | None = None) -> None:
     """Fill a module built on the meta device with checkpoint tensors, checking every shape.
+
+    `slices`: the part of a tensor this module holds (a rank of a group: sharding.py), by module key; the
+    whole tensor's shape is checked against the checkpoint's through the slice.
 
     The tensors are assigned in place of the meta parameters (`load_state_dict(assign=True)`), not
     copied into `to_empty()` storage: `empty_like` of a meta tensor runs torch's Python meta kernels,
@@ -134,6 +140,12 @@ def load_module(module: nn.Module, tensors: TensorSource, name_of: dict[str, str
     values: dict[str, torch.Tensor] = {}
     for key, name in name_of.items():
         value = tensors.read(name)
+        part = (slices or {}).get(key)
+        if part is not None:
+            dim, start, length = part
+            if value.dim() <= dim or value.shape[dim] < start + length:
+                raise TensorShapeError(name, tuple(params[key].shape), tuple(value.shape), tensors.where(name))
+            value = value.narrow(dim, start, length)
         if tuple(value.shape) != tuple(params[key].shape):
             raise TensorShapeError(name, tuple(params[key].shape), tuple(value.shape), tensors.where(name))
         values[key] = value.to(device=device, dtype=dtype, copy=True)  # never a view of the file's mapping
@@ -144,33 +156,40 @@ def load_module(module: nn.Module, tensors: TensorSource, name_of: dict[str, str
 
 
 def _load_half(half: nn.Module, tensor_name: Callable[[str], str], tensors: TensorSource, dtype: torch.dtype,
-               device: torch.device | str, quantize: str) -> tuple[torch.device, str]:
-    """Fill a half built on the meta device with its checkpoint tensors; returns (device, quantization)."""
+               device: torch.device | str, quantize: str, part_of: Callable[[str], Slice | None]
+               ) -> tuple[torch.device, str]:
+    """Fill a half built on the meta device with its checkpoint tensors (`part_of` each, for a rank of a
+    group); returns (device, quantization)."""
     target = check_device(device)
     mode = check_quantization(quantize, target)
-    load_module(half, tensors, {key: tensor_name(key) for key, _ in half.named_parameters()}, dtype, target)
+    keys = [key for key, _ in half.named_parameters()]
+    slices = {key: part for key in keys if (part := part_of(key)) is not None}
+    load_module(half, tensors, {key: tensor_name(key) for key in keys}, dtype, target, slices)
     return target, mode
 
 
 def load_attention_half(args: ModelArgs, tensors: TensorSource, dtype: torch.dtype = torch.float32,
-                        device: torch.device | str = "cpu", quantize: str = "none") -> nn.Module:
+                        device: torch.device | str = "cpu", quantize: str = "none",
+                        sharding: Sharding = WHOLE) -> nn.Module:
     from shared.model.attention import AttentionHalf
 
     with torch.device("meta"):
-        half = AttentionHalf(args)
-    _, mode = _load_half(half, attention_tensor_name, tensors, dtype, device, quantize)
+        half = AttentionHalf(args, sharding)
+    _, mode = _load_half(half, attention_tensor_name, tensors, dtype, device, quantize,
+                         lambda key: attention_slice(key, args, sharding))
     if mode == "int8":
         half.quantize_int8()
     return half
 
 
 def load_ffn_half(args: ModelArgs, tensors: TensorSource, dtype: torch.dtype = torch.float32,
-                  device: torch.device | str = "cpu", quantize: str = "none") -> nn.Module:
+                  device: torch.device | str = "cpu", quantize: str = "none", sharding: Sharding = WHOLE) -> nn.Module:
     from shared.model.ffn import FFNHalf
 
     with torch.device("meta"):
-        half = FFNHalf(args)
-    target, mode = _load_half(half, lambda key: ffn_tensor_name(key, args), tensors, dtype, device, quantize)
+        half = FFNHalf(args, sharding)
+    target, mode = _load_half(half, lambda key: ffn_tensor_name(key, args), tensors, dtype, device, quantize,
+                              lambda key: ffn_slice(key, args, sharding))
     half.activation_dtype, half.device, half.weight_bytes = dtype, target, dtype.itemsize
     if mode == "int8":
         half.quantize_int8()
