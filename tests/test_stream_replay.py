@@ -1,5 +1,6 @@
 """Every API's answers, whole and streamed, equal the recorded ones byte for byte (ids, times and joules
-aside): the answer path's renderers send what the gateway sent before (tests/stream_replay.py)."""
+aside, and a logprob's digits past this machine's float32 rounding): the answer path's renderers send what
+the gateway sent before (tests/stream_replay.py)."""
 
 from __future__ import annotations
 

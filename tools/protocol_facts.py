@@ -131,6 +131,7 @@ DESCRIPTIONS = {
                      "the worker, or, on a heartbeat, asks it to register again.",
     "WorkerInfo": "One worker as the scheduler sees it, inside `SchedulerStatus`.",
     "PhaseLatency": "Mean latency and count of one phase's work over the last telemetry period.",
+    "DeviceReading": "One rank's GPU inside a worker group's `WorkerTelemetry` (`devices`).",
 }
 
 
@@ -204,6 +205,8 @@ EXAMPLES: dict[str, Callable[[], Message]] = {
                                                           valid_until_ts=1767225660.0, issued_ts=1767225600.0,
                                                           reason="decode TPOT slack"),
     "PhaseLatency": lambda: messages.PhaseLatency(mean_ms=4.2, count=120),
+    "DeviceReading": lambda: messages.DeviceReading(rank=1, device="cuda:1", clock_mhz=570, power_w=141.0,
+                                                    energy_j=50871.2),
     "RoleAssignment": lambda: messages.RoleAssignment(worker_id="attn-1", assignment="parked-warm", plan_id=12,
                                                       issued_ts=1767225600.0, reason="mixed plan for 0.42 req/s x 1.3"),
     "PlanTelemetry": lambda: messages.PlanTelemetry(
