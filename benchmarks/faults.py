@@ -5,7 +5,9 @@
 
 For each fault a fresh `aflex up` serves `--streams` greedy streams; once every stream is decoding
 the part is killed (SIGKILL; `nats-restart` stops the nats-server and starts a new one on its port;
-`nats-node` runs `aflex up --nats-cluster 3` and kills the node the gateway is connected to).
+`nats-node` runs `aflex up --nats-cluster 3` and kills the node the gateway is connected to; `ffn-rank`
+and `attention-rank-hang` run worker groups, `--attention-tp 3 --ffn-tp 2`, with a 3 s group timeout, and
+SIGKILL the FFN group's rank 1 or SIGSTOP the attention group's).
 Reported per fault: streams completed whole, streams whose text differs from the no-fault run of
 the same mesh, the longest pause between two chunks of any stream (the stall the fault caused) next
 to the longest pause of the no-fault run, and how long the whole batch took.
@@ -31,7 +33,9 @@ from shared.transport.nats_server import EmbeddedNatsServer, free_port
 from tools.launch import Mesh, aflex_up
 from tools.story_stream import StoryStream, stream_story
 
-FAULTS = ("attention-worker", "ffn-worker", "scheduler", "gateway", "nats-restart", "nats-node")
+FAULTS = ("attention-worker", "ffn-worker", "scheduler", "gateway", "nats-restart", "nats-node", "ffn-rank",
+          "attention-rank-hang")
+GROUPS = ("--attention-tp", "3", "--ffn-tp", "2")  # the rank faults' mesh (SmolLM2: 9 heads, 3 KV heads)
 
 
 async def stream(client: openai.AsyncOpenAI, model: str, i: int, started: asyncio.Event, max_tokens: int
@@ -75,7 +79,7 @@ def kill(mesh: Mesh, name: str) -> Callable[[], None]:
 def run_fault(args: argparse.Namespace, fault: str) -> dict[str, object]:
     extra = ["--attention-workers", "2" if fault == "attention-worker" else "1",
              "--ffn-workers", "2" if fault == "ffn-worker" else "1", "--gateways", "2" if fault == "gateway" else "1",
-             *(["--nats-cluster", "3"] if fault == "nats-node" else [])]
+             *(["--nats-cluster", "3"] if fault == "nats-node" else []), *(GROUPS if "rank" in fault else ())]
     port = free_port()
     servers = [EmbeddedNatsServer(port=port).start()] if fault == "nats-restart" else []
 
@@ -84,14 +88,17 @@ def run_fault(args: argparse.Namespace, fault: str) -> dict[str, object]:
         servers.append(EmbeddedNatsServer(port=port).start())
 
     try:
-        with aflex_up(args.model, *extra, nats_url=servers[0].url if servers else None) as mesh:
+        with aflex_up(args.model, *extra, nats_url=servers[0].url if servers else None,
+                      env_extra={"AFLEX_GROUP_TIMEOUT_S": "3"} if "rank" in fault else None) as mesh:
             base = mesh.base_url
             second = base.replace(f":{mesh.port}/", f":{mesh.port + 1}/") if fault == "gateway" else None
             baseline, baseline_s, _ = asyncio.run(batch(base, args.streams, args.max_tokens, None))
             action = {"attention-worker": kill(mesh, "attn-0"), "ffn-worker": kill(mesh, "ffn-0"),
                       "scheduler": kill(mesh, "scheduler"), "nats-restart": restart_nats,
                       "gateway": kill(mesh, f"gateway:{mesh.port + 1}"),
-                      "nats-node": lambda: os.kill(mesh.nats_node_of("aflex-gateway").pid, signal.SIGKILL)}[fault]
+                      "nats-node": lambda: os.kill(mesh.nats_node_of("aflex-gateway").pid, signal.SIGKILL),
+                      "ffn-rank": lambda: os.kill(mesh.rank_pid("ffn-0"), signal.SIGKILL),
+                      "attention-rank-hang": lambda: os.kill(mesh.rank_pid("attn-0"), signal.SIGSTOP)}[fault]
             faulted, faulted_s, on_killed = asyncio.run(batch(base, args.streams, args.max_tokens, action, second))
             cancelled = "is gone: cancelling its" in mesh.output()
     finally:

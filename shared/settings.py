@@ -66,6 +66,11 @@ class SchedulerSettings(ServiceSettings):
         default=10.0, description="a request that has not started this long after the scheduler took it (nothing "
                                   "streamed yet) is refused with 429 and Retry-After, so the ones served keep a "
                                   "bounded TTFT; inf: never")
+    unserved_bound_s: float = Field(
+        default=30.0, description="while no attention worker has an FFN to send its microbatches to (the only FFN "
+                                  "worker gone for good, and no whole-model worker), a request that started ends "
+                                  "this long after the mesh lost its last FFN with a typed error (503 "
+                                  "`no_workers_ready`), instead of waiting with no end; inf: wait for one")
     running_bound: Literal["auto", "slo", "off"] = Field(
         default="auto", description="how many sequences a worker runs at once: held where its steps meet "
                                     "tpot_slo_ms; auto: where that is at least 2 unloaded steps (else max_num_seqs "

@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import httpx
 import openai
 import pytest
 
@@ -250,3 +251,36 @@ def _serves_again(mesh: Mesh, deadline_s: float = 90.0) -> str:
         except openai.APIError:
             assert time.monotonic() < deadline, "the mesh did not serve again"
             time.sleep(0.5)
+
+
+def test_the_only_ffn_worker_gone_for_good_ends_the_running_streams_within_the_bound(tiny_chat_checkpoint: Path
+                                                                                    ) -> None:
+    """The only FFN worker hangs for good mid-stream (SIGSTOP: nobody restarts it): once it is found silent
+    (heartbeat_timeout_s) and `unserved_bound_s` has passed, every running stream ends with a typed error event
+    instead of waiting with no end, and /ready says 503 meanwhile."""
+    silence_s, bound_s = 2.0, 3.0
+    settings = {"AFLEX_HEARTBEAT_TIMEOUT_S": str(silence_s), "AFLEX_UNSERVED_BOUND_S": str(bound_s)}
+    with aflex_up(str(tiny_chat_checkpoint), env_extra=settings) as mesh:
+        pid = _child_pid(mesh, "ffn-0")
+
+        async def hang_mid_stream() -> tuple[list[object], float, int]:
+            client = openai.AsyncOpenAI(base_url=mesh.base_url, api_key="unused", max_retries=0, timeout=300)
+            model = (await client.models.list()).data[0].id
+            started = [asyncio.Event() for _ in range(4)]
+            streams = [asyncio.create_task(_stream(client, model, i, started[i])) for i in range(4)]
+            await asyncio.gather(*(e.wait() for e in started))
+            os.kill(pid, signal.SIGSTOP)
+            hung = time.monotonic()
+            outcomes = await asyncio.gather(*streams, return_exceptions=True)
+            took_s = time.monotonic() - hung
+            async with httpx.AsyncClient() as http:
+                ready = (await http.get(mesh.base_url.removesuffix("/v1") + "/ready")).status_code
+            return outcomes, took_s, ready
+
+        try:
+            outcomes, took_s, ready = asyncio.run(hang_mid_stream())
+        finally:
+            os.kill(pid, signal.SIGCONT)
+    assert all(isinstance(o, openai.APIError) and "unserved_bound_s" in str(o) for o in outcomes), outcomes
+    assert took_s < silence_s + bound_s + 5.0, took_s
+    assert ready == 503

@@ -24,7 +24,7 @@ from services.worker_base.rank_group import GROUP_BROKEN_EXIT
 from tests.conftest import TINY_CONFIGS
 from tests.test_mesh_e2e import generate
 from tests.test_mesh_faults import MAX_TOKENS as FAULT_TOKENS
-from tests.test_mesh_faults import _child_pid, _run
+from tests.test_mesh_faults import _run
 from tools.launch import Mesh, aflex_up
 
 LOGPROB_TOLERANCE = 1e-3
@@ -110,19 +110,6 @@ def test_a_mesh_of_groups_serves_the_engines_tokens(chat_checkpoints: dict[str, 
         assert "worker group of 2" in mesh.output()  # rank 0 started its other rank
 
 
-def _follower_pid(mesh: Mesh, worker_id: str) -> int:
-    """The pid of the rank 1 that `worker_id` (rank 0) started."""
-    parent = _child_pid(mesh, worker_id)
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):
-            continue
-        if ppid == parent:
-            return int(stat.parent.name)
-    raise AssertionError(f"{worker_id} (pid {parent}) has no follower")
-
-
 def test_groups_serve_exactly_and_a_rank_lost_mid_stream_loses_no_request(chat_checkpoints: dict[str, Path]
                                                                           ) -> None:
     """Attention and FFN groups of 2 serve the engine's tokens. Then SIGKILL the FFN group's rank 1, and SIGSTOP
@@ -134,7 +121,7 @@ def test_groups_serve_exactly_and_a_rank_lost_mid_stream_loses_no_request(chat_c
         check_exact(mesh, chat_checkpoints[arch])
         baseline = asyncio.run(_run(mesh, count=4))
         for target, sig in (("ffn-0", signal.SIGKILL), ("attn-0", signal.SIGSTOP)):
-            pid = _follower_pid(mesh, target)
+            pid = mesh.rank_pid(target)
             after_fault = asyncio.run(_run(mesh, count=4, fault=functools.partial(os.kill, pid, sig)))
             assert [tokens for _, tokens in after_fault] == [FAULT_TOKENS] * 4
             assert after_fault == baseline

@@ -83,6 +83,20 @@ class Mesh:
                 return int(entry.name)
         raise LookupError(f"no child {name!r} of aflex up ({self.process.pid})")
 
+    def rank_pid(self, worker_id: str, rank: int = 1) -> int:
+        """The pid of rank `rank` of the worker group whose rank 0 is `worker_id` (it started the others)."""
+        leader = self.pid_of(worker_id)
+        for entry in Path("/proc").iterdir():
+            try:
+                status = (entry / "status").read_text() if entry.name.isdigit() else ""
+                environ = (entry / "environ").read_bytes().split(b"\0") if status else []
+            except OSError:
+                continue
+            ppid = next((int(line.split()[1]) for line in status.splitlines() if line.startswith("PPid:")), 0)
+            if ppid == leader and f"AFLEX_GROUP_RANK={rank}".encode() in environ:
+                return int(entry.name)
+        raise LookupError(f"{worker_id} (pid {leader}) has no rank {rank}")
+
     def nats_nodes(self) -> list[NatsNode]:
         """The nats-servers `aflex up` started (one, or a cluster's nodes), from their config files."""
         nodes = []

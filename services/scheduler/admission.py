@@ -87,6 +87,20 @@ def shed(states: list[RequestState], now_mono: float, deadline_s: float, *,
             yield state, error
 
 
+def unserved(states: list[RequestState], since_mono: float | None, now_mono: float, bound_s: float
+             ) -> Iterator[tuple[RequestState, ErrorBody]]:
+    """The requests to end, with their error, when the mesh has had no attention worker with an FFN since
+    `since_mono` (None: it has one) for `bound_s` or longer: a half gone for good must not leave a stream
+    waiting with no end. Those that never started are the queue deadline's (`shed`)."""
+    if since_mono is None or now_mono - since_mono < bound_s:
+        return
+    for state in states:
+        if not state.finished:
+            yield state, ErrorBody(type=ErrorType.SERVICE_UNAVAILABLE, code="no_workers_ready",
+                                   message=f"no attention worker has had an FFN half to run with for {bound_s:g} s "
+                                           "(unserved_bound_s): the request cannot go on")
+
+
 def validate_request(req: SubmitRequest, *, context_limit: int, vocab_size: int | None = None) -> None:
     """Raise `InvalidRequestError` if `req` cannot run on a worker holding `context_limit` tokens."""
     if not req.prompt_ids:

@@ -296,6 +296,11 @@ class Registry:
         ffn_takes_new = any(not f.draining for f in self.healthy("ffn"))
         return any(ffn_takes_new or w.assignment == "colocated" for w in self.usable_attention())
 
+    @property
+    def can_serve(self) -> bool:
+        """Some healthy attention worker has an FFN for its microbatches (a draining one's running work counts)."""
+        return any(self.has_ffn(w) for w in self.healthy("attention"))
+
     def has_ffn(self, worker: Worker) -> bool:
         """Whether `worker`'s microbatches have an FFN to go to: its own (colocated), or a healthy FFN worker
         (a draining one too: what is running finishes)."""

@@ -22,7 +22,7 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
 from services.scheduler import beacon, recovery
-from services.scheduler.admission import RETRY_AFTER_S, Mesh, rejection, shed
+from services.scheduler.admission import RETRY_AFTER_S, Mesh, rejection, shed, unserved
 from services.scheduler.aflex import AflexPlanner
 from services.scheduler.batching import BatchingPolicy
 from services.scheduler.dispatch import Dispatch
@@ -83,6 +83,7 @@ class Scheduler:
         self.provisioning = ProvisioningLoop(settings, nc, self.registry, self.governor, self.profiles,
                                              self._plan_changed) if settings.provisioning == "aflex" else None
         self._submissions: Subscription | None = None
+        self._unserved_since: float | None = None  # when the mesh last lost its last FFN (`unserved`), None: it has one
         self.dispatch = Dispatch(settings, nc, model, self.registry, self.requests, self.placement, self.prefixes,
                                  self.governor, self.batching, self.slo, self.provisioning, self.tasks,
                                  self.run_token)
@@ -251,13 +252,30 @@ class Scheduler:
             for state in self.gateways.orphans(time.monotonic(), list(self.requests.values())):
                 if not state.finished:  # (finished meanwhile, while a delta was published)
                     await self.dispatch.finish(state, "abort")
+            now = time.monotonic()
+            if self.registry.can_serve:
+                self._unserved_since = None
+            elif self._unserved_since is None:
+                self._unserved_since = now
+                log.warning("no attention worker has an FFN for its microbatches: running requests end in %g s "
+                            "unless one comes", self.settings.unserved_bound_s)
+            for state, error in unserved(list(self.requests.values()), self._unserved_since, now,
+                                         self.settings.unserved_bound_s):
+                log.info("request %s ended: %s", state.request_id, error.message)
+                await self._refuse(state, error)
             for state, error in shed(list(self.requests.values()), time.monotonic(), self.settings.queue_deadline_s,
                                      ready=self.registry.ready):
                 log.info("request %s shed: %s", state.request_id, error.message)
-                try:
-                    await self.dispatch.finish(state, "error", error, retry_after_s=RETRY_AFTER_S)
-                except Exception as exc:  # a publish into a closed connection: the health loop must go on
-                    log.warning("request %s: its refusal could not be sent: %s", state.request_id, exc)
+                await self._refuse(state, error)
+
+    async def _refuse(self, state: RequestState, error: ErrorBody) -> None:
+        """End `state` with `error` (503 or 429 with Retry-After where nothing streamed yet)."""
+        if state.finished:  # (finished meanwhile, while a delta was published)
+            return
+        try:
+            await self.dispatch.finish(state, "error", error, retry_after_s=RETRY_AFTER_S)
+        except Exception as exc:  # a publish into a closed connection: the health loop must go on
+            log.warning("request %s: its refusal could not be sent: %s", state.request_id, exc)
 
     # -- admission ------------------------------------------------------------------------------
 

@@ -39,6 +39,7 @@ from shared.errors import AFlexError
 
 log = logging.getLogger("aflex.group")
 
+JOIN_TIMEOUT_S = 600.0  # how long the ranks wait for each other to load and come (a large model's shards)
 HEAD_BYTES = 1024  # a command's first message: its length and, when it fits, the whole JSON
 STOP = "stop"
 DTYPES = {str(d): d for d in (torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.int32, torch.uint8)}
@@ -65,11 +66,17 @@ class DeviceGroup:
     """Rank `rank` of `size` on `device`; built by `host` (rank 0) or `join` (the others)."""
 
     def __init__(self, store: Any, rank: int, size: int, device: torch.device, timeout_s: float, address: str,
-                 host: str = "127.0.0.1") -> None:
+                 host: str = "127.0.0.1", join_timeout_s: float = JOIN_TIMEOUT_S) -> None:
         self.rank, self.size, self.device, self.timeout_s, self.address = rank, size, device, timeout_s, address
         self._store = store  # rank 0's keeps the server alive
         self.lock = threading.RLock()
         timeout = timedelta(seconds=timeout_s)
+        try:  # every rank has loaded its share and come (as long as loading takes), then the group connects
+            store.set(f"aflex/group/ready/{rank}", "1")
+            store.wait([f"aflex/group/ready/{r}" for r in range(size)], timedelta(seconds=join_timeout_s))
+        except Exception as exc:
+            raise GroupError(f"rank {rank} of {size}: the other ranks did not come to {address} within "
+                             f"{join_timeout_s:g} s: {exc}") from None
         options = ProcessGroupGloo._Options()  # type: ignore[attr-defined]
         options._devices = [ProcessGroupGloo.create_device(hostname=host)]
         options._timeout = timeout
@@ -90,7 +97,7 @@ class DeviceGroup:
     # -- forming ----------------------------------------------------------------------------------
 
     @staticmethod
-    def open_store(port: int = 0, advertise: str = "127.0.0.1", join_timeout_s: float = 600.0
+    def open_store(port: int = 0, advertise: str = "127.0.0.1", join_timeout_s: float = JOIN_TIMEOUT_S
                    ) -> tuple[Any, str]:
         """Rank 0's rendezvous store on `port` (0: a free one), and the address the other ranks join at."""
         store = TCPStore("0.0.0.0", port, world_size=None, is_master=True, timeout=timedelta(seconds=join_timeout_s),
@@ -99,7 +106,7 @@ class DeviceGroup:
 
     @classmethod
     def join(cls, address: str, rank: int, size: int, device: torch.device, timeout_s: float,
-             join_timeout_s: float = 600.0) -> DeviceGroup:
+             join_timeout_s: float = JOIN_TIMEOUT_S) -> DeviceGroup:
         """A follower's side of the rendezvous (blocks until every rank has come)."""
         url = urlsplit(address)
         if url.scheme != "gloo" or not url.hostname or not url.port:
@@ -109,7 +116,8 @@ class DeviceGroup:
                              timeout=timedelta(seconds=join_timeout_s), wait_for_workers=False)
         except Exception as exc:
             raise GroupError(f"rank {rank}: cannot reach the group's store at {address}: {exc}") from None
-        return cls(store, rank, size, device, timeout_s, address, host=_host_towards(url.hostname))
+        return cls(store, rank, size, device, timeout_s, address, host=_host_towards(url.hostname),
+                   join_timeout_s=join_timeout_s)
 
     # -- collectives ------------------------------------------------------------------------------
 
