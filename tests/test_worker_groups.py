@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import io
 import math
 import os
 import signal
@@ -20,6 +21,7 @@ import openai
 import pytest
 import torch
 
+from services.launcher.top import TopState, run_top
 from services.worker_base.rank_group import GROUP_BROKEN_EXIT
 from tests.conftest import TINY_CONFIGS
 from tests.test_mesh_e2e import generate
@@ -110,15 +112,25 @@ def test_a_mesh_of_groups_serves_the_engines_tokens(chat_checkpoints: dict[str, 
         assert "worker group of 2" in mesh.output()  # rank 0 started its other rank
 
 
-def test_groups_serve_exactly_and_a_rank_lost_mid_stream_loses_no_request(chat_checkpoints: dict[str, Path]
-                                                                          ) -> None:
+def test_groups_serve_exactly_and_a_rank_lost_mid_stream_loses_no_request(
+        chat_checkpoints: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
     """Attention and FFN groups of 2 serve the engine's tokens. Then SIGKILL the FFN group's rank 1, and SIGSTOP
     the attention group's, while every stream decodes: rank 0's next step fails (at once, or after the group's
     3 s timeout), it exits and is started again whole, and the scheduler recomputes what it held: every stream
     ends with its no-fault text."""
     arch, flags = CASES["llama-tp"]
-    with aflex_up(str(chat_checkpoints[arch]), *flags, env_extra={"AFLEX_GROUP_TIMEOUT_S": "3"}) as mesh:
+    monkeypatch.setenv("COLUMNS", "200")  # `aflex top`'s table, whole
+    with aflex_up(str(chat_checkpoints[arch]), *flags, env_extra={"AFLEX_GROUP_TIMEOUT_S": "3"},
+                  open_nats=True) as mesh:
         check_exact(mesh, chat_checkpoints[arch])
+        top, state = io.StringIO(), TopState()  # each group reports its devices, and their sums
+        asyncio.run(run_top(f"nats://127.0.0.1:{mesh.nats_port}", once=True, interval_s=2.5, out=top, state=state))
+        latest = {view.latest.worker_id: view.latest for view in state.sorted_workers()}
+        for worker_id in ("attn-0", "ffn-0"):
+            telemetry = latest[worker_id]
+            assert [d.rank for d in telemetry.devices] == [0, 1] and telemetry.devices[1].energy_j > 0
+            assert telemetry.energy_j == pytest.approx(sum(d.energy_j for d in telemetry.devices))
+        assert top.getvalue().count(" x2") == 2
         baseline = asyncio.run(_run(mesh, count=4))
         for target, sig in (("ffn-0", signal.SIGKILL), ("attn-0", signal.SIGSTOP)):
             pid = mesh.rank_pid(target)

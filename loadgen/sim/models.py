@@ -20,6 +20,11 @@ MODELS: dict[str, ModelArgs] = {
     "qwen3-30b-a3b": ModelArgs(arch="qwen3_moe", vocab_size=151936, dim=2048, n_layers=48, n_heads=32, n_kv_heads=4,
                                head_dim=128, intermediate_size=6144, qk_norm=True, n_experts=128, n_experts_per_tok=8,
                                moe_intermediate_size=768, sparse_layers=tuple(range(48)), max_seq_len=40960),
+    # Qwen/Qwen3-235B-A22B config.json: hidden 4096, 94 layers, 64/4 heads of 128, 128 experts top-8 of 1536
+    "qwen3-235b-a22b": ModelArgs(arch="qwen3_moe", vocab_size=151936, dim=4096, n_layers=94, n_heads=64,
+                                 n_kv_heads=4, head_dim=128, intermediate_size=12288, qk_norm=True, n_experts=128,
+                                 n_experts_per_tok=8, moe_intermediate_size=1536, sparse_layers=tuple(range(94)),
+                                 max_seq_len=40960),
     # meta-llama/Meta-Llama-3-8B config.json: hidden 4096, 32 layers, 32/8 heads, MLP 14336
     "llama-3-8b": ModelArgs(arch="llama", vocab_size=128256, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8,
                             head_dim=128, intermediate_size=14336, max_seq_len=8192),

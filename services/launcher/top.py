@@ -171,6 +171,12 @@ def plan_text(plan: PlanTelemetry) -> str:
             f"{power}{'' if plan.feasible else ' (infeasible: every worker serves)'}{changed}")
 
 
+def gpu_text(w: WorkerTelemetry) -> str:
+    """The backend and GPU; a group's device count (its power and energy are the group's sums)."""
+    text = f"{w.gpu_backend}: {w.gpu_name}" if w.gpu_name else w.gpu_backend
+    return f"{text} x{len(w.devices)}" if w.devices else text
+
+
 def render(state: TopState, now: float | None = None, *, source: str = "") -> RenderableType:
     now = time.monotonic() if now is None else now
     workers = Table(title=f"AFlex workers{f'  ({source})' if source else ''}", title_justify="left",
@@ -183,8 +189,8 @@ def render(state: TopState, now: float | None = None, *, source: str = "") -> Re
         w = view.latest
         stale = now - view.seen > STALE_AFTER_S
         workers.add_row(
-            role_text(w), w.worker_id + (" (stale)" if stale else ""), f"{w.gpu_backend}: {w.gpu_name}" if w.gpu_name
-            else w.gpu_backend, clock_text(w), f"{w.power_w:.1f}", f"{w.energy_j:.1f}",
+            role_text(w), w.worker_id + (" (stale)" if stale else ""), gpu_text(w), clock_text(w),
+            f"{w.power_w:.1f}", f"{w.energy_j:.1f}",
             _num(view.joules_per_token, ".3f"), latency_text(w), f"{w.utilization:.0%}", str(w.queue_depth),
             f"{w.kv_blocks_used}/{w.kv_blocks_total}" if w.kv_blocks_total else "-",
             style="dim" if stale else None,
