@@ -78,6 +78,8 @@ def kv_heads(args: ModelArgs, sharding: Sharding) -> tuple[int, int]:
     """(first, count) of the KV heads this rank's query heads read: a share of them, or one, replicated."""
     first_q, n_q = query_heads(args, sharding)
     group = args.n_heads // args.n_kv_heads  # query heads per KV head
+    if sharding.tp <= args.n_kv_heads and args.n_kv_heads % sharding.tp:  # each rank's query heads read
+        raise ShardingError(f"KV heads ({args.n_kv_heads}) do not split over {sharding.tp} ranks")  # its own
     if sharding.tp > args.n_kv_heads and sharding.tp % args.n_kv_heads:
         raise ShardingError(f"{args.n_kv_heads} KV heads cannot be shared by {sharding.tp} ranks")
     first_kv, last_kv = first_q // group, (first_q + n_q - 1) // group

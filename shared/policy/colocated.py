@@ -13,13 +13,12 @@ from shared.perf import Predictor
 from shared.policy.operating_point import ClockRule, PoolShape
 from shared.policy.pool_sizing import INFEASIBLE, ClusterSpec, Plan, WindowLoad, long_prompt_time, mixed_power
 
-TP_DEGREES = (1, 2, 4, 8)
-
 
 def instance_tps(spec: ClusterSpec, max_gpus: int, weight_fraction: float = 0.75) -> list[int]:
-    """TP degrees whose instance holds the whole model in `weight_fraction` of its memory."""
+    """TP degrees the live mesh can form (`spec.whole_tps`) whose instance holds the whole model in
+    `weight_fraction` of its memory."""
     weights = spec.attention_weight_bytes + spec.ffn_weight_bytes
-    return [tp for tp in TP_DEGREES if weights <= weight_fraction * tp * spec.gpu_memory_bytes and tp <= max_gpus]
+    return [tp for tp in spec.whole_tps if weights <= weight_fraction * tp * spec.gpu_memory_bytes and tp <= max_gpus]
 
 
 def colocated_options(spec: ClusterSpec) -> list[tuple[int, int]]:

@@ -45,6 +45,7 @@ class WindowLoad:
 
 GPU_MEMORY_BYTES = 80e9  # the modelled GPUs' memory (A800/A100/H100 80 GB)
 SLO_BUDGET_SHARE = 0.85  # plans meet this share of each SLO
+TP_DEGREES = (1, 2, 4, 8)  # the tensor-parallel group sizes plans weigh
 
 
 @dataclass(frozen=True)
@@ -70,6 +71,10 @@ class ClusterSpec:
     # a group whose per-layer traffic crosses nodes runs at the slower link (`group_link_bytes_s`)
     node_gpus: int = 0
     inter_node_bytes_s: float = 0.0
+    # the group sizes the live mesh can form for this model (`group_fit.formable`): whole-model replicas, and
+    # attention groups; a plan uses no other (so the simulator plans only what the live mesh can serve)
+    whole_tps: tuple[int, ...] = TP_DEGREES
+    attention_tps: tuple[int, ...] = TP_DEGREES
 
     @classmethod
     def for_model(cls, args: ModelArgs, gpus: int, *, ttft_slo_s: float, tpot_slo_s: float, link_bytes_s: float,
@@ -78,10 +83,14 @@ class ClusterSpec:
                   inter_node_bytes_s: float = 0.0) -> ClusterSpec:
         """The cluster that serves `args` on `gpus` GPUs, planned to `SLO_BUDGET_SHARE` of each SLO (the rest is
         the queueing and dispatch a plan does not see): the simulator's and the live scheduler's one spec."""
+        from shared.policy.group_fit import formable
+
         return cls(gpus, gpu_memory_bytes, attention_weight_bytes(args), ffn_weight_bytes(args),
                    kv_bytes_per_token(args), link_bytes_s, ttft_slo_s * SLO_BUDGET_SHARE,
                    tpot_slo_s * SLO_BUDGET_SHARE, parked_power_w, max_attention=max_attention, max_ffn=max_ffn,
-                   colocated_workers=colocated_workers, node_gpus=node_gpus, inter_node_bytes_s=inter_node_bytes_s)
+                   colocated_workers=colocated_workers, node_gpus=node_gpus, inter_node_bytes_s=inter_node_bytes_s,
+                   whole_tps=tuple(tp for tp in TP_DEGREES if formable(args, "whole", tp)),
+                   attention_tps=tuple(tp for tp in TP_DEGREES if formable(args, "attention", tp)))
 
     def group_link_bytes_s(self, gpus: int) -> float:
         """The link a group of `gpus` GPUs exchanging tensors every layer runs at: the intra-node fabric while
@@ -242,10 +251,10 @@ def _pool(a: int, f: int, spec: ClusterSpec, attention_tp: int = 1) -> PoolShape
                      attention_tp=attention_tp)
 
 
-def attention_tp_options(a: int, max_tp: int) -> list[int]:
+def attention_tp_options(a: int, max_tp: int, formable: tuple[int, ...] = TP_DEGREES) -> list[int]:
     """Attention TP degrees for `a` attention GPUs: powers of two dividing `a`, at most `max_tp`
-    (the KV heads: a head is not split)."""
-    return [tp for tp in (1, 2, 4, 8) if tp <= max_tp and a % tp == 0]
+    (the KV heads: a head is not split), that the live mesh can form (`formable`)."""
+    return [tp for tp in formable if tp <= max_tp and a % tp == 0]
 
 
 def provision(pred: Predictor, load: WindowLoad, spec: ClusterSpec, rule: ClockRule, headroom: float = 1.3,
@@ -266,7 +275,7 @@ def provision(pred: Predictor, load: WindowLoad, spec: ClusterSpec, rule: ClockR
         for a in range(1, n - f):
             if not spec.role_fits(a, f):
                 continue
-            for tp in attention_tp_options(a, max_tp):
+            for tp in attention_tp_options(a, max_tp, spec.attention_tps):
                 pp = prefill_power(pred, _pool(a, f, spec, tp), hl, spec, rule)
                 if (a, f) not in pre or pp < pre[(a, f)][0]:
                     pre[(a, f)] = (pp, tp)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -112,6 +113,9 @@ def test_a_group_the_model_does_not_divide_is_refused(tiny_checkpoints: dict[str
     llama = open_checkpoint(str(tiny_checkpoints["llama"])).args  # 4 heads, 2 KV heads, FFN width 160
     with pytest.raises(ShardingError, match=r"query heads \(4\) does not split over 3 ranks"):
         attention_args(llama, Sharding(0, 3))
+    wide = replace(llama, n_heads=48, n_kv_heads=6)  # a rank's 12 query heads would read two KV heads unevenly
+    with pytest.raises(ShardingError, match=r"KV heads \(6\) do not split over 4 ranks"):
+        attention_args(wide, Sharding(0, 4))
     with pytest.raises(ShardingError, match="needs a mixture-of-experts model"):
         ffn_args(llama, Sharding(0, 1, 2))
     mixtral = open_checkpoint(str(tiny_checkpoints["mixtral"])).args  # 4 experts

@@ -53,3 +53,17 @@ def test_the_fit_table_names_the_smallest_group_for_every_model_and_gpu() -> Non
                                                      "kv_tokens": kv_room_tokens(get_model("mixtral-8x7b"), "whole",
                                                                                  2, 80 * GB)}
     assert rows["qwen3-235b-a22b", "h100"]["ffn"]["flag"] == "--ffn-ep 8"  # type: ignore[index]
+
+
+def test_the_planners_weigh_only_the_groups_the_live_mesh_can_form() -> None:
+    from dataclasses import replace
+
+    from shared.policy.colocated import colocated_options, instance_tps
+    from shared.policy.pool_sizing import ClusterSpec, attention_tp_options
+
+    llama = replace(get_model("llama-3.3-70b"), n_heads=48, n_kv_heads=6)  # 48 heads: no group of 8 splits them
+    spec = ClusterSpec.for_model(llama, 16, ttft_slo_s=1.0, tpot_slo_s=0.1, link_bytes_s=300e9, parked_power_w=50.0)
+    assert spec.whole_tps == (1, 2) and spec.attention_tps == (1, 2)  # 6 KV heads: no 4 either
+    assert 4 not in instance_tps(spec, 16) and all(tp in (1, 2) for tp, _ in colocated_options(spec))
+    assert attention_tp_options(8, 8, spec.attention_tps) == [1, 2]
+    assert all(formable(llama, "whole", tp) for tp in spec.whole_tps)
