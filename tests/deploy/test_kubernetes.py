@@ -181,6 +181,19 @@ def test_each_worker_pod_asks_for_exactly_one_gpu_when_gpu_is_on() -> None:
     assert seen == set(WORKERS)
 
 
+def test_a_worker_group_pod_asks_for_a_gpu_a_rank_and_says_its_size() -> None:
+    docs = render(merged(example("gpu"), {"attention": {"tp": 2}, "ffn": {"tp": 2, "ep": 2}}))
+    groups = {}
+    for _, container, service in aflex_containers(docs):
+        if service in WORKERS:
+            env, names = env_of(container), {e["name"] for e in container["env"]}
+            sizes = {name: literal(env, name) for name in ("AFLEX_ATTENTION_TP", "AFLEX_FFN_TP", "AFLEX_FFN_EP")
+                     if name in names}
+            groups[service] = (gpu_asks(container)[f"limits.{GPU}"], gpu_asks(container)[f"requests.{GPU}"], sizes)
+    assert groups == {"attention-worker": (2, 2, {"AFLEX_ATTENTION_TP": "2"}),
+                      "ffn-worker": (4, 4, {"AFLEX_FFN_TP": "2", "AFLEX_FFN_EP": "2"})}
+
+
 def test_no_pod_asks_for_a_gpu_when_gpu_is_off() -> None:
     docs = render(example("cpu"))
     for workload in workloads(docs):
