@@ -13,8 +13,9 @@ Kinds live: a mesh whose workers each load one half serves "mixed" pools (every 
 prefill and decode beside the FFN workers) and "pd" pools (prefill and decode attention workers, each
 pool with FFN workers of its own, sequences moving between them by KV handoff: handoff.py); which of
 them a window may use is the caller's (`provision_kinds`). "colocated" pools are whole-model replicas on
-attention workers that loaded both halves (`colocate`), one worker each (a live worker is one GPU: no TP
-group spans workers); the FFN workers park.
+attention workers that loaded both halves (`colocate`), one worker each; the FFN workers park. The planner
+counts each worker as one GPU, a worker group (`--attention-tp`, `--ffn-tp`, `--ffn-ep`) too: it does not
+plan group sizes yet.
 """
 
 from __future__ import annotations
@@ -196,8 +197,8 @@ class Provisioner:
     def spec(self, args: ModelArgs, profile: GPUProfile, n_attention: int, n_ffn: int,
              n_colocate: int = 0, gpu_memory_bytes: float = 0.0) -> ClusterSpec:
         """The live cluster: its workers as GPUs of `gpu_memory_bytes` (0: the profile's), each able to serve
-        the half it loaded (`n_colocate` of the attention workers both: one GPU each, no TP group across
-        workers), a parked one priced at its parking state's power."""
+        the half it loaded (`n_colocate` of the attention workers both: one GPU each, a worker group counted
+        as one), a parked one priced at its parking state's power."""
         parked_w = parked_power_w(model_parking_state(self.parking, profile, args, self.window_s), profile)
         return ClusterSpec.for_model(args, n_attention + n_ffn, ttft_slo_s=self.ttft_slo_s,
                                      tpot_slo_s=self.tpot_slo_s, link_bytes_s=self.link_bytes_s,
