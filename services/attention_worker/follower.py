@@ -127,6 +127,7 @@ class AttentionFollower:
             self.passes.clear()
         elif op == LOAD:
             self.load()
+            group.barrier(args["tag"])
         else:
             log.warning("attention group rank %d: unknown command %r", group.rank, op)
 

@@ -92,9 +92,14 @@ class AttentionWorker:
     # -- lifecycle ------------------------------------------------------------------------------
 
     def load(self) -> None:
-        """Load the halves (this rank's share in a group) and allocate the KV cache (blocking)."""
-        if self.leader is not None:  # loading again after a cold park: the followers too
-            self.leader.tell(LOAD)
+        """Load the halves (this rank's share in a group) and allocate the KV cache (blocking); a group's other
+        ranks load theirs (again, after a cold park: `GroupLeader.reload`)."""
+        if self.leader is not None and self.leader.group is not None:
+            self.leader.reload(LOAD, self._load_share)
+        else:
+            self._load_share()
+
+    def _load_share(self) -> None:
         halves = load_halves(self.settings)
         checkpoint, args = halves.checkpoint, halves.model.args
         self.model, self.ffn, self.kv, self.model_id = halves.model, halves.ffn, halves.kv, checkpoint.model_id
@@ -112,7 +117,7 @@ class AttentionWorker:
         stop = stop or asyncio.Event()
         with stop_on_signals(stop):
             if self.leader is not None:  # rank 0 of a group: the others start and load too
-                group = await asyncio.to_thread(self.leader.form_with, self.load)
+                group = await asyncio.to_thread(self.leader.form_with, self._load_share)
                 assert self.halves is not None
                 self.halves.reduce_over(group)
             elif self.model is None:

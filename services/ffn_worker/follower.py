@@ -62,6 +62,7 @@ def follow(settings: FFNWorkerSettings) -> None:
             elif command.op == LOAD:
                 _, held = load_half(settings, FFNHalf)
                 held.reduce = group.all_reduce
+                group.barrier(command.args["tag"])
             elif command.op == FFN:
                 assert held is not None, "rank 0 sent a forward to a rank that released its weights"
                 args = command.args

@@ -71,9 +71,14 @@ class FFNWorker:
     # -- lifecycle ------------------------------------------------------------------------------
 
     def load(self) -> None:
-        """This rank's share of the FFN half (all of it outside a group); a group's other ranks load theirs."""
-        if self.leader is not None:  # loading again after a cold park: the followers too
-            self.leader.tell(LOAD)
+        """This rank's share of the FFN half (all of it outside a group); a group's other ranks load theirs
+        (again, after a cold park: `GroupLeader.reload`)."""
+        if self.leader is not None and self.leader.group is not None:
+            self.leader.reload(LOAD, self._load_share)
+        else:
+            self._load_share()
+
+    def _load_share(self) -> None:
         checkpoint, self.model = load_half(self.settings, FFNHalf)
         self.model_id, self.args = checkpoint.model_id, self.model.args
         self.weight_bytes = parameter_bytes(self.model)
@@ -86,7 +91,7 @@ class FFNWorker:
         stop = stop or asyncio.Event()
         with stop_on_signals(stop):
             if self.leader is not None:  # rank 0 of a group: the others start and load too
-                group = await asyncio.to_thread(self.leader.form_with, self.load)
+                group = await asyncio.to_thread(self.leader.form_with, self._load_share)
                 self.model.reduce = group.all_reduce  # type: ignore[union-attr]
             elif self.model is None:
                 await asyncio.to_thread(self.load)

@@ -105,6 +105,7 @@ class GroupLeader:
         self._stopping = threading.Event()
         self._keeper: threading.Thread | None = None
         self.readings: list[DeviceReading] = []  # the other ranks' latest GPU readings
+        self._loads = 0  # the weights loaded again (`reload`)
         self.meter: WorkerMeter | None = None  # rank 0's telemetry, which reports them
 
     def open(self) -> None:
@@ -147,12 +148,26 @@ class GroupLeader:
             raise
         return self.form()
 
-    def tell(self, op: str) -> None:
-        """A bare command to the followers (LOAD, RELEASE), once the group is formed and whole."""
+    def tell(self, op: str, **args: Any) -> bool:
+        """A command with no step of rank 0's (LOAD, RELEASE) to the followers, once the group is formed and
+        whole; False when there is none to tell."""
         group = self.group
-        if group is not None and not group.broken:
-            with group.lock:
-                group.send(op)
+        if group is None or group.broken:
+            return False
+        with group.lock:
+            group.send(op, **args)
+        return True
+
+    def reload(self, op: str, load: Callable[[], None]) -> None:
+        """Load the weights again on every rank (`op`: the followers' LOAD), rank 0's by `load`, and wait, as
+        long as loading takes, until every rank has: the next step's collectives would time out first."""
+        self._loads += 1
+        tag = f"load-{self._loads}"
+        told = self.tell(op, tag=tag)
+        load()
+        if told:
+            assert self.group is not None
+            self.group.barrier(tag)
 
     def _keep(self) -> None:
         """Every READINGS_PERIOD_S: the other ranks' GPU readings, for rank 0's telemetry (`meter`). Idle, this is

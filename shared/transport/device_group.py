@@ -119,6 +119,17 @@ class DeviceGroup:
         return cls(store, rank, size, device, timeout_s, address, host=_host_towards(url.hostname),
                    join_timeout_s=join_timeout_s)
 
+    def barrier(self, tag: str, timeout_s: float = JOIN_TIMEOUT_S) -> None:
+        """Every rank has reached `tag` (a fresh one each time), however long that takes up to `timeout_s`: for
+        steps as slow as loading the weights again, which the collectives' timeout would cut short."""
+        try:
+            self._store.set(f"aflex/group/barrier/{tag}/{self.rank}", "1")
+            self._store.wait([f"aflex/group/barrier/{tag}/{r}" for r in range(self.size)],
+                             timedelta(seconds=timeout_s))
+        except Exception as exc:
+            self.broken = True
+            raise GroupError(f"group {self.address}: the ranks did not all reach {tag!r}: {exc}") from None
+
     # -- collectives ------------------------------------------------------------------------------
 
     def all_reduce(self, x: Tensor) -> Tensor:

@@ -8,6 +8,7 @@ than one device's, so outputs agree to float32 rounding, not bit for bit.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
@@ -138,3 +139,15 @@ def test_a_rank_that_leaves_breaks_the_collective_with_a_typed_error() -> None:
 
     message = run_ranks(2, work, timeout_s=1.0)[0]
     assert "all-reduce failed on rank 0" in message
+
+
+def test_a_barrier_waits_longer_than_the_collectives_timeout() -> None:
+    """A rank loading its weights again for longer than the group's timeout: the barrier waits for it, and the
+    group still works after (a collective would have timed out)."""
+    def work(group: DeviceGroup) -> float:
+        if group.rank == 1:
+            time.sleep(2.5)  # the weights loading again
+        group.barrier("load-1")
+        return float(group.all_reduce(torch.ones(2))[0])
+
+    assert run_ranks(2, work, timeout_s=1.0) == [2.0, 2.0]
