@@ -27,13 +27,13 @@ from torch import Tensor
 from services.attention_worker.halves import Halves, load_halves
 from services.worker_base.ffn_forward import ffn_forward
 from services.worker_base.gpu import WorkerGPU
-from services.worker_base.rank_group import READINGS, follow_clocks, reading_slots
+from services.worker_base.rank_group import follow_clocks, follow_commands
 from shared.gpu.base import OperatorWork
 from shared.gpu.workload import attention_work
 from shared.model.attention import AttentionHalf, AttentionMeta, PagedKVStore, SequencePass
 from shared.model.ffn import FFNHalf
 from shared.settings import AttentionWorkerSettings
-from shared.transport.device_group import STOP, DeviceGroup
+from shared.transport.device_group import Command, DeviceGroup
 
 log = logging.getLogger("aflex.attention_worker")
 
@@ -92,19 +92,11 @@ class AttentionFollower:
         self.halves.reduce_over(group)
         log.info("attention group rank %d of %d joined %s on %s", s.group_rank, s.group_size, s.group_address,
                  s.device)
-        try:
-            while True:
-                command = group.receive()
-                if command.op == STOP:
-                    return
-                if command.op == READINGS:
-                    group.sum_floats(reading_slots(s.group_rank, s.group_size, self.worker_gpu))
-                else:
-                    with torch.inference_mode():
-                        self.do(command.op, command.args, command.tensors)
-        finally:
-            self.worker_gpu.controller.reset()
-            self.worker_gpu.gpu.close()
+        follow_commands(group, self.worker_gpu, self._do)
+
+    def _do(self, command: Command) -> None:
+        with torch.inference_mode():
+            self.do(command.op, command.args, command.tensors)
 
     def do(self, op: str, args: dict[str, Any], tensors: list[Tensor]) -> None:
         group = self.group

@@ -31,7 +31,7 @@ from services.worker_base.gpu import WorkerGPU
 from services.worker_base.loading import eos_token_ids
 from services.worker_base.parking import ColdParking
 from services.worker_base.presence import Presence, RoleFollower, registration
-from services.worker_base.rank_group import GroupLeader, group_devices
+from services.worker_base.rank_group import GroupLeader, group_devices, group_energy_j
 from shared import subjects
 from shared.error_types import ErrorType
 from shared.errors import AFlexError
@@ -205,19 +205,13 @@ class AttentionWorker:
         if self.settings.seam_transport == "nats":
             self.hops.connection_dropped()
 
-    def _energy_j(self) -> float | None:
-        """This worker's GPU energy counter; a group's devices' summed."""
-        if self.gpu is None:
-            return None
-        return self.gpu.gpu.total_energy_j() + (self.leader.followers_energy_j() if self.leader is not None else 0.0)
-
     def _heartbeat(self) -> Heartbeat:
         assert self.sequences is not None
         return Heartbeat(worker_id=self.worker_id, role="attention", ts=time.time(),
                          kv_free_blocks=self.sequences.free_blocks, kv_total_blocks=self.sequences.total_blocks,
                          queue_depth=self.book.queue_depth, active_mb_ids=self.book.active_mb_ids(),
                          newest_mb_id=self.book.newest_mb_id,
-                         gpu_energy_j=self._energy_j())
+                         gpu_energy_j=group_energy_j(self.gpu, self.leader))
 
     # -- dispatch -------------------------------------------------------------------------------
 

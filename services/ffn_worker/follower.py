@@ -16,11 +16,11 @@ from torch import Tensor
 from services.worker_base.ffn_forward import ffn_forward
 from services.worker_base.gpu import WorkerGPU
 from services.worker_base.loading import load_half
-from services.worker_base.rank_group import READINGS, clock_state, follow_clocks, reading_slots
+from services.worker_base.rank_group import clock_state, follow_clocks, follow_commands
 from shared.kinds import ClockPhase
 from shared.model.ffn import FFNHalf
 from shared.settings import FFNWorkerSettings
-from shared.transport.device_group import STOP, DeviceGroup
+from shared.transport.device_group import Command, DeviceGroup
 
 log = logging.getLogger("aflex.ffn_worker")
 
@@ -49,28 +49,22 @@ def follow(settings: FFNWorkerSettings) -> None:
     model.reduce = group.all_reduce
     log.info("ffn group rank %d of %d joined %s on %s", rank, size, settings.group_address, settings.device)
     held: FFNHalf | None = model
-    try:
-        while True:
-            command = group.receive()
-            if command.op == READINGS:
-                group.sum_floats(reading_slots(rank, size, worker_gpu))
-                continue
-            if command.op == STOP:
-                return
-            if command.op == RELEASE:
-                held = None
-            elif command.op == LOAD:
-                _, held = load_half(settings, FFNHalf)
-                held.reduce = group.all_reduce
-                group.barrier(command.args["tag"])
-            elif command.op == FFN:
-                assert held is not None, "rank 0 sent a forward to a rank that released its weights"
-                args = command.args
-                follow_clocks(worker_gpu, args["clock"])
-                _, energy_j, _ = ffn_forward(held, worker_gpu, args["layer"], args["phase"], command.tensors[0])
-                group.sum_float(energy_j)
-            else:
-                log.warning("ffn group rank %d: unknown command %r", rank, command.op)
-    finally:
-        worker_gpu.controller.reset()
-        worker_gpu.gpu.close()
+
+    def do(command: Command) -> None:
+        nonlocal held
+        if command.op == RELEASE:
+            held = None
+        elif command.op == LOAD:
+            _, held = load_half(settings, FFNHalf)
+            held.reduce = group.all_reduce
+            group.barrier(command.args["tag"])
+        elif command.op == FFN:
+            assert held is not None, "rank 0 sent a forward to a rank that released its weights"
+            args = command.args
+            follow_clocks(worker_gpu, args["clock"])
+            _, energy_j, _ = ffn_forward(held, worker_gpu, args["layer"], args["phase"], command.tensors[0])
+            group.sum_float(energy_j)
+        else:
+            log.warning("ffn group rank %d: unknown command %r", rank, command.op)
+
+    follow_commands(group, worker_gpu, do)

@@ -25,7 +25,7 @@ from services.worker_base.gpu import WorkerGPU
 from services.worker_base.loading import load_half, parameter_bytes
 from services.worker_base.parking import ColdParking
 from services.worker_base.presence import Presence, RoleFollower, registration
-from services.worker_base.rank_group import GroupLeader, group_devices
+from services.worker_base.rank_group import GroupLeader, group_devices, group_energy_j
 from shared import subjects
 from shared.errors import AFlexError
 from shared.gpu.base import GPU
@@ -140,16 +140,10 @@ class FFNWorker:
         await asyncio.to_thread(self.queue.idle.wait, SHUTDOWN_GRACE_S)
         await seam.close()
 
-    def _energy_j(self) -> float | None:
-        """This worker's GPU energy counter; a group's devices' summed."""
-        if self.gpu is None:
-            return None
-        return self.gpu.gpu.total_energy_j() + (self.leader.followers_energy_j() if self.leader is not None else 0.0)
-
     def _heartbeat(self) -> Heartbeat:
         return Heartbeat(worker_id=self.worker_id, role="ffn", ts=time.time(), queue_depth=len(self.queue),
                          seam_address=self.seam.address if self.seam is not None else "",
-                         gpu_energy_j=self._energy_j())
+                         gpu_energy_j=group_energy_j(self.gpu, self.leader))
 
     # -- receiving ------------------------------------------------------------------------------
 

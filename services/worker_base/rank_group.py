@@ -36,7 +36,7 @@ from shared.gpu.telemetry import WorkerMeter
 from shared.messages import DeviceReading, FrequencyCommand
 from shared.settings import WorkerSettings
 from shared.settings_flags import env_of
-from shared.transport.device_group import DeviceGroup, GroupError
+from shared.transport.device_group import STOP, Command, DeviceGroup, GroupError
 
 log = logging.getLogger("aflex.group")
 
@@ -86,6 +86,30 @@ def reading_slots(rank: int, size: int, worker_gpu: WorkerGPU) -> list[float]:
     gpu = worker_gpu.gpu
     values[3 * rank:3 * rank + 3] = [float(gpu.sm_clock_mhz()), gpu.power_w(), gpu.total_energy_j()]
     return values
+
+
+def follow_commands(group: DeviceGroup, worker_gpu: WorkerGPU, do: Callable[[Command], None]) -> None:
+    """A follower's life in its group: each command of rank 0's done in order (READINGS answered here), until
+    STOP or a broken group; its GPU's clock reset and the GPU closed however it ends."""
+    try:
+        while True:
+            command = group.receive()
+            if command.op == STOP:
+                return
+            if command.op == READINGS:
+                group.sum_floats(reading_slots(group.rank, group.size, worker_gpu))
+            else:
+                do(command)
+    finally:
+        worker_gpu.controller.reset()
+        worker_gpu.gpu.close()
+
+
+def group_energy_j(worker_gpu: WorkerGPU | None, leader: GroupLeader | None) -> float | None:
+    """A worker's GPU energy counter for its heartbeat: a group's devices' summed (None: no GPU yet)."""
+    if worker_gpu is None:
+        return None
+    return worker_gpu.gpu.total_energy_j() + (leader.followers_energy_j() if leader is not None else 0.0)
 
 
 def group_devices(settings: WorkerSettings, size: int) -> list[str]:
@@ -200,7 +224,7 @@ class GroupLeader:
         """The other ranks' GPU energy counters at their last readings, summed."""
         return sum(r.energy_j for r in self.readings)
 
-    def abandon(self, reason: Exception) -> None:
+    def abandon(self, reason: BaseException) -> None:
         """The group broke: end this process now (and the ranks it started), so the group is started again."""
         log.error("%s: worker group broken (%s): exiting so that it is started again", self.settings.worker_id,
                   reason)
@@ -213,7 +237,7 @@ class GroupLeader:
     def check(self, exc: BaseException) -> None:
         """After a failed step: `abandon` when it failed because the group broke."""
         if isinstance(exc, GroupError) or (self.group is not None and self.group.broken):
-            self.abandon(exc if isinstance(exc, Exception) else GroupError(str(exc)))
+            self.abandon(exc)
 
     def close(self) -> None:
         """Stop the keeper, tell the followers to exit, and make sure the ones started here do."""

@@ -72,8 +72,7 @@ class DeviceGroup:
         self.lock = threading.RLock()
         timeout = timedelta(seconds=timeout_s)
         try:  # every rank has loaded its share and come (as long as loading takes), then the group connects
-            store.set(f"aflex/group/ready/{rank}", "1")
-            store.wait([f"aflex/group/ready/{r}" for r in range(size)], timedelta(seconds=join_timeout_s))
+            _meet(store, "aflex/group/ready", rank, size, join_timeout_s)
         except Exception as exc:
             raise GroupError(f"rank {rank} of {size}: the other ranks did not come to {address} within "
                              f"{join_timeout_s:g} s: {exc}") from None
@@ -123,9 +122,7 @@ class DeviceGroup:
         """Every rank has reached `tag` (a fresh one each time), however long that takes up to `timeout_s`: for
         steps as slow as loading the weights again, which the collectives' timeout would cut short."""
         try:
-            self._store.set(f"aflex/group/barrier/{tag}/{self.rank}", "1")
-            self._store.wait([f"aflex/group/barrier/{tag}/{r}" for r in range(self.size)],
-                             timedelta(seconds=timeout_s))
+            _meet(self._store, f"aflex/group/barrier/{tag}", self.rank, self.size, timeout_s)
         except Exception as exc:
             self.broken = True
             raise GroupError(f"group {self.address}: the ranks did not all reach {tag!r}: {exc}") from None
@@ -208,6 +205,12 @@ class DeviceGroup:
                     self.send(STOP)
                 except GroupError as exc:
                     log.info("group %s: could not stop the followers: %s", self.address, exc)
+
+
+def _meet(store: Any, prefix: str, rank: int, size: int, timeout_s: float) -> None:
+    """Say this rank is at `prefix` in the store and wait until all `size` ranks are (store errors raise)."""
+    store.set(f"{prefix}/{rank}", "1")
+    store.wait([f"{prefix}/{r}" for r in range(size)], timedelta(seconds=timeout_s))
 
 
 def leading(group: DeviceGroup | None, op: str, tensors: list[Tensor] | None = None, **args: Any
