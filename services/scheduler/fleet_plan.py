@@ -13,15 +13,22 @@ Kinds live: a mesh whose workers each load one half serves "mixed" pools (every 
 prefill and decode beside the FFN workers) and "pd" pools (prefill and decode attention workers, each
 pool with FFN workers of its own, sequences moving between them by KV handoff: handoff.py); which of
 them a window may use is the caller's (`provision_kinds`). "colocated" pools are whole-model replicas on
-attention workers that loaded both halves (`colocate`), one worker each; the FFN workers park. The planner
-counts each worker as one GPU, a worker group (`--attention-tp`, `--ffn-tp`, `--ffn-ep`) too: it does not
-plan group sizes yet.
+attention workers that loaded both halves (`colocate`), one worker each; the FFN workers park.
+
+A worker may be a group of devices (`--attention-tp`, `--ffn-tp`, `--ffn-ep`): the cluster is then the groups'
+devices, and the plan may use only groups the mesh has (`LiveGroups`): a split pool's attention GPUs in groups
+of its attention workers' size, its FFN GPUs what some FFN workers hold together, colocated replicas of the
+whole-model workers' sizes. The simulator makes the same call on a cluster free to form any group the model
+splits over, so where the live mesh was started with the groups the simulator plans, the two plans are one
+(tests/services/scheduler/test_group_plans.py). Groups are formed at start, as vLLM's `--tensor-parallel-size`
+is: the live planner picks among them and parks the rest, it does not re-form them.
 """
 
 from __future__ import annotations
 
 import math
 from collections import deque
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -35,6 +42,7 @@ from shared.policy import ClockRule, ClusterSpec, Plan, WindowLoad
 from shared.policy.footprint import elastic_plan
 from shared.policy.headroom import AdaptiveHeadroom
 from shared.policy.parking_rule import model_parking_state, parked_power_w, parking_state
+from shared.policy.pool_sizing import LiveGroups
 from shared.policy.window_load import window_load
 
 POOL_ASSIGNMENT: dict[str, Assignment] = {"prefill": "prefill-attention", "decode": "decode-attention",
@@ -109,41 +117,55 @@ class Observed:
 
 def assign(plan: Plan, attention_ids: list[str], ffn_ids: list[str], previous: dict[str, Assignment],
            parked: Assignment = PARKED_ASSIGNMENT["warm"], previous_pool: dict[str, str] | None = None,
-           colocate_ids: list[str] | None = None) -> tuple[dict[str, Assignment], dict[str, str]]:
+           colocate_ids: list[str] | None = None, sizes: Mapping[str, int] | None = None
+           ) -> tuple[dict[str, Assignment], dict[str, str]]:
     """Name the workers of each pool of `plan`, moving as few as it can: first every worker keeps its place
     where the plan still has one (its role, and an FFN worker its pool); then the places left take the
     serving workers that lost theirs, then parked ones (warm before cold), each in id order; the rest park
     (`parked`). So a pool that grows wakes a parked worker rather than taking one from another pool, whose
     sequences would have to move. A colocated pool's replicas are attention workers that hold both halves
-    (`colocate_ids`; None: every attention worker)."""
+    (`colocate_ids`; None: every attention worker). A worker is a group of `sizes[id]` GPUs (absent: one): a
+    place of N GPUs takes groups of its size (a pool's attention TP, a replica's TP) until they hold N; an
+    FFN place takes FFN workers that fit what it still needs."""
     before = previous_pool or {}
-    places: list[tuple[str, Assignment, int, list[str]]] = []  # (pool, role, workers it takes, candidates)
+    size_of = sizes or {}
+    places: list[tuple[str, Assignment, int, list[str]]] = []  # (pool, role, GPUs it takes, candidates)
     free_a, free_f = sorted(attention_ids), sorted(ffn_ids)
     whole = set(attention_ids if colocate_ids is None else colocate_ids)
     for pool, shape in plan.pools().items():
         if not shape.split:  # one colocated pool: the plan's only one
-            places.append((pool, POOL_ASSIGNMENT[pool], shape.gpus, [w for w in free_a if w in whole]))
+            places.append((pool, POOL_ASSIGNMENT[pool], shape.gpus,
+                           [w for w in free_a if w in whole and size_of.get(w, 1) == shape.tp]))
             continue
-        places.append((pool, POOL_ASSIGNMENT[pool], shape.attention, free_a))
+        tp = max(1, shape.attention_tp)
+        places.append((pool, POOL_ASSIGNMENT[pool], shape.attention, [w for w in free_a if size_of.get(w, 1) == tp]))
         places.append((pool, "ffn", shape.ffn, free_f))
     out: dict[str, Assignment] = {}
     pool_of: dict[str, str] = {}
     left: list[int] = []
-    for pool, role, count, free in places:
-        stay = [w for w in free if previous.get(w) == role and before.get(w, pool) == pool][:count]
-        for wid in stay:
-            out[wid], pool_of[wid] = role, pool
-            free.remove(wid)
-        left.append(count - len(stay))
+
+    def take(wid: str, pool: str, role: Assignment) -> None:
+        out[wid], pool_of[wid] = role, pool
+        for free in (free_a, free_f):
+            if wid in free:
+                free.remove(wid)
+
+    for pool, role, gpus, candidates in places:
+        for wid in [w for w in candidates if previous.get(w) == role and before.get(w, pool) == pool]:
+            if wid not in out and size_of.get(wid, 1) <= gpus:
+                take(wid, pool, role)
+                gpus -= size_of.get(wid, 1)
+        left.append(gpus)
 
     def rank(wid: str) -> tuple[bool, bool, str]:
         was = previous.get(wid, PARKED_ASSIGNMENT["warm"])
         return was in PARKED, was == PARKED_ASSIGNMENT["cold"], wid
 
-    for (pool, role, _, free), count in zip(places, left, strict=True):
-        for wid in sorted(free, key=rank)[:count]:
-            out[wid], pool_of[wid] = role, pool
-            free.remove(wid)
+    for (pool, role, _, candidates), gpus in zip(places, left, strict=True):
+        for wid in sorted(candidates, key=rank):
+            if wid not in out and 0 < size_of.get(wid, 1) <= gpus:
+                take(wid, pool, role)
+                gpus -= size_of.get(wid, 1)
     for wid in [*attention_ids, *ffn_ids]:
         if wid not in out:
             out[wid], pool_of[wid] = parked, ""
@@ -194,16 +216,13 @@ class Provisioner:
         `cold_rejoin_s` of one role's weights) that brings it back."""
         return PARKED_ASSIGNMENT[model_parking_state(self.parking, profile, args, self.window_s)]
 
-    def spec(self, args: ModelArgs, profile: GPUProfile, n_attention: int, n_ffn: int,
-             n_colocate: int = 0, gpu_memory_bytes: float = 0.0) -> ClusterSpec:
-        """The live cluster: its workers as GPUs of `gpu_memory_bytes` (0: the profile's), each able to serve
-        the half it loaded (`n_colocate` of the attention workers both: one GPU each, a worker group counted
-        as one), a parked one priced at its parking state's power."""
+    def spec(self, args: ModelArgs, profile: GPUProfile, groups: LiveGroups, gpu_memory_bytes: float = 0.0
+             ) -> ClusterSpec:
+        """The live cluster: its workers' devices as GPUs of `gpu_memory_bytes` (0: the profile's), planned only as
+        the groups the workers are (`LiveGroups`), a parked one priced at its parking state's power."""
         parked_w = parked_power_w(model_parking_state(self.parking, profile, args, self.window_s), profile)
-        return ClusterSpec.for_model(args, n_attention + n_ffn, ttft_slo_s=self.ttft_slo_s,
-                                     tpot_slo_s=self.tpot_slo_s, link_bytes_s=self.link_bytes_s,
-                                     parked_power_w=parked_w, max_attention=n_attention, max_ffn=n_ffn,
-                                     colocated_workers=n_colocate,
+        return ClusterSpec.for_model(args, groups.gpus, ttft_slo_s=self.ttft_slo_s, tpot_slo_s=self.tpot_slo_s,
+                                     link_bytes_s=self.link_bytes_s, parked_power_w=parked_w, groups=groups,
                                      gpu_memory_bytes=gpu_memory_bytes or profile.memory_bytes)
 
     def observe(self, now_mono: float) -> Observed:
@@ -223,17 +242,20 @@ class Provisioner:
     def plan(self, now_mono: float, pred: Predictor, rule: ClockRule, attention_ids: list[str],
              ffn_ids: list[str], kinds: tuple[str, ...] | None = None,
              observed: Observed | None = None, colocate_ids: list[str] | None = None,
-             gpu_memory_bytes: float = 0.0) -> PlanDecision:
+             gpu_memory_bytes: float = 0.0, sizes: Mapping[str, int] | None = None) -> PlanDecision:
         """The plan for the coming window over these (healthy, registered) workers, and who serves where;
         `kinds`: the pool kinds it may use (None: the provisioner's); `observed`: `observe`'s (None: read now);
         `colocate_ids`: the attention workers that hold both halves (None: none); `gpu_memory_bytes`: the
-        smallest of the workers' GPUs (0: the profile's)."""
+        smallest of the workers' GPUs (0: the profile's); `sizes`: each worker's devices (absent: one)."""
         if not attention_ids or not ffn_ids:
             raise ValueError("a plan needs at least one attention and one FFN worker")
         seen = observed if observed is not None else self.observe(now_mono)
         load = seen.load
         whole = [w for w in colocate_ids or () if w in attention_ids]
-        spec = self.spec(pred.args, pred.profile, len(attention_ids), len(ffn_ids), len(whole), gpu_memory_bytes)
+        size_of = sizes or {}
+        groups = LiveGroups(tuple(size_of.get(w, 1) for w in attention_ids), tuple(size_of.get(w, 1) for w in ffn_ids),
+                            tuple(size_of.get(w, 1) for w in whole))
+        spec = self.spec(pred.args, pred.profile, groups, gpu_memory_bytes)
         headroom = self.headroom_rule.update(seen.p90_ttft_ms, self.ttft_slo_ms)
         kinds = kinds or self.kinds
         if seen.stretch_load is not None:  # what the plan in force drew, against its model: its kind's factor
@@ -249,7 +271,7 @@ class Provisioner:
         plan = self._at_least(plan, spec)
         assignments, pool_of = assign(plan, attention_ids, ffn_ids, self.assignments,
                                       self.parked_state(pred.args, pred.profile),
-                                      self.latest.pool_of if self.latest is not None else None, whole)
+                                      self.latest.pool_of if self.latest is not None else None, whole, size_of)
         changed = sorted(w for w, a in assignments.items() if self.assignments.get(w) != a)
         self.plan_id += 1
         self.kind, self.assignments = plan.kind, assignments
@@ -259,12 +281,14 @@ class Provisioner:
 
     def _at_least(self, plan: Plan, spec: ClusterSpec) -> Plan:
         """The operator's floor: a mixed plan grown to `min_attention` and `min_ffn` serving workers where
-        the mesh has them (the grown GPUs are priced as serving idle, not as parked)."""
+        the mesh has them (the grown GPUs are priced as serving idle, not as parked; workers as the smallest
+        groups of their role)."""
         pool = plan.mixed
         if pool is None or not pool.split:
             return plan
-        a = min(max(pool.attention, self.min_attention), spec.max_attention or math.inf)
-        f = min(max(pool.ffn, self.min_ffn), spec.max_ffn or math.inf)
+        a = min(max(pool.attention, self.min_attention * spec.least_attention_tp), spec.max_attention or math.inf)
+        f = min(max(pool.ffn, self.min_ffn * min(spec.ffn_sizes or (1,))), spec.max_ffn or math.inf)
+        f = min((s for s in spec.ffn_sizes or (f,) if s >= f), default=f)
         if (a, f) == (pool.attention, pool.ffn):
             return plan
         grown = replace(pool, attention=int(a), ffn=int(f))

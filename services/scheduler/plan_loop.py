@@ -103,7 +103,8 @@ class ProvisioningLoop:
                                            self.provisioner.observe(now),
                                            [w.worker_id for w in attention if w.can_colocate],
                                            min((m for w in (*attention, *ffn) if (m := w.gpu_memory_bytes) > 0),
-                                               default=0.0))
+                                               default=0.0),
+                                           {w.worker_id: w.group_size for w in (*attention, *ffn)})
         changed = [self.registry.workers[w] for w in decision.changed]
         for wid, assignment in decision.assignments.items():
             worker = self.registry.workers[wid]

@@ -159,6 +159,7 @@ class Worker:
     halves: tuple[Role, ...] = ()  # what it loaded beyond its role's half (`Register.halves`)
     gpu_energy_j: float | None = None  # its GPU's energy counter, as its latest heartbeat said
     gpu_memory_bytes: float = 0.0  # as registered (0: unknown)
+    group_size: int = 1  # its devices: a worker group's ranks (`Register.group_devices`), else one
     draining: bool = False  # stopping (its heartbeat says so): no new work; what it holds finishes there
 
     @property
@@ -235,6 +236,7 @@ class Registry:
         worker.kv_address = msg.kv_address
         worker.halves = tuple(msg.halves)
         worker.gpu_memory_bytes = msg.gpu_memory_bytes
+        worker.group_size = max(1, len(msg.group_devices))
         worker.draining = False  # a new process: it drains again only when its heartbeat says so
         worker.last_seen = now
         worker.healthy = True

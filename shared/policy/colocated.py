@@ -23,10 +23,11 @@ def instance_tps(spec: ClusterSpec, max_gpus: int, weight_fraction: float = 0.75
 
 def colocated_options(spec: ClusterSpec) -> list[tuple[int, int]]:
     """(TP, most replicas) of the colocated pools the cluster can run: any TP that holds the model, or on a
-    live mesh (`spec.colocated_workers`) TP 1 on the workers that loaded both halves."""
+    live mesh (`spec.colocated_groups`) the sizes of its workers that loaded both halves, one replica each."""
     fits = instance_tps(spec, spec.gpus)
-    if spec.colocated_workers is not None:
-        return [(1, spec.colocated_workers)] if 1 in fits and spec.colocated_workers > 0 else []
+    if spec.colocated_groups is not None:
+        groups = spec.colocated_groups
+        return [(tp, groups.count(tp)) for tp in sorted(set(groups)) if tp in fits]
     return [(tp, spec.gpus // tp) for tp in fits]
 
 

@@ -31,6 +31,11 @@ def formable(args: ModelArgs, half: Half, tp: int, ep: int = 1) -> bool:
     return True
 
 
+def ffn_group_formable(args: ModelArgs, gpus: int) -> bool:
+    """Whether `gpus` ranks can hold the FFN half as one group: by width (tp), by experts (ep), or both."""
+    return any(gpus % tp == 0 and formable(args, "ffn", tp, gpus // tp) for tp in range(1, gpus + 1))
+
+
 def _ffn_rank_bytes(args: ModelArgs, sharding: Sharding) -> float:
     shard = ffn_args(args, sharding)
     experts = len(held_experts(args, sharding))

@@ -16,13 +16,16 @@ iterations use:
   (`prefill_iter_frac` of the TTFT budget) and utilisation stays below `max_utilisation` (queueing);
   power = busy share at the chosen clocks + idle share at context-idle power.
 
-The plan minimises total power, counting GPUs left out (parked) at `parked_power_w`. With fewer
+The plan minimises total power, counting GPUs left out (parked) at `parked_power_w`; when no plan holds
+the load, the least overloaded that parks nothing (an overload's penalty can tie across pool sizes whose
+bottleneck is elsewhere, and the smallest of them would park GPUs the burst needs). With fewer
 than `min_pd_gpus` GPUs the cluster is one mixed split pool (no prefill/decode pools,
 `provision_mixed`). AFlex's planner weighs these beside colocated replicas (`footprint.py`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass, replace
 
@@ -49,6 +52,34 @@ TP_DEGREES = (1, 2, 4, 8)  # the tensor-parallel group sizes plans weigh
 
 
 @dataclass(frozen=True)
+class LiveGroups:
+    """A live mesh's workers as the groups they are (each a size in devices, `--attention-tp`, `--ffn-tp` x
+    `--ffn-ep`): what the live planner may plan with. Its GPUs are their devices."""
+
+    attention: tuple[int, ...]  # each attention worker's size
+    ffn: tuple[int, ...]  # each FFN worker's size
+    whole: tuple[int, ...]  # the size of each attention worker that holds both halves
+
+    @classmethod
+    def ones(cls, attention: int, ffn: int, whole: int = 0) -> LiveGroups:
+        """Workers of one device each: `attention` attention workers (`whole` of them holding both halves)."""
+        return cls((1,) * attention, (1,) * ffn, (1,) * whole)
+
+    @property
+    def gpus(self) -> int:
+        return sum(self.attention) + sum(self.ffn)
+
+    def limit(self, spec: ClusterSpec) -> ClusterSpec:
+        """`spec` held to these groups: attention pools of the attention workers' sizes, FFN pools of what some of
+        the FFN workers sum to, colocated replicas of the whole-model workers' sizes."""
+        sums = {0}
+        for size in self.ffn:
+            sums |= {s + size for s in sums}
+        return replace(spec, max_attention=sum(self.attention), max_ffn=sum(self.ffn), colocated_groups=self.whole,
+                       attention_tps=tuple(sorted(set(self.attention))), ffn_sizes=tuple(sorted(sums - {0})))
+
+
+@dataclass(frozen=True)
 class ClusterSpec:
     gpus: int
     gpu_memory_bytes: float
@@ -64,33 +95,39 @@ class ClusterSpec:
     # GPU can take either role, as in the simulator's cluster)
     max_attention: int | None = None
     max_ffn: int | None = None
-    # a live mesh: how many of its workers hold both halves, each one GPU (a colocated replica is one of them,
-    # TP 1); None: any GPU or TP group can, as in the simulator
-    colocated_workers: int | None = None
+    # a live mesh: the group size (TP) of each worker that holds both halves (a colocated replica is one of
+    # them); None: any GPU or TP group can, as in the simulator
+    colocated_groups: tuple[int, ...] | None = None
     # GPUs per node (0: every GPU on the `link_bytes_s` fabric) and what a GPU moves to another node (bytes/s):
     # a group whose per-layer traffic crosses nodes runs at the slower link (`group_link_bytes_s`)
     node_gpus: int = 0
     inter_node_bytes_s: float = 0.0
-    # the group sizes the live mesh can form for this model (`group_fit.formable`): whole-model replicas, and
-    # attention groups; a plan uses no other (so the simulator plans only what the live mesh can serve)
+    # the group sizes the live mesh can form for this model (`group_fit.formable`), or a live mesh has: whole-model
+    # replicas, attention groups (ascending: a decode or mixed pool's groups are the smallest) and a split pool's
+    # FFN GPUs (one FFN group, or a live mesh's FFN workers together; None: any count); a plan uses no other
     whole_tps: tuple[int, ...] = TP_DEGREES
     attention_tps: tuple[int, ...] = TP_DEGREES
+    ffn_sizes: tuple[int, ...] | None = None
 
     @classmethod
     def for_model(cls, args: ModelArgs, gpus: int, *, ttft_slo_s: float, tpot_slo_s: float, link_bytes_s: float,
                   parked_power_w: float, gpu_memory_bytes: float = GPU_MEMORY_BYTES, max_attention: int | None = None,
-                  max_ffn: int | None = None, colocated_workers: int | None = None, node_gpus: int = 0,
-                  inter_node_bytes_s: float = 0.0) -> ClusterSpec:
+                  max_ffn: int | None = None, node_gpus: int = 0, inter_node_bytes_s: float = 0.0,
+                  groups: LiveGroups | None = None) -> ClusterSpec:
         """The cluster that serves `args` on `gpus` GPUs, planned to `SLO_BUDGET_SHARE` of each SLO (the rest is
-        the queueing and dispatch a plan does not see): the simulator's and the live scheduler's one spec."""
-        from shared.policy.group_fit import formable
+        the queueing and dispatch a plan does not see): the simulator's and the live scheduler's one spec. The
+        simulator's may form any group the model splits over (`group_fit`); a live mesh's (`groups`) only the
+        groups it has."""
+        from shared.policy.group_fit import ffn_group_formable, formable
 
-        return cls(gpus, gpu_memory_bytes, attention_weight_bytes(args), ffn_weight_bytes(args),
+        spec = cls(gpus, gpu_memory_bytes, attention_weight_bytes(args), ffn_weight_bytes(args),
                    kv_bytes_per_token(args), link_bytes_s, ttft_slo_s * SLO_BUDGET_SHARE,
                    tpot_slo_s * SLO_BUDGET_SHARE, parked_power_w, max_attention=max_attention, max_ffn=max_ffn,
-                   colocated_workers=colocated_workers, node_gpus=node_gpus, inter_node_bytes_s=inter_node_bytes_s,
+                   node_gpus=node_gpus, inter_node_bytes_s=inter_node_bytes_s,
                    whole_tps=tuple(tp for tp in TP_DEGREES if formable(args, "whole", tp)),
-                   attention_tps=tuple(tp for tp in TP_DEGREES if formable(args, "attention", tp)))
+                   attention_tps=tuple(tp for tp in TP_DEGREES if formable(args, "attention", tp)),
+                   ffn_sizes=tuple(f for f in range(1, gpus + 1) if ffn_group_formable(args, f)))
+        return spec if groups is None else groups.limit(spec)
 
     def group_link_bytes_s(self, gpus: int) -> float:
         """The link a group of `gpus` GPUs exchanging tensors every layer runs at: the intra-node fabric while
@@ -103,6 +140,15 @@ class ClusterSpec:
         """Whether `attention` attention and `ffn` FFN GPUs, together, fit the cluster and its role limits."""
         return (attention + ffn <= self.gpus and (self.max_attention is None or attention <= self.max_attention)
                 and (self.max_ffn is None or ffn <= self.max_ffn))
+
+    def ffn_fits(self, ffn: int) -> bool:
+        """Whether a split pool may take `ffn` FFN GPUs (`ffn_sizes`)."""
+        return self.ffn_sizes is None or ffn in self.ffn_sizes
+
+    @property
+    def least_attention_tp(self) -> int:
+        """A decode or mixed pool's attention groups: the smallest the cluster forms."""
+        return self.attention_tps[0] if self.attention_tps else 1
 
     @property
     def ffn_min(self) -> int:
@@ -246,9 +292,10 @@ def idle_power_w(prof: GPUProfile, shape: PoolShape, clock_attention: float, clo
         clock_ffn)
 
 
-def _pool(a: int, f: int, spec: ClusterSpec, attention_tp: int = 1) -> PoolShape:
+def _pool(a: int, f: int, spec: ClusterSpec, attention_tp: int = 0) -> PoolShape:
+    """A split pool of `a` attention GPUs in groups of `attention_tp` (0: the cluster's smallest) and `f` FFN GPUs."""
     return PoolShape(split=True, attention=a, ffn=f, link_bytes_s=spec.group_link_bytes_s(a + f),
-                     attention_tp=attention_tp)
+                     attention_tp=attention_tp or spec.least_attention_tp)
 
 
 def attention_tp_options(a: int, max_tp: int, formable: tuple[int, ...] = TP_DEGREES) -> list[int]:
@@ -272,6 +319,8 @@ def provision(pred: Predictor, load: WindowLoad, spec: ClusterSpec, rule: ClockR
     dec: dict[tuple[int, int], float] = {}
     max_tp = max(1, pred.args.n_kv_heads) if prefill_tp else 1
     for f in range(fmin, n):
+        if not spec.ffn_fits(f):
+            continue
         for a in range(1, n - f):
             if not spec.role_fits(a, f):
                 continue
@@ -279,7 +328,8 @@ def provision(pred: Predictor, load: WindowLoad, spec: ClusterSpec, rule: ClockR
                 pp = prefill_power(pred, _pool(a, f, spec, tp), hl, spec, rule)
                 if (a, f) not in pre or pp < pre[(a, f)][0]:
                     pre[(a, f)] = (pp, tp)
-            dec[(a, f)] = decode_power(pred, _pool(a, f, spec), hl, spec, rule)
+            if a % spec.least_attention_tp == 0:
+                dec[(a, f)] = decode_power(pred, _pool(a, f, spec), hl, spec, rule)
     choice: tuple[float, tuple[int, int], tuple[int, int]] | None = None
     for (pa, pf), (pp, _) in pre.items():
         for (da, df), dp in dec.items():
@@ -291,6 +341,9 @@ def provision(pred: Predictor, load: WindowLoad, spec: ClusterSpec, rule: ClockR
                 choice = (total, (pa, pf), (da, df))
     if choice is None:
         raise ValueError(f"{n} GPUs cannot hold a prefill and a decode pool")
+    if choice[0] >= INFEASIBLE and not use_all:  # no plan holds the load: park nothing
+        with contextlib.suppress(ValueError):  # (no P/D plan takes every GPU: the least overloaded, as found)
+            return provision(pred, load, spec, rule, headroom, min_pd_gpus, use_all=True, prefill_tp=prefill_tp)
     total, (pa, pf), (da, df) = choice
     ptp = pre[(pa, pf)][1]
     return Plan(_pool(pa, pf, spec, ptp), _pool(da, df, spec), None, n - pa - pf - da - df, total,
@@ -307,12 +360,16 @@ def provision_mixed(pred: Predictor, load: WindowLoad, spec: ClusterSpec, rule: 
     best: tuple[float, int, int] | None = None
     for f in range(fmin, n):
         for a in range(1, n - f + 1):
-            if (use_all and a + f != n) or not spec.role_fits(a, f):
+            if ((use_all and a + f != n) or not spec.role_fits(a, f) or not spec.ffn_fits(f)
+                    or a % spec.least_attention_tp):
                 continue
             p = mixed_power(pred, _pool(a, f, spec), hl, spec, rule) + (n - a - f) * spec.parked_power_w
             if best is None or p < best[0]:
                 best = (p, a, f)
     if best is None:
         raise ValueError(f"{n} GPUs cannot hold the model split (FFN needs {fmin})")
+    if best[0] >= INFEASIBLE and not use_all:  # no pool holds the load: park nothing
+        with contextlib.suppress(ValueError):
+            return provision_mixed(pred, load, spec, rule, headroom, use_all=True)
     p, a, f = best
     return Plan(None, None, _pool(a, f, spec), n - a - f, p, p < INFEASIBLE)

@@ -24,7 +24,7 @@ from shared.messages import Register, RegisterReply, decode, encode
 from shared.perf import cached_predictor
 from shared.policy import SHARED_CLOCK_OBJECTIVE, ClockRule, Plan, PoolShape, WindowLoad
 from shared.policy.footprint import candidate_plans, elastic_plan
-from shared.policy.pool_sizing import mixed_power
+from shared.policy.pool_sizing import LiveGroups, mixed_power
 from tests.services.scheduler.test_scheduler import heartbeat, wait_for
 from tests.services.scheduler.test_scheduler_policy import A800_CLOCKS, ProfiledAttention, live
 
@@ -44,8 +44,8 @@ def test_a_colocated_plan_runs_one_replica_per_worker_that_holds_both_halves() -
     for i in range(240):  # 4 req/s of 1000-token prompts
         pv.loads.admitted(f"r{i}", 100.0 + i / 4, 1000, 300)
     d = pv.plan(160.0, pred, RULE, ["a0", "a1", "a2"], ["f0", "f1"], kinds=("colocated",), colocate_ids=["a1", "a2"])
-    spec = pv.spec(LLAMA, A800, 3, 2, 2)
-    assert spec.colocated_workers == 2
+    spec = pv.spec(LLAMA, A800, LiveGroups.ones(3, 2, 2))
+    assert spec.colocated_groups == (1, 1)
     assert d.plan == elastic_plan(pred, d.load, spec, RULE, 1.3, None, kinds=("colocated",))
     shape = d.plan.mixed
     assert d.plan.kind == "colocated" and shape is not None and not shape.split and shape.tp == 1
@@ -70,8 +70,8 @@ def test_no_colocated_plan_without_a_worker_that_holds_the_whole_model() -> None
     pred = cached_predictor(A800, LLAMA)
     pv = _provisioner()
     load = WindowLoad(1.0, 500.0, 200.0, 800.0)
-    assert "colocated" not in candidate_plans(pred, load, pv.spec(LLAMA, A800, 2, 2, 0), RULE)
-    assert "colocated" in candidate_plans(pred, load, pv.spec(LLAMA, A800, 2, 2, 1), RULE)
+    assert "colocated" not in candidate_plans(pred, load, pv.spec(LLAMA, A800, LiveGroups.ones(2, 2, 0)), RULE)
+    assert "colocated" in candidate_plans(pred, load, pv.spec(LLAMA, A800, LiveGroups.ones(2, 2, 1)), RULE)
     # asked for colocated replicas where none can run: the mixed pool serves instead
     d = pv.plan(0.0, pred, RULE, ["a0", "a1"], ["f0"], kinds=("colocated",), colocate_ids=[])
     assert d.plan.kind == "mixed" and "colocated" not in d.assignments.values()
@@ -139,8 +139,9 @@ def test_the_cluster_is_planned_on_the_memory_the_workers_registered() -> None:
     pv = _provisioner()
     pred = cached_predictor(h200, QWEN)
     load = WindowLoad(1.0, 500.0, 200.0, 800.0)
-    assert "colocated" in candidate_plans(pred, load, pv.spec(QWEN, h200, 2, 1, 2), RULE)  # the profile's 141 GB
-    assert "colocated" not in candidate_plans(pred, load, pv.spec(QWEN, h200, 2, 1, 2, gpu_memory_bytes=80e9), RULE)
+    two = LiveGroups.ones(2, 1, 2)
+    assert "colocated" in candidate_plans(pred, load, pv.spec(QWEN, h200, two), RULE)  # the profile's 141 GB
+    assert "colocated" not in candidate_plans(pred, load, pv.spec(QWEN, h200, two, gpu_memory_bytes=80e9), RULE)
     d = pv.plan(0.0, pred, RULE, ["a0", "a1"], ["f0"], kinds=("colocated",), colocate_ids=["a0", "a1"],
                 gpu_memory_bytes=141e9)
     assert d.plan.kind == "colocated"

@@ -37,6 +37,7 @@ from shared.messages import (
 from shared.perf import cached_predictor
 from shared.policy import SHARED_CLOCK_OBJECTIVE, ClockRule, Plan, PoolShape, WindowLoad
 from shared.policy.footprint import elastic_plan
+from shared.policy.pool_sizing import LiveGroups
 from shared.policy.window_load import window_load
 from tests.services.scheduler.test_scheduler import heartbeat, wait_for
 from tests.services.scheduler.test_scheduler_policy import A800_CLOCKS, ProfiledAttention, live
@@ -79,7 +80,7 @@ def test_the_live_plan_is_the_simulators_call_over_the_live_workers() -> None:
         pv.loads.admitted(f"r{i}", 100.0 + 2 * i, 200, 400)
     attention, ffn = ["a0", "a1", "a2", "a3"], ["f0", "f1"]
     decision = pv.plan(160.0, pred, RULE, attention, ffn)
-    spec = pv.spec(QWEN, A800, 4, 2)
+    spec = pv.spec(QWEN, A800, LiveGroups.ones(4, 2))
     want = elastic_plan(pred, decision.load, spec, RULE, 1.3, None, kinds=PLAN_KINDS)
     assert decision.plan == want and decision.plan.kind == "mixed" and decision.plan.gpus == 2
     assert spec.max_attention == 4 and spec.max_ffn == 2 and spec.parked_power_w == A800.warm_parked_power_w
@@ -106,7 +107,8 @@ def test_a_pd_plan_names_prefill_and_decode_workers_each_pool_with_its_ffn() -> 
         pv.loads.admitted(f"r{i}", 100.0 + 2 * i, 200, 400)
     d = pv.plan(160.0, pred, RULE, ["a0", "a1", "a2", "a3"], ["f0", "f1"], kinds=("pd",))
     assert d.plan.kind == "pd" and d.plan.prefill is not None and d.plan.decode is not None
-    assert d.plan == elastic_plan(pred, d.load, pv.spec(QWEN, A800, 4, 2), RULE, 1.3, None, kinds=("pd",))
+    spec = pv.spec(QWEN, A800, LiveGroups.ones(4, 2))
+    assert d.plan == elastic_plan(pred, d.load, spec, RULE, 1.3, None, kinds=("pd",))
     roles = sorted(d.assignments.values())
     assert roles.count("prefill-attention") == d.plan.prefill.attention
     assert roles.count("decode-attention") == d.plan.decode.attention
@@ -160,11 +162,11 @@ def test_workers_out_of_the_plan_park_cold_where_the_window_pays_for_the_reload(
         pv = _provisioner(window_s, parking="auto")
         want = parking_state("auto", window_s, A800.warm_parked_power_w, A800.idle_power_w, cold_j)
         assert pv.parked_state(QWEN, A800) == f"parked-{want}"
-        assert pv.spec(QWEN, A800, 4, 2).parked_power_w == (A800.idle_power_w if want == "cold"
+        assert pv.spec(QWEN, A800, LiveGroups.ones(4, 2)).parked_power_w == (A800.idle_power_w if want == "cold"
                                                                else A800.warm_parked_power_w)
         # the one rule the simulator's engine calls too
         assert model_parking_state("auto", A800, QWEN, window_s) == want
-        assert parked_power_w(want, A800) == pv.spec(QWEN, A800, 4, 2).parked_power_w
+        assert parked_power_w(want, A800) == pv.spec(QWEN, A800, LiveGroups.ones(4, 2)).parked_power_w
     assert _provisioner(300.0, parking="auto").parked_state(QWEN, A800) == "parked-cold"
     assert _provisioner(1.0, parking="auto").parked_state(QWEN, A800) == "parked-warm"
     pv = _provisioner(300.0, parking="cold")
