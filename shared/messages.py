@@ -370,6 +370,8 @@ class WorkerTelemetry(Message):
     microbatches_done: int = 0  # monotonic
     assignment: Assignment | None = None  # the global scheduler's latest for it (None: none received)
     devices: list[DeviceReading] = Field(default_factory=list)  # a group's ranks, rank 0 first ([]: one device)
+    # a group's collectives since it formed, by the command they served and their kind: [calls, bytes]
+    group_traffic: dict[str, dict[str, list[int]]] = Field(default_factory=dict)
 
 
 class RoleAssignment(Message):

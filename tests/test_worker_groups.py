@@ -23,6 +23,8 @@ import torch
 
 from services.launcher.top import TopState, run_top
 from services.worker_base.rank_group import GROUP_BROKEN_EXIT
+from shared.policy.pipeline import COMMAND_HEAD_BYTES, group_collectives
+from shared.transport.device_group import HEAD_BYTES
 from tests.conftest import TINY_CONFIGS
 from tests.test_mesh_e2e import generate
 from tests.test_mesh_faults import MAX_TOKENS as FAULT_TOKENS
@@ -104,6 +106,19 @@ def check_exact(mesh: Mesh, path: Path) -> None:
             < LOGPROB_TOLERANCE
 
 
+def charged(side: str, microbatches: int, rows: int, dim: int, layers: int) -> dict[str, list[int]]:
+    """What the simulator charges a group of 2 for `microbatches` of `rows` tokens in all, each through
+    `layers` layers (`pipeline.group_collectives`, float32): [calls, bytes] by kind."""
+    out: dict[str, list[int]] = {}
+    for layer in range(layers):
+        for tokens, times in ((rows, 1), (0, microbatches - 1)):  # the bytes are linear in the rows
+            for kind, nbytes in group_collectives(side, tokens, dim, 2, 4, first_layer=layer == 0):
+                entry = out.setdefault(kind, [0, 0])
+                entry[0] += times if tokens == 0 else 1
+                entry[1] += int(nbytes) * times
+    return out
+
+
 @pytest.mark.parametrize("case", [c for c in CASES if c != "llama-tp"])
 def test_a_mesh_of_groups_serves_the_engines_tokens(chat_checkpoints: dict[str, Path], case: str) -> None:
     arch, flags = CASES[case]
@@ -131,6 +146,18 @@ def test_groups_serve_exactly_and_a_rank_lost_mid_stream_loses_no_request(
             assert [d.rank for d in telemetry.devices] == [0, 1] and telemetry.devices[1].energy_j > 0
             assert telemetry.energy_j == pytest.approx(sum(d.energy_j for d in telemetry.devices))
         assert top.getvalue().count(" x2") == 2
+        assert COMMAND_HEAD_BYTES == HEAD_BYTES
+        config = TINY_CONFIGS[arch]  # the simulator charges what the groups ran, call for call and byte for byte
+        dim, layers = int(config["hidden_size"]), int(config["num_hidden_layers"])
+        attend, ffn_steps = latest["attn-0"].group_traffic["attend"], latest["ffn-0"].group_traffic["ffn"]
+        microbatches = latest["attn-0"].group_traffic["end"]["sum"][0]
+        assert microbatches > 0 and attend["all-reduce"][0] == microbatches * layers
+        rows = attend["all-reduce"][1] // (dim * 4 * layers)  # every microbatch's tokens, summed
+        assert attend == charged("attention", microbatches, rows, dim, layers)
+        ffn_microbatches = ffn_steps["all-reduce"][0] // layers
+        assert ffn_microbatches >= microbatches  # (its own forward at load too)
+        assert ffn_steps == charged("ffn", ffn_microbatches, ffn_steps["all-reduce"][1] // (dim * 4 * layers), dim,
+                                    layers)
         baseline = asyncio.run(_run(mesh, count=4))
         for target, sig in (("ffn-0", signal.SIGKILL), ("attn-0", signal.SIGSTOP)):
             pid = mesh.rank_pid(target)

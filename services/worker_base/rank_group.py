@@ -218,6 +218,8 @@ class GroupLeader:
     def report_to(self, meter: WorkerMeter) -> None:
         """Rank 0's telemetry reports the group's devices (`WorkerMeter.followers`)."""
         meter.device = self.settings.device
+        if self.group is not None:
+            meter.group_traffic = self.group.traffic.by_op
         self.meter = meter
 
     def followers_energy_j(self) -> float:

@@ -52,6 +52,7 @@ class WorkerMeter:
         # rank 0 of a worker group: its device, and the other ranks' latest readings (rank_group.py keeps them)
         self.device = ""
         self.followers: list[DeviceReading] = []
+        self.group_traffic: dict[str, dict[str, list[int]]] = {}  # rank 0's collectives (device_group.Traffic)
 
     def op(self, phase: str, measured_s: float, modelled_s: float) -> None:
         """One operator call (a layer's attention, an FFN forward, the lm_head) on the GPU."""
@@ -98,7 +99,9 @@ class WorkerMeter:
             power_w=power_w, energy_j=energy_j, utilization=utilization, devices=devices,
             latency_ms=latency, queue_depth=self.queue_depth, kv_blocks_used=self.kv_blocks_used,
             kv_blocks_total=self.kv_blocks_total, tokens_done=self.tokens_done,
-            microbatches_done=self.microbatches_done, assignment=self.assignment)
+            microbatches_done=self.microbatches_done, assignment=self.assignment,
+            group_traffic={op: {kind: list(v) for kind, v in list(kinds.items())}  # another thread adds to it
+                           for op, kinds in list(self.group_traffic.items())})
 
 
 async def publish_loop(nc: Client, subject: str, meter: WorkerMeter, gpu: GPU,

@@ -93,6 +93,56 @@ def allreduce_s(tokens: float, dim: int, tp: int, link_bytes_s: float, dtype_byt
     return latency_s + 2.0 * (tp - 1) / tp * tokens * dim * dtype_bytes / link_bytes_s
 
 
+COMMAND_HEAD_BYTES = 1024  # a group command's first broadcast (shared/transport/device_group.py's HEAD_BYTES)
+SUM_BYTES = 8  # the FFN step's energy, summed over the ranks (one float64)
+
+
+def group_collectives(side: str, tokens: float, dim: int, tp: int, dtype_bytes: int = 2, first_layer: bool = False
+                      ) -> list[tuple[str, float]]:
+    """The collectives one layer of a microbatch of `tokens` rows costs a group of `tp` ranks, as the live mesh
+    issues them (services/attention_worker/follower.py, services/ffn_worker/follower.py): (kind, bytes) each.
+
+    - "attention" (an attention group beside FFN workers): `ATTEND`, the command's head and the layer's FFN
+      output that came over the seam to rank 0 (none before the first layer), then o_proj's all-reduce;
+    - "ffn" (an FFN group): `FFN`, the head and the rows rank 0 took from the seam, down's all-reduce, and the
+      step's energy summed;
+    - "whole" (a whole-model group): `ATTEND` and `FFN`, each a head and an all-reduce (the FFN input is the
+      same on every rank, so nothing else travels).
+    A worker of one device runs none."""
+    if tp <= 1:
+        return []
+    rows = tokens * dim * dtype_bytes
+    if side == "attention":
+        sent = [] if first_layer else [("broadcast", rows)]
+        return [("broadcast", float(COMMAND_HEAD_BYTES)), *sent, ("all-reduce", rows)]
+    if side == "ffn":
+        return [("broadcast", float(COMMAND_HEAD_BYTES)), ("broadcast", rows), ("all-reduce", rows),
+                ("sum", float(SUM_BYTES))]
+    if side == "whole":
+        return [("broadcast", float(COMMAND_HEAD_BYTES)), ("all-reduce", rows)] * 2
+    raise ValueError(f"a group's side is attention, ffn or whole, not {side!r}")
+
+
+def collective_s(kind: str, nbytes: float, tp: int, link_bytes_s: float, latency_s: float = 10e-6) -> float:
+    """One collective over `tp` ranks: a ring all-reduce moves 2(tp-1)/tp of the bytes per rank; a broadcast
+    (pipelined, NCCL's ring) or a sum of a few numbers moves them once."""
+    if kind == "all-reduce":
+        return latency_s + 2.0 * (tp - 1) / tp * nbytes / link_bytes_s
+    return latency_s + nbytes / link_bytes_s
+
+
+def group_layer_s(side: str, tokens: float, dim: int, tp: int, link_bytes_s: float, layers: int = 1,
+                  dtype_bytes: int = 2) -> float:
+    """A group's collectives per layer (`group_collectives`), in seconds, averaged over `layers` layers (the
+    first carries no FFN output into an attention group)."""
+    if tp <= 1:
+        return 0.0
+    first = sum(collective_s(k, b, tp, link_bytes_s)
+                for k, b in group_collectives(side, tokens, dim, tp, dtype_bytes, first_layer=True))
+    rest = sum(collective_s(k, b, tp, link_bytes_s) for k, b in group_collectives(side, tokens, dim, tp, dtype_bytes))
+    return (first + (layers - 1) * rest) / max(1, layers)
+
+
 def pad_to(t: Array, e: Array, t_floor: Array, idle_w: Idle) -> tuple[Array, Array]:
     """A GPU's share (t, e) stretched to at least `t_floor`, the extra time idle (a straggler elsewhere)."""
     t2 = _maximum(t, t_floor)
@@ -114,8 +164,9 @@ def iteration_cost(att: AttnCost, ffn: TokCost, head: TokCost, shape: Any, s: An
     the largest single sequence chunk (`s.seq_*`) runs on one group: every GPU's share is stretched
     to at least that chunk's time there, the difference idle, and on the split path that chunk is one
     microbatch, whose own attention, FFN and hops follow each other within each layer (`af_iteration`'s
-    round trip). Every tensor-parallel group pays its reductions: an attention group's output projection, the
-    FFN group's down projection, a colocated replica's two a layer. A colocated pool runs both halves at the
+    round trip). Every tensor-parallel group pays its collectives as the live mesh runs them (`group_layer_s`):
+    an attention group's output projection and its leader's command, the FFN group's down projection, command
+    and energy sum, a colocated replica's two of each a layer. A colocated pool runs both halves at the
     attention clock, so only `idle_a` applies there."""
     link = shape.link_bytes_s
     if shape.split:
@@ -124,22 +175,21 @@ def iteration_cost(att: AttnCost, ffn: TokCost, head: TokCost, shape: Any, s: An
         idle_gpus = shape.attention - groups * tp  # attention groups with no sequence this iteration
         per = groups * depth
         ta, ea = att(s.n_tokens / per, s.ctx_tokens / per, s.pairs / per, tp)
-        if tp > 1:  # the attention output projection's partial sums, reduced inside the group
-            ar = allreduce_s(s.n_tokens / per, dim, tp, link)
+        if tp > 1:  # the attention output projection's partial sums, reduced inside the group, and the command
+            ar = group_layer_s("attention", s.n_tokens / per, dim, tp, link, layers)
             ta, ea = ta + ar, ea + ar * idle_a
         tf, ef = ffn(s.n_tokens / depth, shape.ffn)
-        if shape.ffn > 1:  # the FFN group's row-parallel partial sums, reduced before the hop back
-            ar_f = allreduce_s(s.n_tokens / depth, dim, shape.ffn, link)
+        if shape.ffn > 1:  # the FFN group's command, its row-parallel partial sums reduced before the hop back
+            ar_f = group_layer_s("ffn", s.n_tokens / depth, dim, shape.ffn, link, layers)
             tf, ef = tf + ar_f, ef + ar_f * idle_f
         round_trip: Array | float = 0.0
         if s.seq_tokens > s.n_tokens / per:
             ts, _ = att(s.seq_tokens, s.seq_ctx, s.seq_pairs, tp)
-            if tp > 1:
-                ts = ts + allreduce_s(s.seq_tokens, dim, tp, link)
+            ts = ts + group_layer_s("attention", s.seq_tokens, dim, tp, link, layers)
             ta, ea = pad_to(ta, ea, ts / depth, idle_a)  # its group's microbatches hold it between them
             if depth > 1:  # and it is one of them, whole: its layer's round trip is not overlapped with itself
                 ts_f, _ = ffn(s.seq_tokens, shape.ffn)
-                ts_f = ts_f + allreduce_s(s.seq_tokens, dim, shape.ffn, link)
+                ts_f = ts_f + group_layer_s("ffn", s.seq_tokens, dim, shape.ffn, link, layers)
                 round_trip = ts + ts_f + 2.0 * seam_transfer_s(s.seq_tokens, dim, link)
         th, eh = head(max(1.0, s.n_sample / groups), tp)
         tc = seam_transfer_s(s.n_tokens / depth, dim, link)
@@ -149,12 +199,12 @@ def iteration_cost(att: AttnCost, ffn: TokCost, head: TokCost, shape: Any, s: An
     r = s.busy_units(shape.replicas)
     ta, ea = att(s.n_tokens / r, s.ctx_tokens / r, s.pairs / r, shape.tp)
     tf, ef = ffn(s.n_tokens / r, shape.tp)
-    ar = allreduce_s(s.n_tokens / r, dim, shape.tp, link)
+    ar = group_layer_s("whole", s.n_tokens / r, dim, shape.tp, link, layers) / 2.0  # one of each half's
     if s.seq_tokens > s.n_tokens / r:
         ts, _ = att(s.seq_tokens, s.seq_ctx, s.seq_pairs, shape.tp)
         ts_f, _ = ffn(s.seq_tokens, shape.tp)
         t_share = ta + tf + 2.0 * ar
-        t_seq = ts + ts_f + 2.0 * allreduce_s(s.seq_tokens, dim, shape.tp, link)
+        t_seq = ts + ts_f + group_layer_s("whole", s.seq_tokens, dim, shape.tp, link, layers)
         stretch = _maximum(t_seq - t_share, 0.0)  # put the straggler's extra time on the FFN share
         tf, ef = tf + stretch, ef + stretch * idle_a
     th, eh = head(max(1.0, s.n_sample / r), shape.tp)

@@ -58,6 +58,20 @@ class Command:
     tensors: list[Tensor] = field(default_factory=list)
 
 
+@dataclass
+class Traffic:
+    """What rank 0's collectives moved, by the command they served and their kind ("all-reduce", "broadcast",
+    "sum"): [calls, bytes]. The simulator's per-layer charges are held to it (shared/policy/pipeline.py's
+    `group_collectives`; tests/test_worker_groups.py)."""
+
+    by_op: dict[str, dict[str, list[int]]] = field(default_factory=dict)
+
+    def add(self, op: str, kind: str, nbytes: int) -> None:
+        entry = self.by_op.setdefault(op, {}).setdefault(kind, [0, 0])
+        entry[0] += 1
+        entry[1] += nbytes
+
+
 def store_address(host: str, port: int) -> str:
     return f"gloo://{host}:{port}"
 
@@ -92,6 +106,8 @@ class DeviceGroup:
         except Exception as exc:
             raise GroupError(f"rank {rank} of {size} could not form the group at {address}: {exc}") from None
         self.broken = False
+        self.traffic = Traffic()
+        self.op = ""  # the command the collectives serve (rank 0: the last one it sent)
 
     # -- forming ----------------------------------------------------------------------------------
 
@@ -133,6 +149,7 @@ class DeviceGroup:
         """The sum of every rank's `x`, in place (NCCL for a GPU tensor, else gloo)."""
         group = self.nccl if x.is_cuda and self.nccl is not None else self.gloo
         self._wait(group.allreduce([x]), "all-reduce")
+        self.traffic.add(self.op, "all-reduce", x.numel() * x.element_size())
         return x
 
     def sum_float(self, value: float) -> float:
@@ -143,6 +160,7 @@ class DeviceGroup:
         """The sums over the ranks of a few numbers, in one collective."""
         t = torch.tensor(values, dtype=torch.float64)
         self._wait(self.gloo.allreduce([t]), "sum")
+        self.traffic.add(self.op, "sum", t.numel() * t.element_size())
         return [float(v) for v in t]
 
     def _broadcast(self, x: Tensor) -> Tensor:
@@ -150,6 +168,7 @@ class DeviceGroup:
         options = BroadcastOptions()
         options.rootRank = 0
         self._wait(group.broadcast([x], options), "broadcast")
+        self.traffic.add(self.op, "broadcast", x.numel() * x.element_size())
         return x
 
     def _wait(self, work: Any, what: str) -> None:
@@ -164,6 +183,7 @@ class DeviceGroup:
     def send(self, op: str, tensors: list[Tensor] | None = None, **args: Any) -> None:
         """Rank 0: tell the followers to do `op` (call with `lock` held, and run rank 0's share next)."""
         tensors = tensors or []
+        self.op = op
         body = orjson.dumps({"op": op, "args": args,
                              "tensors": [[list(t.shape), str(t.dtype), t.is_cuda] for t in tensors]})
         head = torch.zeros(HEAD_BYTES, dtype=torch.uint8)
@@ -191,6 +211,7 @@ class DeviceGroup:
         if length > len(body):
             body += self._broadcast(torch.zeros(length - len(body), dtype=torch.uint8)).numpy().tobytes()
         message = orjson.loads(body)
+        self.op = message["op"]
         tensors = []
         for shape, dtype, on_gpu in message["tensors"]:
             on = self.device if on_gpu and self.nccl is not None else torch.device("cpu")

@@ -20,7 +20,7 @@ from shared.gpu.emulated import load_profile
 from shared.perf import cached_predictor
 from shared.policy import BatchStats, ClusterSpec, PoolShape
 from shared.policy.colocated import instance_pool
-from shared.policy.pipeline import allreduce_s, iteration_cost, seam_transfer_s
+from shared.policy.pipeline import allreduce_s, group_layer_s, iteration_cost, seam_transfer_s
 
 NVLINK, NETWORK = 400e9, 25e9
 DIM, LAYERS = 4096, 10
@@ -55,7 +55,8 @@ def _costs(shard_seen: list[int]):  # type: ignore[no-untyped-def]
 
 @pytest.mark.parametrize("link", [NVLINK, NETWORK])
 def test_the_ffn_group_pays_its_all_reduce(link: float) -> None:
-    """Depth 1, decode: each layer is attention, the hop, the FFN with its group's all-reduce, the hop back."""
+    """Depth 1, decode: each layer is attention, the hop, the FFN with its group's collectives (rank 0's command
+    with the rows, the all-reduce, the energy sum), the hop back."""
     n = 64.0
     stats = BatchStats("decode", n, n * 1000.0, n * 1000.0, n)
     shards: list[int] = []
@@ -63,10 +64,12 @@ def test_the_ffn_group_pays_its_all_reduce(link: float) -> None:
         shape = PoolShape(split=True, attention=2, ffn=ffn_gpus, link_bytes_s=link, attention_tp=1)
         t, _ = iteration_cost(*_costs(shards), shape, stats, 1, DIM, LAYERS, 50.0, 50.0)
         tc = seam_transfer_s(n, DIM, link)
-        ar_f = allreduce_s(n, DIM, ffn_gpus, link)  # 0 for one FFN GPU
+        ar_f = group_layer_s("ffn", n, DIM, ffn_gpus, link)  # 0 for one FFN GPU
         assert t == pytest.approx(LAYERS * (TA + TF + ar_f + 2 * tc) + TH)
     assert shards == [1, 4]
-    assert allreduce_s(n, DIM, 4, link) > 0
+    rows = n * DIM * 2
+    assert group_layer_s("ffn", n, DIM, 4, link) == pytest.approx(
+        allreduce_s(n, DIM, 4, link) + 3 * 10e-6 + (1024 + rows + 8) / link)
 
 
 def test_the_planner_prices_a_pool_across_nodes_at_the_network() -> None:
