@@ -125,6 +125,42 @@ VARIANTS = {  # a user's values files as they are, and the chart's defaults
 }
 
 
+# -- validation ------------------------------------------------------------------------------------
+
+LWS_SCHEMA = REPO_ROOT / "tests" / "deploy" / "schemas" / "leaderworkerset-v1.json"
+
+
+def _strict(schema: Any) -> Any:
+    """A CRD schema that refuses unknown fields, as `kubectl apply --validate=strict` does (its objects declare
+    their properties; the API server would prune the rest)."""
+    if isinstance(schema, list):
+        return [_strict(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: _strict(v) for k, v in schema.items()}
+    if "properties" in out and "additionalProperties" not in out and not out.get(
+            "x-kubernetes-preserve-unknown-fields"):
+        out["additionalProperties"] = False
+    return out
+
+
+def validate(doc: dict[str, Any], kube_version: str) -> None:
+    """`doc` as Kubernetes `kube_version` checks it, strictly. A LeaderWorkerSet (a CRD: kubernetes-validate has no
+    schema for it) against LWS's own schema (vendored: `LWS_SCHEMA`), and each of its pod templates as a Pod."""
+    if doc.get("kind") != "LeaderWorkerSet":
+        kubernetes_validate.validate(doc, kube_version, strict=True)
+        return
+    import jsonschema
+
+    jsonschema.validate(doc, _strict(json.loads(LWS_SCHEMA.read_text())["schema"]))
+    template = doc["spec"]["leaderWorkerTemplate"]
+    for which in ("leaderTemplate", "workerTemplate"):
+        pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": f"{doc['metadata']['name']}-{which}",
+                                                               **template[which].get("metadata", {})},
+               "spec": template[which]["spec"]}
+        kubernetes_validate.validate(pod, kube_version, strict=True)
+
+
 def by_kind(docs: list[dict[str, Any]], kind: str) -> dict[str, dict[str, Any]]:
     return {d["metadata"]["name"]: d for d in docs if d["kind"] == kind}
 

@@ -3,6 +3,9 @@
 - `kill`: SIGKILL of a child of `aflex up` (a worker, the scheduler, a gateway); `aflex up` starts it
   again after its backoff, as compose's `restart: on-failure` does.
 - `hang`: SIGSTOP, a pause of 0-5 s, SIGCONT: the process is alive but silent (a GC pause, a stuck driver).
+- `rank-kill`, `rank-hang` (a mesh of worker groups): SIGKILL, or SIGSTOP for 0-5 s, of a rank other than
+  rank 0 of a group: rank 0's next step fails (at once, or after the group's timeout), it exits and
+  `aflex up` starts the whole group again (docs/architecture.md, "Worker groups").
 - `nats-node`: SIGKILL of a node of `aflex up --nats-cluster 3`, started again here after 1-3 s with its own
   command line and environment (`aflex up` does not restart nats-servers); the restarted node is this
   module's to stop (`Injector.close`).
@@ -42,7 +45,7 @@ TARGETED = {"seam-peer": Watch.microbatch, "handoff": Watch.handoff, "role-chang
 
 @dataclass
 class Fault:
-    kind: str  # kill, hang, nats-node, or a targeted one (seam-peer, handoff, role-change)
+    kind: str  # kill, hang, rank-kill, rank-hang, nats-node, or a targeted one (seam-peer, handoff, role-change)
     target: str
     at: float  # time.monotonic() it was injected
     skipped: str = ""  # why it was not injected
@@ -69,12 +72,13 @@ class Injector:
     rng: random.Random
     nats_cluster: bool = False
     watch: Watch | None = None  # targeted faults: where their moments are heard
+    groups: dict[str, int] = field(default_factory=dict)  # worker groups: rank 0's worker id -> its ranks
     restarted_nodes: list[subprocess.Popen[bytes]] = field(default_factory=list)
     _threads: list[threading.Thread] = field(default_factory=list)
 
     def kinds(self) -> list[str]:
         return ["kill", "hang", *(["nats-node"] if self.nats_cluster else []),
-                *(TARGETED if self.watch is not None else [])]
+                *(["rank-kill", "rank-hang"] if self.groups else []), *(TARGETED if self.watch is not None else [])]
 
     async def inject_targeted(self, kind: str, until: float) -> Fault:
         """Wait for `kind`'s moment (until `until` at the latest, time.monotonic()), then SIGKILL one of its two
@@ -113,14 +117,15 @@ class Injector:
         now = time.monotonic()
         if kind == "nats-node":
             return self._nats_node(now)
-        target = self.rng.choice(self.targets)
-        fault = Fault(kind, target, now)
+        target = self.rng.choice(sorted(self.groups) if kind.startswith("rank-") else self.targets)
+        rank = self.rng.randrange(1, self.groups[target]) if kind.startswith("rank-") else 0
+        fault = Fault(kind, f"{target} rank {rank}" if rank else target, now)
         try:
-            pid = self.mesh.pid_of(target)
+            pid = self.mesh.rank_pid(target, rank) if rank else self.mesh.pid_of(target)
         except LookupError:
             fault.skipped = "not running (being restarted)"
             return fault
-        if kind == "kill":
+        if kind in ("kill", "rank-kill"):
             _signal(pid, signal.SIGKILL)
         else:
             fault.hang_s = self.rng.uniform(0.0, HANG_MAX_S)
