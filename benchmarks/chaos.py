@@ -9,8 +9,8 @@ provisioning window so plans change under the faults); optionally a 3-node NATS
 cluster. The load (tools/chaos/requests.py): streamed and plain chat and completions, greedy and seeded,
 n = 2, logprobs, a required tool call, a multi-turn chat whose history is prefix-cached. The faults
 (tools/chaos/faults.py): SIGKILL of any worker, the scheduler or a gateway; SIGSTOP for 0-5 s then SIGCONT;
-with --groups (every worker a group of 2 ranks: `--attention-tp 2 --ffn-tp 2`, a 3 s group timeout, a mixed
-pool, since a group takes no KV handoff), SIGKILL or SIGSTOP of a group's rank 1; with --nats-cluster 3,
+with --groups (every worker a group of 2 ranks: `--attention-tp 2 --ffn-tp 2`, a 3 s group timeout), SIGKILL
+or SIGSTOP of a group's rank 1; with --nats-cluster 3,
 SIGKILL of a NATS node (started again 1-3 s later); and SIGKILL at moments heard on
 NATS (tools/chaos/watch.py): a seam peer mid-hop, a worker mid-KV-handoff, a worker mid-role-change. The
 checks and the report:
@@ -85,14 +85,14 @@ def main() -> int:
                         help="the pool kinds the global scheduler may plan (aflex up's flag)")
     parser.add_argument("--no-targeted", action="store_true", help="only random kills, hangs and NATS nodes")
     parser.add_argument("--groups", action="store_true",
-                        help="every worker a group of 2 ranks, and rank kills and hangs (implies a mixed pool)")
+                        help="every worker a group of 2 ranks, and rank kills and hangs")
     parser.add_argument("--json", type=Path, help="write the report here")
     parser.add_argument("--mesh-log", type=Path, help="write what aflex up printed here")
     args = parser.parse_args()
     plan = Plan(seed=args.seed, standard_s=args.standard_s, fault_s=args.fault_s, recovery_s=args.recovery_s,
                 concurrency=args.concurrency, fault_gap_s=args.fault_gap_s, bound_s=args.bound_s)
-    kinds = "mixed" if args.groups else args.provision_kinds  # a group takes no KV handoff: no P/D pools
-    report = campaign(args.model, plan, args.nats_cluster, not args.no_targeted, kinds, args.mesh_log, args.groups)
+    report = campaign(args.model, plan, args.nats_cluster, not args.no_targeted, args.provision_kinds, args.mesh_log,
+                      args.groups)
     totals, faults = report["totals"], report["faults"]
     print(json.dumps({"totals": totals, "faults": {k: v for k, v in faults.items() if k != "list"},
                       "phases": {name: {k: v for k, v in phase.items() if k != "failures"}

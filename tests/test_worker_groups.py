@@ -14,9 +14,11 @@ import io
 import math
 import os
 import signal
+import time
 from pathlib import Path
 from typing import Any
 
+import httpx
 import openai
 import pytest
 import torch
@@ -26,10 +28,11 @@ from services.worker_base.rank_group import GROUP_BROKEN_EXIT
 from shared.policy.pipeline import COMMAND_HEAD_BYTES, group_collectives
 from shared.transport.device_group import HEAD_BYTES
 from tests.conftest import TINY_CONFIGS
-from tests.test_mesh_e2e import generate
+from tests.test_mesh_e2e import ask_greedy_and_seeded, generate
 from tests.test_mesh_faults import MAX_TOKENS as FAULT_TOKENS
 from tests.test_mesh_faults import _run
-from tools.launch import Mesh, aflex_up
+from tests.test_mesh_pd import _metric
+from tools.launch import Mesh, aflex_up, until_pd_plan
 
 LOGPROB_TOLERANCE = 1e-3
 QUESTION = "Tell me about the sea."
@@ -166,3 +169,21 @@ def test_groups_serve_exactly_and_a_rank_lost_mid_stream_loses_no_request(
             assert after_fault == baseline
             assert f"{target} exited with status {GROUP_BROKEN_EXIT}" in mesh.output()
         assert "worker group broken" in mesh.output()
+
+
+def test_pd_pools_of_attention_groups_hand_the_kv_over_by_heads(tiny_chat_checkpoint: Path) -> None:
+    """Two attention groups of 2 ranks, P/D pools: each request is prefilled on one group, its KV gathered from
+    the prefill group's ranks, moved to the decode group and put on its ranks by KV heads
+    (services/attention_worker/kv_heads.py), and decoded there: `aflex generate`'s text, greedy and seeded."""
+    greedy = generate(tiny_chat_checkpoint, max_tokens=10, temperature=0.0, seed=None)
+    seeded = generate(tiny_chat_checkpoint, max_tokens=10, temperature=0.8, seed=7)
+    with aflex_up(str(tiny_chat_checkpoint), "--attention-workers", "2", "--attention-tp", "2", "--ffn-workers",
+                  "2", "--provision-window-s", "1", "--provision-kinds", "pd", "--gpu-profile", "a800",
+                  open_nats=True) as mesh:
+        asyncio.run(until_pd_plan(mesh, deadline_s=90.0))
+        assert ask_greedy_and_seeded(mesh, 4) == [greedy["text"], seeded["text"]] * 2
+        metrics_url, deadline = f"{mesh.base_url.removesuffix('/v1')}/metrics", time.monotonic() + 30
+        while _metric(text := httpx.get(metrics_url).text, "aflex_kv_handoffs_total") < 4:
+            assert time.monotonic() < deadline, [line for line in text.splitlines() if "handoff" in line]
+            time.sleep(0.2)
+        assert _metric(text, "aflex_kv_handoff_failures_total") == 0 and "KV handoff" not in mesh.output()

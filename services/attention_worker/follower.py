@@ -8,7 +8,8 @@ weights and of the KV cache (the same slots, its KV heads) and mirrors rank 0's 
 - `ATTEND`: layer l's attention, after the previous layer's FFN output (sent along when it came over the
   seam; the group's own when the FFN ran here, `FFN`); the layer's all-reduce meets rank 0's;
 - `FFN`: a colocated layer's FFN share over this rank's own copy of the FFN input;
-- `END`: the microbatch is over (done or failed): the ranks' energies are summed for rank 0's books.
+- `END`: the microbatch is over (done or failed): the ranks' energies are summed for rank 0's books;
+- `KV_GATHER`, `KV_PUT`: a P/D handoff's KV, this rank's heads of it (kv_heads.py).
 
 The residual stream is whole on every rank (the all-reduces make it the same everywhere), so nothing but
 the FFN output travels in a step. Logits and sampling are rank 0's alone (its LM head is whole).
@@ -25,6 +26,7 @@ import torch
 from torch import Tensor
 
 from services.attention_worker.halves import Halves, load_halves
+from services.attention_worker.kv_heads import KV_GATHER, KV_PUT, gather, put
 from services.worker_base.ffn_forward import ffn_forward
 from services.worker_base.gpu import WorkerGPU
 from services.worker_base.rank_group import follow_clocks, follow_commands
@@ -114,6 +116,13 @@ class AttentionFollower:
         elif op == END:
             ended = self.passes.pop(args["mb_id"], None)
             group.sum_floats(ended.energy_j if ended is not None else [0.0, 0.0])
+        elif op in (KV_GATHER, KV_PUT):  # a P/D handoff's KV: this rank's heads (kv_heads.py)
+            assert self.kv is not None and self.halves is not None
+            whole_args = self.halves.checkpoint.args
+            if op == KV_GATHER:
+                gather(self.kv, whole_args, group, args["blocks"], args["block_size"], args["num_tokens"])
+            else:
+                put(self.kv, whole_args, group, args["slots"], tensors[0])
         elif op == RELEASE:
             self.model = self.ffn = self.kv = None
             self.passes.clear()

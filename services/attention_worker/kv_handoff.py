@@ -8,15 +8,18 @@ nats-server. The decode worker keeps the arrived tensor by handoff id and acknow
 the prefill worker then answers the scheduler, which sends the sequence's next pass to the decode
 worker with `SeqWork.kv_from`: its admission writes the KV into fresh blocks (`SequenceTable.adopt`).
 A tensor no pass claims within `ARRIVED_TTL_S` (the scheduler died, or moved the sequence elsewhere)
-is dropped. In full: docs/architecture.md, "P/D pools and the KV handoff".
+is dropped. A group's KV is split over its ranks by KV heads: the whole travels (kv_heads.py). In full:
+docs/architecture.md, "P/D pools and the KV handoff".
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
@@ -28,6 +31,9 @@ from shared.messages import ErrorBody, KVHandoff, KVHandoffReply, SeqWork
 from shared.model.attention import PagedKVStore
 from shared.transport.header import SeamHeader
 from shared.transport.seam import Frame, Peer, Seam, SeamError
+
+if TYPE_CHECKING:
+    from services.attention_worker.kv_heads import GroupKV
 
 log = logging.getLogger("aflex.attention_worker")
 
@@ -79,6 +85,7 @@ class KVHandoffs:
         self._arrived: dict[str, tuple[Tensor, float]] = {}
         self._lock = threading.Lock()  # the seam's receiver thread adds, the event loop takes
         self.sent = self.sent_bytes = self.received = 0
+        self.group_kv: GroupKV | None = None  # rank 0 of a group: the KV is its ranks' heads (kv_heads.py)
 
     # -- the decode side ----------------------------------------------------------------------------
 
@@ -121,8 +128,12 @@ class KVHandoffs:
             if not 0 < req.num_tokens <= held:
                 raise KVHandoffError(f"sequence {req.seq_id}: {req.num_tokens} tokens asked, {held} in the cache")
             tables = sequences.block_tables
-            with torch.inference_mode():
-                tensor = pack(kv, tables.block_table(req.seq_id), tables.block_size, req.num_tokens)  # [2L, n, ..]
+            blocks = tables.block_table(req.seq_id)
+            if self.group_kv is not None:  # the group's heads gathered whole: a command and its collective
+                tensor = await asyncio.to_thread(self.group_kv.gather, kv, blocks, tables.block_size, req.num_tokens)
+            else:
+                with torch.inference_mode():
+                    tensor = pack(kv, blocks, tables.block_size, req.num_tokens)  # [2L, n, Hkv, hd]
             peer = Peer(req.to_worker, req.to_address)
             await self.seam.connect(peer)
             header = SeamHeader(kind="to_attention", mb_id=req.handoff_id, layer=0, phase="prefill",
@@ -151,8 +162,11 @@ def adopt(sequences: SequenceTable, kv: PagedKVStore, handoffs: KVHandoffs, work
                               f"not on {handoffs.worker_id} (resend it from start_pos 0)", ErrorType.SERVER_ERROR)
     slots = sequences.adopt(work)
     try:
-        with torch.inference_mode():
-            unpack(kv, slots, arrived)
+        if handoffs.group_kv is not None:  # each rank of the group its own heads
+            handoffs.group_kv.put(kv, slots, arrived)
+        else:
+            with torch.inference_mode():
+                unpack(kv, slots, arrived)
     except KVHandoffError as exc:
         sequences.free(work.seq_id)
         raise SequenceRefused(KV_HANDOFF_MISSING, f"sequence {work.seq_id}: {exc}", ErrorType.SERVER_ERROR) from None

@@ -24,6 +24,7 @@ from services.attention_worker.follower import LOAD, RELEASE, follow
 from services.attention_worker.forward import commit, forward
 from services.attention_worker.halves import Halves, load_halves
 from services.attention_worker.kv_handoff import KVHandoffs, adopt
+from services.attention_worker.kv_heads import GroupKV
 from services.attention_worker.local_ffn import FFNPath, LocalFFN
 from services.attention_worker.microbatch_book import MicrobatchBook, MicrobatchEntry
 from services.attention_worker.sequences import Admitted, SequenceRefused, SequenceTable
@@ -150,8 +151,10 @@ class AttentionWorker:
                 stack.push_async_callback(seam.close)
                 await seam.start()
                 self.seam = self.hops.seam = seam
-                if s.seam_transport == "torch" and self.leader is None:  # P/D handoffs: KV between attention workers
-                    # over the seam, never through NATS (a group takes none yet: its KV is split over its ranks)
+                if s.seam_transport == "torch":  # P/D handoffs: KV between attention workers over the seam, never
+                    # through NATS (a group's KV is split over its ranks by heads: gathered and put whole, kv_heads.py)
+                    if self.leader is not None and self.leader.group is not None and self.halves is not None:
+                        self.handoffs.group_kv = GroupKV(self.leader.group, self.halves.checkpoint.args)
                     kv_seam = make_seam("torch", self.worker_id, nc, self.handoffs.on_frame, self.handoffs.peer_lost,
                                         listen=True, nats_url=s.nats_url, device=s.device, host=s.seam_host)
                     stack.push_async_callback(kv_seam.close)
@@ -241,6 +244,10 @@ class AttentionWorker:
             await msg.respond(encode(reply))
         except Exception as exc:
             log.error("could not answer KV handoff %s: %s", req.handoff_id, exc)
+        if self.leader is not None and self.leader.group is not None and self.leader.group.broken:
+            if self.nc is not None:
+                await self.nc.flush()
+            self.leader.check(GroupError(f"the KV gather of handoff {req.handoff_id} failed"))
 
     def _stray_frame(self, frame: Frame) -> None:
         log.warning("dropped a seam frame nobody asked for (from %s, microbatch %s layer %d)", frame.peer.worker_id,
