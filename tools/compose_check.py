@@ -9,8 +9,11 @@
 3. a crash: the attention worker's process is SIGKILLed mid-stream (`docker kill` would be a manual stop,
    which Docker never restarts); the restart policy brings it back and the stream ends with exactly the
    no-fault text;
-4. `docker compose stop` mid-stream: the gateway drains, the stream ends whole, every AFlex service exits 0;
-5. `docker compose down -v`: no container, network or volume of the project is left.
+4. the only FFN worker `docker kill`ed mid-stream (gone for good: Docker restarts no container it was told
+   to kill): the stream ends within the scheduler's `unserved_bound_s` with the typed `no_workers_ready`
+   error, `/ready` says 503 meanwhile; `docker compose start` brings it back;
+5. `docker compose stop` mid-stream: the gateway drains, the stream ends whole, every AFlex service exits 0;
+6. `docker compose down -v`: no container, network or volume of the project is left.
 
 It prints a line per step with its time and exits 1 at the first failure, saying what failed.
 """
@@ -33,6 +36,7 @@ from pathlib import Path
 
 import openai
 
+from shared.settings import SchedulerSettings
 from shared.transport.nats_server import free_port
 
 REPO = Path(__file__).resolve().parent.parent
@@ -41,6 +45,7 @@ AFLEX_SERVICES = ("gateway", "scheduler", "attention-worker", "ffn-worker")
 CHAT_PROMPT = "Name three colours."
 STORY_PROMPT = "Once upon a time"
 STORY_TOKENS = 160  # long enough to be mid-stream when the fault lands (ignore_eos: always this many)
+UNSERVED_BOUND_S = SchedulerSettings.model_fields["unserved_bound_s"].default  # a half gone: requests end by then
 
 
 class CheckFailed(Exception):
@@ -208,6 +213,31 @@ def check(image: str, ready_timeout_s: float) -> None:
             if text != story:
                 raise CheckFailed(f"the stream after the crash differs from the no-fault text:\n{text!r}\n{story!r}")
             return f"restarted ({restarts}), the stream exact ({STORY_TOKENS} tokens)"
+
+        @step("the only FFN worker gone for good mid-stream")
+        def _() -> str:
+            killed: list[float] = []
+
+            def kill() -> None:  # `docker kill`: a manual stop, which Docker never restarts
+                run("docker", "kill", stack.container("ffn-worker"))
+                killed.append(time.monotonic())
+
+            try:
+                story_stream(stack, model, kill)
+                raise CheckFailed("the stream ended whole with no FFN worker and no whole-model worker")
+            except openai.APIError as exc:
+                ended_s = time.monotonic() - killed[0]
+                error = str(exc)
+            if ended_s > UNSERVED_BOUND_S + 15.0:
+                raise CheckFailed(f"the stream ended {ended_s:.1f} s after the kill (bound {UNSERVED_BOUND_S:g} s)")
+            if "unserved_bound_s" not in error:
+                raise CheckFailed(f"the stream ended with {error!r}, not the typed no_workers_ready error")
+            ready = f"http://127.0.0.1:{stack.port}/ready"
+            with contextlib.suppress(OSError), urllib.request.urlopen(ready, timeout=3):  # a 503 raises HTTPError
+                raise CheckFailed("/ready said 200 with no FFN worker")
+            stack.compose("start", "ffn-worker")
+            wait_ready(stack, ready_timeout_s)
+            return f"ended {ended_s:.1f} s after the kill with {error[:80]!r}; /ready 503 meanwhile; started again"
 
         @step("`docker compose stop` drains mid-stream")
         def _() -> str:
