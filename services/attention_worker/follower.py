@@ -92,8 +92,8 @@ class AttentionFollower:
                                               s.group_timeout_s)
         assert self.halves is not None
         self.halves.reduce_over(group)
-        log.info("attention group rank %d of %d joined %s on %s", s.group_rank, s.group_size, s.group_address,
-                 s.device)
+        log.info("attention group rank %d of %d joined %s on %s (%s)", s.group_rank, s.group_size, s.group_address,
+                 s.device, "gloo + nccl" if group.nccl is not None else "gloo")
         follow_commands(group, self.worker_gpu, self._do)
 
     def _do(self, command: Command) -> None:

@@ -19,7 +19,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 from torch import Tensor
@@ -31,9 +31,6 @@ from shared.messages import ErrorBody, KVHandoff, KVHandoffReply, SeqWork
 from shared.model.attention import PagedKVStore
 from shared.transport.header import SeamHeader
 from shared.transport.seam import Frame, Peer, Seam, SeamError
-
-if TYPE_CHECKING:
-    from services.attention_worker.kv_heads import GroupKV
 
 log = logging.getLogger("aflex.attention_worker")
 
@@ -76,6 +73,14 @@ def unpack(kv: PagedKVStore, slots: list[int], tensor: Tensor) -> None:
         cache.index_copy_(0, index, tensor[i, :len(slots)])
 
 
+class HeadsKV(Protocol):
+    """A group's KV, split over its ranks by heads: gathered whole, put by heads (kv_heads.GroupKV)."""
+
+    def gather(self, kv: PagedKVStore, blocks: list[int], block_size: int, num_tokens: int) -> Tensor: ...
+
+    def put(self, kv: PagedKVStore, slots: list[int], whole: Tensor) -> None: ...
+
+
 class KVHandoffs:
     """Both ends of the handoff on one worker: `send` (the prefill side) and the arrived KV (the decode side)."""
 
@@ -85,7 +90,7 @@ class KVHandoffs:
         self._arrived: dict[str, tuple[Tensor, float]] = {}
         self._lock = threading.Lock()  # the seam's receiver thread adds, the event loop takes
         self.sent = self.sent_bytes = self.received = 0
-        self.group_kv: GroupKV | None = None  # rank 0 of a group: the KV is its ranks' heads (kv_heads.py)
+        self.group_kv: HeadsKV | None = None  # rank 0 of a group: the KV is its ranks' heads (kv_heads.py)
 
     # -- the decode side ----------------------------------------------------------------------------
 

@@ -47,7 +47,8 @@ def follow(settings: FFNWorkerSettings) -> None:
     group = DeviceGroup.join(settings.group_address, rank, size, torch.device(settings.device),
                              settings.group_timeout_s)
     model.reduce = group.all_reduce
-    log.info("ffn group rank %d of %d joined %s on %s", rank, size, settings.group_address, settings.device)
+    log.info("ffn group rank %d of %d joined %s on %s (%s)", rank, size, settings.group_address, settings.device,
+             "gloo + nccl" if group.nccl is not None else "gloo")
     held: FFNHalf | None = model
 
     def do(command: Command) -> None:

@@ -48,6 +48,7 @@ class WindowLoad:
 
 GPU_MEMORY_BYTES = 80e9  # the modelled GPUs' memory (A800/A100/H100 80 GB)
 SLO_BUDGET_SHARE = 0.85  # plans meet this share of each SLO
+TIE_SHARE = 0.01  # pool sizes whose predicted powers differ by less than this share are a tie (the fewest GPUs win)
 TP_DEGREES = (1, 2, 4, 8)  # the tensor-parallel group sizes plans weigh
 
 
@@ -353,21 +354,24 @@ def provision(pred: Predictor, load: WindowLoad, spec: ClusterSpec, rule: ClockR
 def provision_mixed(pred: Predictor, load: WindowLoad, spec: ClusterSpec, rule: ClockRule, headroom: float = 1.3,
                     use_all: bool = False) -> Plan:
     """One A/F split pool serving prefill and decode: the (attention, FFN) GPUs with the least predicted
-    power for `load` × `headroom` (every GPU with `use_all`); the rest parked."""
+    power for `load` × `headroom` (every GPU with `use_all`); the rest parked. Sizes within `TIE_SHARE` of the
+    least power count as a tie, which the fewest GPUs win: at a trickle a pool idles whatever its size, and a
+    saving the model cannot resolve is no reason to keep a GPU from parking."""
     hl = WindowLoad(load.rate_rps * headroom, load.mean_prompt, load.mean_output, load.p90_prompt)
     rule = rule if rule.objective == "total" else replace(rule, objective="total")
     n, fmin = spec.gpus, spec.ffn_min
-    best: tuple[float, int, int] | None = None
+    options: list[tuple[float, int, int]] = []  # (power, attention GPUs, FFN GPUs)
     for f in range(fmin, n):
         for a in range(1, n - f + 1):
             if ((use_all and a + f != n) or not spec.role_fits(a, f) or not spec.ffn_fits(f)
                     or a % spec.least_attention_tp):
                 continue
             p = mixed_power(pred, _pool(a, f, spec), hl, spec, rule) + (n - a - f) * spec.parked_power_w
-            if best is None or p < best[0]:
-                best = (p, a, f)
-    if best is None:
+            options.append((p, a, f))
+    if not options:
         raise ValueError(f"{n} GPUs cannot hold the model split (FFN needs {fmin})")
+    least = min(options)[0]
+    best = min((o for o in options if o[0] <= least * (1.0 + TIE_SHARE)), key=lambda o: (o[1] + o[2], o[0]))
     if best[0] >= INFEASIBLE and not use_all:  # no pool holds the load: park nothing
         with contextlib.suppress(ValueError):
             return provision_mixed(pred, load, spec, rule, headroom, use_all=True)

@@ -257,10 +257,11 @@ def test_fixed_pool_accounting_charges_every_gpu_all_run_and_parks_none_cold() -
 
 def test_active_accounting_plans_as_if_parked_gpus_are_handed_back() -> None:
     """Under `active` a parked GPU costs the planner nothing (the deployment hands it back). Qwen3-32B's P/D
-    split at 2 req/s of 800-token prompts keeps 7-10 of 16 GPUs at low clocks, cheap beside 34 W parked;
-    handed back, one TP2 or TP4 replica costs less: fewer GPUs planned, every request served."""
+    split at 1 req/s of 800-token prompts keeps 8-9 of 16 GPUs at low clocks, cheap beside 34 W parked;
+    handed back, one TP2 or TP4 replica costs less: fewer GPUs planned, every request served. (At 2 req/s
+    both take the replica since a group's collectives are charged as the live mesh runs them, issue 53.)"""
     qwen = get_model("qwen3-32b")
-    arr = synthetic(2.0, 90.0, 1, burstiness=1.5, prompt_mean=800, output_mean=150)
+    arr = synthetic(1.0, 90.0, 1, burstiness=1.5, prompt_mean=800, output_mean=150)
     res, specs = {}, {}
     for accounting in ("cluster", "active"):
         sim = Simulation(PROFILE, qwen, arr, policy_spec("aflex"),

@@ -119,8 +119,9 @@ def test_a_pd_plan_names_prefill_and_decode_workers_each_pool_with_its_ffn() -> 
 
 def test_a_pd_plan_that_overflows_its_ffn_workers_gives_way_to_a_mixed_pool_that_holds_the_load() -> None:
     """Each worker holds one half: P/D needs an FFN worker per pool, and with 2 FFN workers a burst overflows
-    the decode pool's, where one mixed pool of 2 + 2 shares them and holds it (`elastic_plan`: a feasible
-    kind is taken over an overflowing split)."""
+    the decode pool's, where one mixed pool shares them (2 FFN workers, 2 or 3 attention workers as the
+    groups' collectives price it) and holds it (`elastic_plan`: a feasible kind is taken over an overflowing
+    split)."""
     pv = _provisioner(window_s=1.0)
     pred = cached_predictor(A800, QWEN)
     for i in range(10):
@@ -129,7 +130,7 @@ def test_a_pd_plan_that_overflows_its_ffn_workers_gives_way_to_a_mixed_pool_that
     assert pd_only.plan.kind == "pd" and not pd_only.plan.feasible
     either = pv.plan(100.6, pred, RULE, ["a0", "a1", "a2", "a3"], ["f0", "f1"], kinds=("mixed", "pd"))
     assert either.plan.kind == "mixed" and either.plan.feasible and either.plan.mixed is not None
-    assert (either.plan.mixed.attention, either.plan.mixed.ffn) == (2, 2)
+    assert either.plan.mixed.ffn == 2 and either.plan.mixed.attention >= 2
 
 
 def test_pd_pools_are_weighed_only_where_the_mesh_holds_them() -> None:
