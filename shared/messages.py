@@ -385,6 +385,14 @@ class RoleAssignment(Message):
     reason: str = ""
 
 
+class WeighedKind(Message):
+    """One plan kind the global scheduler weighed: why the plan is the kind it is."""
+
+    predicted_power_w: float
+    feasible: bool
+    gpus: int  # the GPUs its pools take (the rest parked)
+
+
 class PlanTelemetry(Message):
     """`aflex.v1.telemetry.plan`: the global scheduler's plan for the window, published at every plan."""
 
@@ -405,6 +413,9 @@ class PlanTelemetry(Message):
     # each kind's power correction the plan was ranked with (what its plans drew on the mesh against the pool
     # models); empty when the plan had one kind to choose
     power_factor: dict[str, float] = Field(default_factory=dict)
+    # every kind the plan was chosen from: its best plan's predicted power (W, at the load x headroom, parked GPUs
+    # included, before `power_factor`) and whether it held the load
+    weighed: dict[str, WeighedKind] = Field(default_factory=dict)
 
 
 class SchedulerTelemetry(Message):

@@ -132,6 +132,7 @@ DESCRIPTIONS = {
     "WorkerInfo": "One worker as the scheduler sees it, inside `SchedulerStatus`.",
     "PhaseLatency": "Mean latency and count of one phase's work over the last telemetry period.",
     "DeviceReading": "One rank's GPU inside a worker group's `WorkerTelemetry` (`devices`).",
+    "WeighedKind": "One plan kind the global scheduler weighed, inside `PlanTelemetry` (`weighed`).",
 }
 
 
@@ -213,7 +214,10 @@ EXAMPLES: dict[str, Callable[[], Message]] = {
         scheduler_id="scheduler-0", ts=1767225600.0, plan_id=12, kind="mixed", pools={"mixed": [1, 1, 1]},
         assignments={"attn-0": "mixed-attention", "attn-1": "parked-warm", "ffn-0": "ffn", "ffn-1": "parked-warm"},
         changed=["attn-1", "ffn-1"], predicted_power_w=212.4, load_rps=0.42, mean_prompt=412.0, mean_output=180.0,
-        p90_prompt=1100.0, reason="mixed plan for 0.42 req/s x 1.3"),
+        p90_prompt=1100.0, reason="mixed plan for 0.42 req/s x 1.3",
+        weighed={"mixed": messages.WeighedKind(predicted_power_w=212.4, feasible=True, gpus=2),
+                 "pd": messages.WeighedKind(predicted_power_w=301.9, feasible=True, gpus=4)}),
+    "WeighedKind": lambda: messages.WeighedKind(predicted_power_w=212.4, feasible=True, gpus=2),
     "WorkerTelemetry": lambda: messages.WorkerTelemetry(
         worker_id="ffn-0", role="ffn", ts=1767225601.1, gpu_backend="emulated", gpu_name="A800-SXM4-80GB",
         clock_mhz=570, target_clock_mhz=570, power_w=143.5, energy_j=51234.5, utilization=0.62,

@@ -124,7 +124,8 @@ class Simulation:
             self._stretch = (now, kind, plan if known else None, self._books_j(now))
         self.plans.append((now, {"kind": kind} | {
             k: [v.attention, v.ffn, v.attention_tp] if v.split else [v.replicas, v.tp] for k, v in shapes.items()}
-            | {"parked": self.cfg.gpus - sum(sh.gpus for sh in shapes.values())}))
+            | {"parked": self.cfg.gpus - sum(sh.gpus for sh in shapes.values())}
+            | ({"weighed": dict(self.planner.last_weighed)} if self.planner.last_weighed else {})))
 
     def _books_j(self, now: float) -> float:
         """The energy charged up to `now` in the accounting the planner prices (idle stretches and groups closed)."""

@@ -8,7 +8,7 @@ this module only turns the trace into `WindowLoad`s and a policy's placement int
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 
 import numpy as np
@@ -19,7 +19,7 @@ from shared.perf import Predictor
 from shared.policy import ClockRule, ClusterSpec, PoolShape, WindowLoad, provision
 from shared.policy.baseline_placement import distserve_placement, provision_pd
 from shared.policy.colocated import colocated_tp, instance_pool, provision_colocated
-from shared.policy.footprint import elastic_plan, smallest_pd_gpus
+from shared.policy.footprint import smallest_pd_gpus, weigh_kinds
 from shared.policy.pool_sizing import Plan, decode_point, prefill_point
 from shared.policy.power_correction import PowerCorrection
 from shared.policy.window_load import window_load
@@ -43,6 +43,7 @@ class SimPlanner:
     kind: str | None = None  # the latest plan's kind ("pd", "mixed", "colocated"; `Plan.kind`)
     last_plan: Plan | None = None  # the latest plan a scaling policy's search returned (its predicted power)
     correction: PowerCorrection | None = None  # AFlex: each kind's power corrected by what its plans drew
+    last_weighed: dict[str, float] = field(default_factory=dict)  # the kinds the latest plan was chosen from (W)
 
     def load(self, t0: float, t1: float, burst: bool = False) -> WindowLoad:
         """The load of [t0, t1): mean rate, or with `burst` the `burst_quantile` of its sub-window rates
@@ -117,8 +118,10 @@ class SimPlanner:
         if pol.kinds != ("pd",):
             kinds = (self.kind,) if same_kind and self.kind in pol.kinds else pol.kinds
             factor = self.correction.factors(kinds) if self.correction is not None else None
-            return self._shapes(elastic_plan(self.pred, load, self.spec, pol.clock, self.headroom, self.kind,
-                                             kinds=kinds, power_factor=factor))
+            plan, weighed = weigh_kinds(self.pred, load, self.spec, pol.clock, self.headroom, self.kind, kinds=kinds,
+                                        power_factor=factor)
+            self.last_weighed = {kind: round(p.predicted_power_w, 1) for kind, p in weighed.items()}
+            return self._shapes(plan)
         return self._shapes(provision(self.pred, load, self.spec, pol.clock, headroom=self.headroom,
                                       min_pd_gpus=smallest_pd_gpus(self.spec)))  # P/D from 4 GPUs, as live
 

@@ -39,7 +39,7 @@ from shared.kinds import PARKED, PARKED_ASSIGNMENT, PLAN_KINDS, Assignment, Park
 from shared.model.config import ModelArgs
 from shared.perf import Predictor
 from shared.policy import ClockRule, ClusterSpec, Plan, WindowLoad
-from shared.policy.footprint import elastic_plan
+from shared.policy.footprint import weigh_kinds
 from shared.policy.headroom import AdaptiveHeadroom
 from shared.policy.parking_rule import model_parking_state, parked_power_w, parking_state
 from shared.policy.pool_sizing import LiveGroups
@@ -104,6 +104,7 @@ class PlanDecision:
     changed: list[str]
     pool_of: dict[str, str] = field(default_factory=dict)  # worker -> the pool it serves in ("" when parked)
     power_factor: dict[str, float] | None = None  # each kind's power correction it was ranked with
+    weighed: dict[str, Plan] = field(default_factory=dict)  # each kind's best plan, which this one was chosen from
 
 
 @dataclass(frozen=True)
@@ -263,11 +264,11 @@ class Provisioner:
             self.power.observe(now_mono, pred, rule, seen.stretch_load, met)
         factor = self.power.factors(kinds)
         try:
-            plan = elastic_plan(pred, load, spec, rule, headroom, self.kind, kinds=kinds, power_factor=factor)
+            plan, weighed = weigh_kinds(pred, load, spec, rule, headroom, self.kind, kinds=kinds, power_factor=factor)
         except ValueError:  # no plan of these kinds fits (e.g. colocated, where no worker holds the whole model)
             if kinds == ("mixed",):
                 raise
-            plan = elastic_plan(pred, load, spec, rule, headroom, self.kind, kinds=("mixed",))
+            plan, weighed = weigh_kinds(pred, load, spec, rule, headroom, self.kind, kinds=("mixed",))
         plan = self._at_least(plan, spec)
         assignments, pool_of = assign(plan, attention_ids, ffn_ids, self.assignments,
                                       self.parked_state(pred.args, pred.profile),
@@ -276,7 +277,7 @@ class Provisioner:
         self.plan_id += 1
         self.kind, self.assignments = plan.kind, assignments
         self.power.applied(now_mono, plan, spec)
-        self.latest = PlanDecision(self.plan_id, plan, load, assignments, changed, pool_of, factor)
+        self.latest = PlanDecision(self.plan_id, plan, load, assignments, changed, pool_of, factor, weighed)
         return self.latest
 
     def _at_least(self, plan: Plan, spec: ClusterSpec) -> Plan:

@@ -26,7 +26,7 @@ from services.scheduler.registry import Registry, Worker
 from services.scheduler.state import RequestState
 from shared import subjects
 from shared.kinds import PARKED
-from shared.messages import PlanTelemetry, RoleAssignment, encode
+from shared.messages import PlanTelemetry, RoleAssignment, WeighedKind, encode
 from shared.perf import cached_predictor
 from shared.policy import SHARED_CLOCK_OBJECTIVE, ClockRule
 from shared.settings import SchedulerSettings
@@ -147,4 +147,6 @@ class ProvisioningLoop:
             assignments=d.assignments, changed=d.changed, predicted_power_w=d.plan.predicted_power_w,
             feasible=d.plan.feasible, load_rps=d.load.rate_rps, mean_prompt=d.load.mean_prompt,
             mean_output=d.load.mean_output, p90_prompt=d.load.p90_prompt, reason=reason,
-            power_factor=d.power_factor or {})))
+            power_factor=d.power_factor or {},
+            weighed={kind: WeighedKind(predicted_power_w=p.predicted_power_w, feasible=p.feasible, gpus=p.gpus)
+                     for kind, p in d.weighed.items()})))

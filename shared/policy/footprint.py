@@ -75,12 +75,20 @@ def elastic_plan(pred: Predictor, load: WindowLoad, spec: ClusterSpec, rule: Clo
     """The plan with the least predicted power among `candidate_plans` (feasible ones first); the current
     kind's plan is kept unless the best saves more than `switch_saving` of its power. Each kind's power is
     ranked times `power_factor[kind]` (1.0 if absent); the plan returned keeps the model's prediction."""
+    return weigh_kinds(pred, load, spec, rule, headroom, current_kind, switch_saving, kinds, power_factor)[0]
+
+
+def weigh_kinds(pred: Predictor, load: WindowLoad, spec: ClusterSpec, rule: ClockRule, headroom: float = 1.3,
+                current_kind: str | None = None, switch_saving: float = 0.05,
+                kinds: tuple[str, ...] = PLAN_KINDS, power_factor: Mapping[str, float] | None = None
+                ) -> tuple[Plan, dict[str, Plan]]:
+    """`elastic_plan`'s choice and every kind's plan it weighed (what the plan telemetry says it chose from)."""
     plans = candidate_plans(pred, load, spec, rule, headroom, kinds)
     if not plans:
         raise ValueError(f"{spec.gpus} GPUs hold no plan of kinds {', '.join(kinds)}")
     pd = plans.get("pd")
     if pd is not None and not any(p.feasible for p in plans.values()):
-        return pd  # no kind holds the load: the split, whose prefill pool grows past any replica's TP
+        return pd, plans  # no kind holds the load: the split, whose prefill pool grows past any replica's TP
     factor = power_factor or {}
 
     def power_w(p: Plan) -> float:
@@ -89,8 +97,8 @@ def elastic_plan(pred: Predictor, load: WindowLoad, spec: ClusterSpec, rule: Clo
     best = min(plans.values(), key=lambda p: (not p.feasible, power_w(p)))
     held = plans.get(current_kind) if current_kind is not None else None
     if held is not None and held.feasible and power_w(held) * (1.0 - switch_saving) <= power_w(best):
-        return held
-    return best
+        return held, plans
+    return best, plans
 
 
 def plan_power_w(pred: Predictor, plan: Plan, load: WindowLoad, spec: ClusterSpec, rule: ClockRule) -> float | None:

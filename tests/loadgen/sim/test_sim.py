@@ -303,6 +303,9 @@ def test_the_elastic_plan_changes_kind_with_the_load_and_loses_nothing() -> None
     # a tick between windows grows the pools of the kind in force: only a window changes kind
     changes = [p["t_s"] for before, p in itertools.pairwise(res["plans"]) if p["kind"] != before["kind"]]
     assert changes and all(t % 30 == 0 for t in changes), changes
+    # each plan says why it is its kind: the kinds it weighed (a window both, a tick its own), their power (W)
+    assert all(p["kind"] in p["weighed"] for p in res["plans"]), res["plans"]
+    assert all(set(p["weighed"]) == {"pd", "colocated"} for p in res["plans"] if p["t_s"] % 30 == 0), res["plans"]
     assert res["finished"] == res["requests"] and np.all(sim.finish >= sim.first)
     assert np.all(sim.first >= sim.arr.time_s)
     assert res["accounting"]["cluster"]["gpu_s"] == pytest.approx(8 * res["makespan_s"], rel=1e-9)

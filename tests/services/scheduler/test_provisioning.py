@@ -130,6 +130,8 @@ def test_a_pd_plan_that_overflows_its_ffn_workers_gives_way_to_a_mixed_pool_that
     assert pd_only.plan.kind == "pd" and not pd_only.plan.feasible
     either = pv.plan(100.6, pred, RULE, ["a0", "a1", "a2", "a3"], ["f0", "f1"], kinds=("mixed", "pd"))
     assert either.plan.kind == "mixed" and either.plan.feasible and either.plan.mixed is not None
+    # it says why: it weighed both kinds, and the P/D plan could not hold the load
+    assert set(either.weighed) == {"mixed", "pd"} and not either.weighed["pd"].feasible
     assert either.plan.mixed.ffn == 2 and either.plan.mixed.attention >= 2
 
 
@@ -365,6 +367,8 @@ def test_pd_pools_park_at_low_load_wake_under_a_burst_and_hand_every_sequence_ov
 
             await wait_for(lambda: bool(plans) and plans[-1].kind == "pd" and len(serving("parked-warm")) == 2, 10)
             assert len(serving("prefill-attention")) == 1 and len(serving("decode-attention")) == 1
+            weighed = plans[-1].weighed  # the kinds the plan was chosen from, and their predicted power
+            assert set(weighed) == {"pd"} and weighed["pd"].predicted_power_w == plans[-1].predicted_power_w
             assert {reg[w].pool for w in serving("ffn")} == {"prefill", "decode"}
             quiet = [await lv.submit(f"q{i}", 50, 6) for i in range(3)]
             await asyncio.wait_for(asyncio.gather(*(d.wait() for d in quiet)), 20)
