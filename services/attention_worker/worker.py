@@ -244,10 +244,7 @@ class AttentionWorker:
             await msg.respond(encode(reply))
         except Exception as exc:
             log.error("could not answer KV handoff %s: %s", req.handoff_id, exc)
-        if self.leader is not None and self.leader.group is not None and self.leader.group.broken:
-            if self.nc is not None:
-                await self.nc.flush()
-            self.leader.check(GroupError(f"the KV gather of handoff {req.handoff_id} failed"))
+        await self._exit_if_group_broken(f"the KV gather of handoff {req.handoff_id} failed")
 
     def _stray_frame(self, frame: Frame) -> None:
         log.warning("dropped a seam frame nobody asked for (from %s, microbatch %s layer %d)", frame.peer.worker_id,
@@ -324,10 +321,15 @@ class AttentionWorker:
                 self._meter_after(admitted, results)
             timing.total_s = time.perf_counter() - started
             await self._publish_done(self._done(desc.mb_id, failures, results, timing))
-            if self.leader is not None and self.leader.group is not None and self.leader.group.broken:
-                if self.nc is not None:  # the failed Done reaches the scheduler before this process ends
-                    await self.nc.flush()
-                self.leader.check(GroupError("a step failed"))
+            await self._exit_if_group_broken("a step failed")
+
+    async def _exit_if_group_broken(self, what: str) -> None:
+        """Rank 0 of a group that broke: what was sent reaches the scheduler, then this process ends (its group is
+        started again whole)."""
+        if self.leader is not None and self.leader.group is not None and self.leader.group.broken:
+            if self.nc is not None:
+                await self.nc.flush()
+            self.leader.check(GroupError(what))
 
     def _admit(self, desc: MicrobatchDescriptor, entry: MicrobatchEntry, admitted: list[Admitted],
                failures: Failures) -> None:

@@ -131,42 +131,36 @@ def assign(plan: Plan, attention_ids: list[str], ffn_ids: list[str], previous: d
     before = previous_pool or {}
     size_of = sizes or {}
     places: list[tuple[str, Assignment, int, list[str]]] = []  # (pool, role, GPUs it takes, candidates)
-    free_a, free_f = sorted(attention_ids), sorted(ffn_ids)
     whole = set(attention_ids if colocate_ids is None else colocate_ids)
     for pool, shape in plan.pools().items():
         if not shape.split:  # one colocated pool: the plan's only one
             places.append((pool, POOL_ASSIGNMENT[pool], shape.gpus,
-                           [w for w in free_a if w in whole and size_of.get(w, 1) == shape.tp]))
+                           [w for w in sorted(attention_ids) if w in whole and size_of.get(w, 1) == shape.tp]))
             continue
         tp = max(1, shape.attention_tp)
-        places.append((pool, POOL_ASSIGNMENT[pool], shape.attention, [w for w in free_a if size_of.get(w, 1) == tp]))
-        places.append((pool, "ffn", shape.ffn, free_f))
+        places.append((pool, POOL_ASSIGNMENT[pool], shape.attention,
+                       [w for w in sorted(attention_ids) if size_of.get(w, 1) == tp]))
+        places.append((pool, "ffn", shape.ffn, sorted(ffn_ids)))
     out: dict[str, Assignment] = {}
     pool_of: dict[str, str] = {}
-    left: list[int] = []
+    left = [gpus for _, _, gpus, _ in places]
 
-    def take(wid: str, pool: str, role: Assignment) -> None:
-        out[wid], pool_of[wid] = role, pool
-        for free in (free_a, free_f):
-            if wid in free:
-                free.remove(wid)
-
-    for pool, role, gpus, candidates in places:
-        for wid in [w for w in candidates if previous.get(w) == role and before.get(w, pool) == pool]:
-            if wid not in out and size_of.get(wid, 1) <= gpus:
-                take(wid, pool, role)
-                gpus -= size_of.get(wid, 1)
-        left.append(gpus)
+    def fill(i: int, wids: list[str]) -> None:
+        """Give place `i` the free workers of `wids`, in order, while their devices fit what it still takes."""
+        pool, role, _, _ = places[i]
+        for wid in wids:
+            if wid not in out and size_of.get(wid, 1) <= left[i]:
+                out[wid], pool_of[wid] = role, pool
+                left[i] -= size_of.get(wid, 1)
 
     def rank(wid: str) -> tuple[bool, bool, str]:
         was = previous.get(wid, PARKED_ASSIGNMENT["warm"])
         return was in PARKED, was == PARKED_ASSIGNMENT["cold"], wid
 
-    for (pool, role, _, candidates), gpus in zip(places, left, strict=True):
-        for wid in sorted(candidates, key=rank):
-            if wid not in out and 0 < size_of.get(wid, 1) <= gpus:
-                take(wid, pool, role)
-                gpus -= size_of.get(wid, 1)
+    for i, (pool, role, _, candidates) in enumerate(places):  # first: who keeps its place
+        fill(i, [w for w in candidates if previous.get(w) == role and before.get(w, pool) == pool])
+    for i, (_, _, _, candidates) in enumerate(places):
+        fill(i, sorted(candidates, key=rank))
     for wid in [*attention_ids, *ffn_ids]:
         if wid not in out:
             out[wid], pool_of[wid] = parked, ""

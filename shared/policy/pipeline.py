@@ -90,7 +90,7 @@ def allreduce_s(tokens: float, dim: int, tp: int, link_bytes_s: float, dtype_byt
     """One ring all-reduce of the hidden state across `tp` GPUs (0 for tp = 1)."""
     if tp <= 1:
         return 0.0
-    return latency_s + 2.0 * (tp - 1) / tp * tokens * dim * dtype_bytes / link_bytes_s
+    return collective_s("all-reduce", tokens * dim * dtype_bytes, tp, link_bytes_s, latency_s)
 
 
 COMMAND_HEAD_BYTES = 1024  # a group command's first broadcast (shared/transport/device_group.py's HEAD_BYTES)
