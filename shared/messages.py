@@ -399,7 +399,7 @@ class PlanTelemetry(Message):
     scheduler_id: str
     ts: float
     plan_id: int
-    kind: str  # "pd", "mixed" or "colocated" (`shared.policy.Plan.kind`)
+    kind: str  # "pd", "mixed", "colocated" or "pd-colocated" (`shared.policy.Plan.kind`)
     pools: dict[str, list[int]]  # pool -> [attention GPUs, FFN GPUs, attention TP] (colocated: [replicas, TP])
     assignments: dict[str, Assignment]  # worker -> its assignment
     changed: list[str] = Field(default_factory=list)  # workers whose assignment this plan changed

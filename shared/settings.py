@@ -99,12 +99,13 @@ class SchedulerSettings(ServiceSettings):
     provision_headroom: float = Field(default=1.3, ge=1.0, description="plans hold this multiple of the load seen")
     provision_min_attention: int = Field(default=1, ge=1, description="attention workers that never park")
     provision_min_ffn: int = Field(default=1, ge=1, description="FFN workers that never park")
-    provision_kinds: Literal["auto", "mixed", "pd", "colocated"] = Field(
+    provision_kinds: Literal["auto", "mixed", "pd", "colocated", "pd-colocated"] = Field(
         default="auto", description="the pools a plan may use: auto (the cheapest of one mixed A/F pool, P/D "
                                     "pools with KV handoffs, P/D where the mesh holds them: 4+ workers, every "
-                                    "attention worker on the torch seam, and whole-model replicas on the attention "
-                                    "workers started with --colocate), mixed, pd (P/D wherever it fits), or "
-                                    "colocated (replicas wherever a worker holds both halves)")
+                                    "attention worker on the torch seam, whole-model replicas on the attention "
+                                    "workers started with --colocate, and P/D pools of such replicas where two "
+                                    "have KV seams), mixed, pd (P/D wherever it fits), colocated (replicas "
+                                    "wherever a worker holds both halves) or pd-colocated (P/D pools of replicas)")
     provision_parking: Literal["auto", "warm", "cold"] = Field(
         default="auto", description="where a worker out of the plan waits: warm (model kept, lowest clock), cold "
                                     "(weights released, loaded again to serve), or auto (the simulator's rule: cold "

@@ -52,10 +52,7 @@ def test_pd_pools_give_the_engines_tokens_and_a_kill_mid_handoff_loses_nothing(t
         texts = ask_greedy_and_seeded(mesh, 8)
         assert texts == [greedy["text"], seeded["text"]] * 4
         metrics_url = f"{mesh.base_url.removesuffix('/v1')}/metrics"
-        deadline = time.monotonic() + 30
-        while _metric(text := httpx.get(metrics_url).text, "aflex_kv_handoffs_total") < 8:
-            assert time.monotonic() < deadline, [line for line in text.splitlines() if "handoff" in line]
-            time.sleep(0.2)
+        text = _until_handoffs_counted(metrics_url, 8)
         assert _metric(text, "aflex_kv_handoff_failures_total") == 0
         assert _metric(text, "aflex_kv_handoff_bytes_total") > 0
         assert "KV handoff" not in mesh.output()  # no failure was logged
@@ -71,6 +68,50 @@ def test_pd_pools_give_the_engines_tokens_and_a_kill_mid_handoff_loses_nothing(t
     assert killed[0].startswith("attn-") and killed[1].startswith("attn-") and killed[2] == "scheduler"
     for process in set(killed):  # each kill landed: once per time that process was the victim
         assert log.count(f"{process} exited with status -9") == killed.count(process), process
+
+
+def test_pd_pools_of_whole_model_workers_give_the_engines_tokens_and_a_kill_mid_handoff_loses_nothing(
+        tiny_chat_checkpoint: Path) -> None:
+    """The "pd-colocated" kind (BiScale's and DistServe's instances): `aflex up` with 2 attention workers holding
+    both halves, no FFN worker, `--provision-kinds pd-colocated`. The plan names a prefill and a decode
+    whole-model worker; each request is prefilled on the first, runs its FFN there, its KV moves to the second,
+    and it decodes there. Exactness as above (the engine's tokens, greedy and seeded); then a SIGKILL of the
+    prefill worker, and one of the decode worker, each the moment the first `KVHandoff` is on the bus: every
+    stream completes with the no-fault text."""
+    greedy = generate(tiny_chat_checkpoint, max_tokens=10, temperature=0.0, seed=None)
+    seeded = generate(tiny_chat_checkpoint, max_tokens=10, temperature=0.8, seed=7)
+    with aflex_up(str(tiny_chat_checkpoint), "--attention-workers", "2", "--provision-window-s", "1",
+                  "--provision-kinds", "pd-colocated", "--gpu-profile", "a800", open_nats=True) as mesh:
+        plan = asyncio.run(until_pd_plan(mesh, deadline_s=90.0))
+        assert plan.kind == "pd-colocated" and set(plan.pools) == {"prefill", "decode"}, plan
+        texts = ask_greedy_and_seeded(mesh, 8)
+        assert texts == [greedy["text"], seeded["text"]] * 4
+        metrics_url = f"{mesh.base_url.removesuffix('/v1')}/metrics"
+        text = _until_handoffs_counted(metrics_url, 8)
+        assert _metric(text, "aflex_kv_handoff_failures_total") == 0
+        assert "[ffn-" not in mesh.output()  # no FFN worker was started: each worker ran the FFN half itself
+        assert "2 whole-model workers in P/D pools" in mesh.output()
+
+        baseline = asyncio.run(_run(mesh, sampled=True, count=STREAMS))
+        killed: list[str] = []
+        for victim in ("prefill", "decode"):
+            asyncio.run(_until_kv_moves(mesh, metrics_url))
+            after_fault, process = asyncio.run(_killed_mid_handoff(mesh, victim))
+            assert after_fault == baseline, victim
+            killed.append(process)
+        log = mesh.output()
+    for process in set(killed):
+        assert process.startswith("attn-")
+        assert log.count(f"{process} exited with status -9") == killed.count(process), process
+
+
+def _until_handoffs_counted(metrics_url: str, at_least: int, deadline_s: float = 30.0) -> str:
+    """/metrics once it counts `at_least` KV handoffs (the scheduler's counters arrive with its telemetry)."""
+    deadline = time.monotonic() + deadline_s
+    while _metric(text := httpx.get(metrics_url).text, "aflex_kv_handoffs_total") < at_least:
+        assert time.monotonic() < deadline, [line for line in text.splitlines() if "handoff" in line]
+        time.sleep(0.2)
+    return text
 
 
 async def _until_kv_moves(mesh: Mesh, metrics_url: str, deadline_s: float = 90.0) -> None:

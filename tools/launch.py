@@ -227,6 +227,10 @@ async def until_plan(mesh: Mesh, wanted: Callable[[PlanTelemetry], bool], deadli
 
 
 async def until_pd_plan(mesh: Mesh, deadline_s: float = 120.0) -> PlanTelemetry:
-    """Until the global scheduler's plan has a prefill and a decode attention worker."""
-    return await until_plan(mesh, lambda p: {"prefill-attention", "decode-attention"} <= set(p.assignments.values()),
-                            deadline_s)
+    """Until the global scheduler's plan has a prefill and a decode pool: attention workers beside FFN workers
+    (a "pd" plan), or whole-model workers ("pd-colocated")."""
+    def pd(p: PlanTelemetry) -> bool:
+        held = set(p.assignments.values())
+        return {"prefill-attention", "decode-attention"} <= held or {"prefill-colocated", "decode-colocated"} <= held
+
+    return await until_plan(mesh, pd, deadline_s)

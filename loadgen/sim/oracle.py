@@ -99,8 +99,10 @@ def clock_levels(profile: GPUProfile, levels: int, table_mhz: np.ndarray) -> tup
 
 def oracle_shapes(pred: Predictor, planner: SimPlanner, headrooms: Sequence[float] = HEADROOMS,
                   ) -> list[tuple[PoolShape, PoolShape | None]]:
-    """`static-oracle`'s shapes: every kind AFlex's footprint may take (`AFLEX_KINDS`) for the busiest window
-    at each headroom, its split P/D pools and its colocated replicas (decode None: one pool, both phases)."""
+    """`static-oracle`'s shapes: AFlex's split P/D pools and its colocated replicas (decode None: one pool, both
+    phases) for the busiest window at each headroom. Its P/D pools of replicas ("pd-colocated") are
+    `pool-oracle`'s shapes, searched there at a clock per pool: the two oracles together hold every kind
+    in `AFLEX_KINDS`, and a cell's hindsight bound is the lower of them."""
     peak = planner.peak_load()
     rule = policy_spec("aflex").clock
     out: list[tuple[PoolShape, PoolShape | None]] = []

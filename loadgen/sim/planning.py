@@ -40,7 +40,7 @@ class SimPlanner:
     colocated_tp: int | None = None
     placement_note: str = ""  # how a static placement was chosen (reported)
     last_load: WindowLoad | None = None  # the load the latest plan was made for
-    kind: str | None = None  # the latest plan's kind ("pd", "mixed", "colocated"; `Plan.kind`)
+    kind: str | None = None  # the latest plan's kind ("pd", "mixed", "colocated", "pd-colocated"; `Plan.kind`)
     last_plan: Plan | None = None  # the latest plan a scaling policy's search returned (its predicted power)
     correction: PowerCorrection | None = None  # AFlex: each kind's power corrected by what its plans drew
     last_weighed: dict[str, float] = field(default_factory=dict)  # the kinds the latest plan was chosen from (W)

@@ -36,7 +36,7 @@ def write_plots(directory: Path, timelines: dict[str, Any], sweep: dict[str, dic
     return paths
 
 
-KIND_COLOURS = {"pd": "tab:blue", "mixed": "tab:orange", "colocated": "tab:green"}
+KIND_COLOURS = {"pd": "tab:blue", "mixed": "tab:orange", "colocated": "tab:green", "pd-colocated": "tab:purple"}
 
 
 def plot_plans(path: Path, plans: dict[str, list[dict[str, Any]]]) -> Path:

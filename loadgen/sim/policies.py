@@ -36,7 +36,7 @@ class PolicySpec:
     fixed: FixedPlan | None = None  # the static oracle's configuration
     window_clocks: bool = False  # clocks fixed per window at the plan's operating point (no local DVFS)
     # the plan kinds an A/F policy weighs each window (shared/policy/footprint.py): "pd" pools, one "mixed"
-    # split pool, "colocated" replicas; AFlex's elastic footprint weighs all three
+    # split pool, "colocated" replicas, "pd-colocated" pools of replicas (`AFLEX_KINDS`: all but "mixed")
     kinds: tuple[str, ...] = ("pd",)
 
     @property

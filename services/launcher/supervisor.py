@@ -322,10 +322,13 @@ def whole_model_here(args: argparse.Namespace) -> bool:
 
 def resolve_layout(args: argparse.Namespace) -> argparse.Namespace:
     """`args` with the workers decided: where `whole_model_here`, no FFN worker, `colocate` on and the
-    scheduler's `provision_kinds` colocated (it makes each such worker `colocated` as it registers); else
-    `ffn_workers` as given (1 by default)."""
+    scheduler's `provision_kinds` colocated (it makes each such worker `colocated` as it registers); where
+    `provision_kinds` is pd-colocated, no FFN worker and `colocate` on too (the plan makes P/D pools of the
+    workers); else `ffn_workers` as given (1 by default)."""
     if args.ffn_workers is not None:
         return args
+    if args.provision_kinds == "pd-colocated":  # P/D pools of whole-model replicas: no FFN worker to plan
+        return argparse.Namespace(**{**vars(args), "ffn_workers": 0, "colocate": True})
     if not whole_model_here(args):
         return argparse.Namespace(**{**vars(args), "ffn_workers": 1})
     return argparse.Namespace(**{**vars(args), "ffn_workers": 0, "colocate": True, "provision_kinds": "colocated"})
@@ -432,8 +435,10 @@ def up(args: argparse.Namespace, *, command_builder: CommandBuilder = build_comm
         if stop.is_set():
             return 0
         model_id = served_model_id(base_url, fallback=str(args.model))
-        workers = WHOLE_MODEL_NOTE if args.ffn_workers == 0 else \
-            f"{args.attention_workers} attention + {args.ffn_workers} FFN workers"
+        workers = f"{args.attention_workers} attention + {args.ffn_workers} FFN workers"
+        if args.ffn_workers == 0:
+            workers = f"{args.attention_workers} whole-model workers in P/D pools" \
+                if args.provision_kinds == "pd-colocated" else WHOLE_MODEL_NOTE
         print(f"{SERVING_ANNOUNCEMENT} {model_id} at http://{args.host}:{args.port}/v1 ({workers})", flush=True)
         return supervisor.serve(stop)
     finally:

@@ -158,6 +158,8 @@ def role_text(msg: WorkerTelemetry) -> str:
     said = msg.assignment
     if said == "colocated":
         return "whole model (colocated)"
+    if said in ("prefill-colocated", "decode-colocated"):
+        return f"whole model ({said.split('-')[0]} pool)"
     return msg.role if said is None or said in ("ffn", "mixed-attention") else f"{msg.role} ({said})"
 
 

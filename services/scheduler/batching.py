@@ -19,7 +19,7 @@ from services.scheduler.prefill_cap import PrefillCap
 from services.scheduler.profiles import Profiles
 from services.scheduler.registry import Registry, Worker
 from services.scheduler.running_bound import RunningBound
-from shared.kinds import ClockPhase
+from shared.kinds import ClockPhase, runs_own_ffn
 from shared.policy import IterationPolicy
 from shared.policy.iteration import parse_depth
 from shared.settings import SchedulerSettings
@@ -48,7 +48,7 @@ class BatchingPolicy:
         max_num_seqs = s.max_num_seqs if bound is None else min(s.max_num_seqs, bound)
         self._log_target(worker, running_bound)
         return IterationPolicy(s.max_batch_tokens, max_num_seqs, self.rule, now_mono, self.prefill_cap(worker),
-                               self.depth, planned_depth, overlaps=worker.assignment != "colocated")
+                               self.depth, planned_depth, overlaps=not runs_own_ffn(worker.assignment))
 
     def prefill_cap(self, worker: Worker) -> PrefillCap | None:
         """aflex batching: `worker`'s prefill cap for this iteration (None: the token budget only)."""

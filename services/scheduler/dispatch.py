@@ -35,6 +35,7 @@ from services.scheduler.state import RequestState, Status
 from services.scheduler.tasks import TaskSet
 from shared import subjects
 from shared.error_types import PREFIX_MISSING
+from shared.kinds import runs_own_ffn
 from shared.messages import (
     ErrorBody,
     FinishReason,
@@ -190,7 +191,7 @@ class Dispatch:
 
         No `MicrobatchDone` is awaited for it; if the worker sends one, it only updates KV counts.
         """
-        ffn = worker if worker.assignment == "colocated" else self.registry.healthy("ffn")[0]
+        ffn = worker if runs_own_ffn(worker.assignment) else self.registry.healthy("ffn")[0]
         desc = release_only(worker, ffn.worker_id, self.run_token)
         self.in_flight.note_sent(desc.mb_id, worker.worker_id)
         await self.nc.publish(subjects.attn_mb(worker.worker_id), encode(desc))

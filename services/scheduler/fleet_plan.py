@@ -13,7 +13,9 @@ Kinds live: a mesh whose workers each load one half serves "mixed" pools (every 
 prefill and decode beside the FFN workers) and "pd" pools (prefill and decode attention workers, each
 pool with FFN workers of its own, sequences moving between them by KV handoff: handoff.py); which of
 them a window may use is the caller's (`provision_kinds`). "colocated" pools are whole-model replicas on
-attention workers that loaded both halves (`colocate`), one worker each; the FFN workers park.
+attention workers that loaded both halves (`colocate`), one worker each; the FFN workers park. A
+"pd-colocated" plan puts such replicas in a prefill pool and a decode pool (`prefill-colocated`,
+`decode-colocated`), each at its own clocks, the KV handed from one to the other as between split pools.
 
 A worker may be a group of devices (`--attention-tp`, `--ffn-tp`, `--ffn-ep`): the cluster is then the groups'
 devices, and the plan may use only groups the mesh has (`LiveGroups`): a split pool's attention GPUs in groups
@@ -47,6 +49,9 @@ from shared.policy.window_load import window_load
 
 POOL_ASSIGNMENT: dict[str, Assignment] = {"prefill": "prefill-attention", "decode": "decode-attention",
                                           "mixed": "mixed-attention", "colocated": "colocated"}
+# a pool of whole-model replicas: its workers run the FFN half themselves
+COLOCATED_ASSIGNMENT: dict[str, Assignment] = {"prefill": "prefill-colocated", "decode": "decode-colocated",
+                                               "colocated": "colocated"}
 
 
 @dataclass
@@ -133,8 +138,8 @@ def assign(plan: Plan, attention_ids: list[str], ffn_ids: list[str], previous: d
     places: list[tuple[str, Assignment, int, list[str]]] = []  # (pool, role, GPUs it takes, candidates)
     whole = set(attention_ids if colocate_ids is None else colocate_ids)
     for pool, shape in plan.pools().items():
-        if not shape.split:  # one colocated pool: the plan's only one
-            places.append((pool, POOL_ASSIGNMENT[pool], shape.gpus,
+        if not shape.split:  # whole-model replicas: one colocated pool, or a P/D plan's prefill or decode pool
+            places.append((pool, COLOCATED_ASSIGNMENT[pool], shape.gpus,
                            [w for w in sorted(attention_ids) if w in whole and size_of.get(w, 1) == shape.tp]))
             continue
         tp = max(1, shape.attention_tp)
@@ -242,11 +247,11 @@ class Provisioner:
         `kinds`: the pool kinds it may use (None: the provisioner's); `observed`: `observe`'s (None: read now);
         `colocate_ids`: the attention workers that hold both halves (None: none); `gpu_memory_bytes`: the
         smallest of the workers' GPUs (0: the profile's); `sizes`: each worker's devices (absent: one)."""
-        if not attention_ids or not ffn_ids:
-            raise ValueError("a plan needs at least one attention and one FFN worker")
+        whole = [w for w in colocate_ids or () if w in attention_ids]
+        if not attention_ids or not (ffn_ids or whole):
+            raise ValueError("a plan needs an attention and an FFN worker, or an attention worker holding both halves")
         seen = observed if observed is not None else self.observe(now_mono)
         load = seen.load
-        whole = [w for w in colocate_ids or () if w in attention_ids]
         size_of = sizes or {}
         groups = LiveGroups(tuple(size_of.get(w, 1) for w in attention_ids), tuple(size_of.get(w, 1) for w in ffn_ids),
                             tuple(size_of.get(w, 1) for w in whole))
@@ -260,7 +265,7 @@ class Provisioner:
         try:
             plan, weighed = weigh_kinds(pred, load, spec, rule, headroom, self.kind, kinds=kinds, power_factor=factor)
         except ValueError:  # no plan of these kinds fits (e.g. colocated, where no worker holds the whole model)
-            if kinds == ("mixed",):
+            if kinds == ("mixed",) or not ffn_ids:
                 raise
             plan, weighed = weigh_kinds(pred, load, spec, rule, headroom, self.kind, kinds=("mixed",))
         plan = self._at_least(plan, spec)

@@ -24,7 +24,7 @@ from services.scheduler.slo_watch import SloWatch
 from services.scheduler.state import RequestState
 from services.scheduler.window_clocks import PhaseSignal, parse_fixed_clocks, plan_clocks
 from shared.gpu.snap import snap_clock
-from shared.kinds import CLOCK_PHASES, ClockPhase
+from shared.kinds import CLOCK_PHASES, ClockPhase, runs_own_ffn
 from shared.messages import FrequencyCommand, MicrobatchDone
 from shared.policy.decode_slack import allowance_s
 from shared.policy.pool_sizing import SLO_BUDGET_SHARE
@@ -177,7 +177,7 @@ class Governor:
                 prev = previous.get(phase)
                 plan = planner.plan_pair(profile, phase, list(window), share, now_unix,
                                          queue if phase == "prefill" else (), prev.op if prev else None,
-                                         colocated=w.assignment == "colocated",
+                                         colocated=runs_own_ffn(w.assignment),
                                          banked_s=banked.get(w.worker_id, 0.0))
                 if plan is not None:
                     previous[phase] = plan

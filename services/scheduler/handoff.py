@@ -32,6 +32,7 @@ from services.scheduler.recovery import SeamAvoidance
 from services.scheduler.registry import Registry, Worker
 from services.scheduler.state import RequestState
 from shared import subjects
+from shared.kinds import decodes_only, prefills_only
 from shared.messages import KVHandoff, KVHandoffReply, decode, encode
 
 log = logging.getLogger("aflex.scheduler")
@@ -55,7 +56,7 @@ class Handoffs:
     def wanted(self, worker: Worker, state: RequestState) -> bool:
         """Whether `state`, whose pass on `worker` just sampled a token, moves to a decode worker now."""
         lane = worker.attention_lane
-        return (worker.assignment == "prefill-attention" and lane is not None and state in lane.running
+        return (prefills_only(worker.assignment) and lane is not None and state in lane.running
                 and not state.finished and not state.in_flight and state.worker_id == worker.worker_id
                 and state.num_computed >= len(state.prompt_ids) and not state.sampling.has_repetition_penalty
                 and not state.forks and not any(s.fork_from == state.request_id for s in lane.waiting))
@@ -65,7 +66,7 @@ class Handoffs:
         need = len(state.prompt_ids) + state.sampling.max_tokens
         now = time.monotonic()
         fits = [w for w in self.registry.usable_attention()
-                if w.assignment == "decode-attention" and w.kv_address and w.capacity_tokens >= need
+                if decodes_only(w.assignment) and w.kv_address and w.capacity_tokens >= need
                 and not self.avoidance.avoided(w.worker_id, now)
                 and w.lane.est_free_blocks >= w.lane.blocks_for(need)]
         return max(fits, key=lambda w: (w.lane.est_free_blocks, -len(w.lane.running)), default=None)

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from services.scheduler.registry import Registry, Worker
 from shared import subjects
 from shared.error_types import ErrorType
+from shared.kinds import decodes_only
 from shared.messages import (
     ErrorBody,
     Heartbeat,
@@ -115,7 +116,7 @@ class Membership:
         takes no new requests (what it holds finishes there), woken ones start taking work, and every
         changed worker gets its clocks now rather than at the next frequency window."""
         reroute = [w for w in changed if w.attention_lane is not None
-                   and (w.parked or w.assignment == "decode-attention")]
+                   and (w.parked or decodes_only(w.assignment))]
         return self._capacity(Change(reroute=reroute, clocks=list(changed)))
 
     def _capacity(self, change: Change) -> Change:

@@ -82,8 +82,8 @@ class ProvisioningLoop:
     async def window(self) -> PlanDecision | None:
         """One provisioning window: the plan over the healthy registered workers, applied and published."""
         attention, ffn = self.registry.attention_workers(), self.registry.healthy("ffn")
-        if not attention or not ffn:
-            return None
+        if not attention or not (ffn or "pd-colocated" in self.kinds(attention, ffn)):
+            return None  # no FFN worker: whole-model workers, each `colocated` as it registered, unless P/D pools
         profile = self.profiles.of(attention[0])
         if self.args is None or profile is None:
             if not self._warned:
@@ -121,16 +121,24 @@ class ProvisioningLoop:
     def kinds(self, attention: list[Worker], ffn: list[Worker]) -> tuple[str, ...]:
         """The pool kinds this window's plan may use (`provision_kinds`): P/D pools only where the mesh holds
         two of each role and every attention worker has a KV seam to take handed-off sequences; colocated
-        replicas only where some attention worker holds both halves; mixed always (the fallback)."""
+        replicas only where some attention worker holds both halves, and P/D pools of them where two such
+        workers have KV seams; mixed always (the fallback)."""
         pd_fits = len(attention) >= 2 and len(ffn) >= 2 and all(w.kv_address for w in attention)
         whole = any(w.can_colocate for w in attention)  # colocated replicas: on workers holding both halves
+        pd_whole = sum(w.can_colocate and bool(w.kv_address) for w in attention) >= 2  # and hand KV between them
         wanted = self.settings.provision_kinds
+        if not ffn:  # whole-model workers alone: replicas, or P/D pools of them
+            return ("colocated", "pd-colocated") if pd_whole and wanted == "auto" else \
+                ("pd-colocated",) if pd_whole and wanted == "pd-colocated" else ("colocated",)
         if wanted == "colocated" and whole:
             return ("colocated",)
         if wanted == "pd" and pd_fits:
             return ("pd",)
+        if wanted == "pd-colocated" and pd_whole:
+            return ("pd-colocated",)
         if wanted == "auto":
-            return ("mixed", *(("pd",) if pd_fits else ()), *(("colocated",) if whole else ()))
+            return ("mixed", *(("pd",) if pd_fits else ()), *(("colocated",) if whole else ()),
+                    *(("pd-colocated",) if pd_whole else ()))
         return ("mixed",)
 
     async def _publish(self, d: PlanDecision) -> None:

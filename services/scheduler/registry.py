@@ -18,7 +18,7 @@ from collections.abc import Callable, Container, Iterable
 from dataclasses import dataclass, field
 
 from services.scheduler.state import RequestState, Status
-from shared.kinds import PARKED, Assignment
+from shared.kinds import PARKED, Assignment, decodes_only, runs_own_ffn
 from shared.messages import Heartbeat, Register, Role, WorkerInfo
 from shared.policy.iteration import KvRoom
 
@@ -296,7 +296,7 @@ class Registry:
     def ready(self) -> bool:
         """New requests can be served: a usable attention worker with an FFN that is not draining."""
         ffn_takes_new = any(not f.draining for f in self.healthy("ffn"))
-        return any(ffn_takes_new or w.assignment == "colocated" for w in self.usable_attention())
+        return any(ffn_takes_new or runs_own_ffn(w.assignment) for w in self.usable_attention())
 
     @property
     def can_serve(self) -> bool:
@@ -306,7 +306,7 @@ class Registry:
     def has_ffn(self, worker: Worker) -> bool:
         """Whether `worker`'s microbatches have an FFN to go to: its own (colocated), or a healthy FFN worker
         (a draining one too: what is running finishes)."""
-        return worker.assignment == "colocated" or bool(self.healthy("ffn"))
+        return runs_own_ffn(worker.assignment) or bool(self.healthy("ffn"))
 
     def drained(self, worker: Worker, in_flight: Callable[[str], bool]) -> bool:
         """A draining worker may stop: nothing is in flight through it (`in_flight(worker_id)`) and nothing
@@ -317,11 +317,11 @@ class Registry:
         if worker.role == "attention":
             return worker.drained
         return bool(self.serving("ffn")) or all(
-            w.drained or w.assignment == "colocated" for w in self.workers.values() if w.role == "attention")
+            w.drained or runs_own_ffn(w.assignment) for w in self.workers.values() if w.role == "attention")
 
     def ffn_for(self, worker: Worker) -> Worker | None:
         """The FFN worker of `worker`'s next microbatch: itself when it is colocated, else `next_ffn`."""
-        return worker if worker.assignment == "colocated" else self.next_ffn(worker.pool)
+        return worker if runs_own_ffn(worker.assignment) else self.next_ffn(worker.pool)
 
     def attention_per_ffn(self) -> int:
         """Serving attention workers per serving FFN worker (each FFN worker serves about this many): how aflex
@@ -337,7 +337,7 @@ class Registry:
         then the fewest requests; a decode worker of a P/D plan only when no other fits (it then prefills too).
         `Placement.route` queues a request on the first, or where its prompt's longest cached prefix is."""
         fits = [w for w in self.usable_attention() if w.capacity_tokens >= tokens]
-        fits = [w for w in fits if w.assignment != "decode-attention"] or fits
+        fits = [w for w in fits if not decodes_only(w.assignment)] or fits
         return sorted(fits, key=lambda w: (w.lane.est_free_blocks, -len(w.lane.running) - len(w.lane.waiting)),
                       reverse=True)
 

@@ -14,6 +14,7 @@ waits in `parking_rule.py`. Each placement in full: docs/architecture.md, "Basel
 from __future__ import annotations
 
 import math
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -25,28 +26,51 @@ from shared.policy.pool_sizing import INFEASIBLE, ClusterSpec, Plan, WindowLoad,
 
 def _pd_candidates(pred: Predictor, load: WindowLoad, spec: ClusterSpec, rule: ClockRule,
                    ) -> tuple[dict[PoolShape, float], dict[PoolShape, float]]:
-    """Predicted power of every prefill and every decode instance pool that fits the cluster."""
+    """Predicted power of every prefill and every decode instance pool that fits the cluster (on a live
+    mesh, `spec.colocated_groups`: of the sizes and counts of its whole-model workers)."""
     pre: dict[PoolShape, float] = {}
     dec: dict[PoolShape, float] = {}
+    groups = spec.colocated_groups
     for tp in instance_tps(spec, spec.gpus - 1):
-        for replicas in range(1, (spec.gpus - 1) // tp + 1):
+        most = (spec.gpus - 1) // tp if groups is None else groups.count(tp)
+        for replicas in range(1, most + 1):
             shape = instance_pool(replicas, tp, spec)
             pre[shape] = prefill_power(pred, shape, load, spec, rule)
             dec[shape] = decode_power(pred, shape, load, spec, rule)
     return pre, dec
 
 
+def pd_formable(ps: PoolShape, ds: PoolShape, spec: ClusterSpec) -> bool:
+    """Whether a prefill and a decode instance pool fit the cluster together: its GPUs, or on a live mesh its
+    whole-model workers (each replica one worker of its TP)."""
+    if spec.colocated_groups is None:
+        return ps.gpus + ds.gpus <= spec.gpus
+    need = Counter({ps.tp: ps.replicas})
+    need[ds.tp] += ds.replicas
+    have = Counter(spec.colocated_groups)
+    return all(have[tp] >= n for tp, n in need.items())
+
+
+def smallest_pd_instances(spec: ClusterSpec) -> int:
+    """The fewest GPUs a P/D plan of instances takes (two replicas of the smallest TP the cluster forms that
+    holds the model); 0 when it forms no two."""
+    tps = [tp for tp in instance_tps(spec, spec.gpus)
+           if spec.colocated_groups is None or spec.colocated_groups.count(tp) >= 2]
+    tps = [tp for tp in tps if 2 * tp <= spec.gpus]
+    return 2 * tps[0] if tps else 0
+
+
 def provision_pd(pred: Predictor, load: WindowLoad, spec: ClusterSpec, rule: ClockRule, headroom: float = 1.3,
                  use_all: bool = False) -> Plan:
-    """P/D disaggregated instance pools with the least predicted power (BiScale's coarse tier); with
-    `use_all` they hold every GPU between them."""
+    """P/D disaggregated instance pools with the least predicted power (BiScale's coarse tier, and AFlex's
+    "pd-colocated" kind); with `use_all` they hold every GPU between them."""
     hl, rule = with_headroom(load, headroom), sized_on_total(rule)
     pre, dec = _pd_candidates(pred, hl, spec, rule)
     best: tuple[float, PoolShape, PoolShape] | None = None
     for ps, pp in pre.items():
         for ds, dp in dec.items():
             used = ps.gpus + ds.gpus
-            if used > spec.gpus or (use_all and used != spec.gpus):
+            if not pd_formable(ps, ds, spec) or (use_all and used != spec.gpus):
                 continue
             total = pp + dp + (spec.gpus - used) * spec.parked_power_w
             if best is None or total < best[0]:

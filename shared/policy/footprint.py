@@ -4,9 +4,12 @@ The shapes (`Plan.kind`):
 - "pd": a prefill pool and a decode pool, each with attention and FFN GPUs (`pool_sizing.provision`);
 - "mixed": one A/F split pool whose attention GPUs run prefill and decode (`pool_sizing.provision_mixed`);
 - "colocated": whole-model replicas, both halves on one GPU or TP group, a clock per phase
-  (`colocated.provision_colocated`, the search DynamoLLM's planner makes).
+  (`colocated.provision_colocated`, the search DynamoLLM's planner makes);
+- "pd-colocated": a prefill pool and a decode pool of whole-model replicas, each at its own clocks, the
+  KV handed from one to the other (`baseline_placement.provision_pd`, BiScale's coarse tier), so AFlex's
+  plan space holds every rival's kind.
 
-Why all three: the split pays its seam hop and the idle power of two GPU roles per pool; a P/D plan
+Why all of them: the split pays its seam hop and the idle power of two GPU roles per pool; a P/D plan
 needs at least 2 × (1 + the FFN's GPUs) GPUs, and a prefill pool whose long prompts need attention
 TP needs more, so at low load (or under `active` accounting, where a parked GPU costs the planner
 nothing) one TP2 or TP4 replica can be cheaper than any split plan. Every candidate is priced by the
@@ -33,6 +36,7 @@ from dataclasses import replace
 
 from shared.kinds import PLAN_KINDS, PlanKind
 from shared.perf import Predictor
+from shared.policy.baseline_placement import provision_pd, smallest_pd_instances
 from shared.policy.colocated import colocated_options, provision_colocated
 from shared.policy.operating_point import ClockRule
 from shared.policy.pool_sizing import (
@@ -48,7 +52,7 @@ from shared.policy.pool_sizing import (
 )
 
 # what AFlex weighs by default (why not "mixed": docs/evaluation.md); every kind: `shared.kinds.PLAN_KINDS`
-AFLEX_KINDS: tuple[PlanKind, ...] = ("pd", "colocated")
+AFLEX_KINDS: tuple[PlanKind, ...] = ("pd", "colocated", "pd-colocated")
 
 
 def candidate_plans(pred: Predictor, load: WindowLoad, spec: ClusterSpec, rule: ClockRule,
@@ -61,6 +65,8 @@ def candidate_plans(pred: Predictor, load: WindowLoad, spec: ClusterSpec, rule: 
         plans["mixed"] = provision_mixed(pred, load, spec, rule, headroom)
     if "colocated" in kinds and colocated_options(spec):
         plans["colocated"] = provision_colocated(pred, load, spec, rule, headroom)
+    if "pd-colocated" in kinds and smallest_pd_instances(spec):
+        plans["pd-colocated"] = provision_pd(pred, load, spec, rule, headroom)
     return plans
 
 

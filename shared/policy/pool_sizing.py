@@ -184,9 +184,10 @@ class Plan:
 
     @property
     def kind(self) -> PlanKind:
-        """"pd" (prefill and decode pools), "mixed" (one A/F split pool) or "colocated" (whole-model replicas)."""
+        """"pd" (split prefill and decode pools), "pd-colocated" (prefill and decode pools of whole-model
+        replicas), "mixed" (one A/F split pool) or "colocated" (whole-model replicas)."""
         if self.mixed is None:
-            return "pd"
+            return "pd" if self.prefill is None or self.prefill.split else "pd-colocated"
         return "mixed" if self.mixed.split else "colocated"
 
     def pools(self) -> dict[str, PoolShape]:

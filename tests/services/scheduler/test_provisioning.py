@@ -22,7 +22,7 @@ from loadgen.sim.models import get_model
 from services.scheduler.fleet_plan import LoadLog, Provisioner, assign
 from shared import subjects
 from shared.gpu.emulated import load_profile
-from shared.kinds import PLAN_KINDS
+from shared.kinds import PLAN_KINDS, Role
 from shared.messages import (
     KVHandoff,
     KVHandoffReply,
@@ -135,6 +135,35 @@ def test_a_pd_plan_that_overflows_its_ffn_workers_gives_way_to_a_mixed_pool_that
     assert either.plan.mixed.ffn == 2 and either.plan.mixed.attention >= 2
 
 
+def test_a_pd_plan_of_whole_model_workers_needs_no_ffn_worker_and_takes_replicas_of_their_size() -> None:
+    """The "pd-colocated" kind live: four TP2 whole-model workers and no FFN worker; the plan is the
+    simulator's call over them (`provision_pd` limited to the workers it has), and each pool's replicas are
+    workers of its TP, told to run their own FFN half (`prefill-colocated`, `decode-colocated`)."""
+    pv = _provisioner()
+    pred = cached_predictor(A800, QWEN)
+    for i in range(30):
+        pv.loads.admitted(f"r{i}", 100.0 + 2 * i, 200, 400)
+    whole = ["w0", "w1", "w2", "w3"]
+    sizes = dict.fromkeys(whole, 2)
+    d = pv.plan(160.0, pred, RULE, whole, [], kinds=("pd-colocated",), colocate_ids=whole, sizes=sizes)
+    spec = pv.spec(QWEN, A800, LiveGroups((2,) * 4, (), (2,) * 4))
+    assert d.plan == elastic_plan(pred, d.load, spec, RULE, 1.3, None, kinds=("pd-colocated",))
+    assert d.plan.kind == "pd-colocated" and d.plan.prefill is not None and d.plan.decode is not None
+    assert d.plan.prefill.tp == d.plan.decode.tp == 2  # the only replicas these workers form
+    roles = sorted(d.assignments.values())
+    assert roles.count("prefill-colocated") == d.plan.prefill.replicas
+    assert roles.count("decode-colocated") == d.plan.decode.replicas
+    assert all(d.pool_of[w] == a.split("-")[0] for w, a in d.assignments.items() if a.endswith("-colocated"))
+    # more replicas than the workers have are never planned, whatever the load
+    for i in range(200):
+        pv.loads.admitted(f"b{i}", 161.0 + i / 50, 2000, 400)
+    busy = pv.plan(165.0, pred, RULE, whole, [], kinds=("pd-colocated",), colocate_ids=whole, sizes=sizes)
+    assert busy.plan.prefill is not None and busy.plan.decode is not None
+    assert busy.plan.prefill.replicas + busy.plan.decode.replicas <= 4
+    with pytest.raises(ValueError, match="an attention worker holding both halves"):
+        pv.plan(165.0, pred, RULE, whole, [], kinds=("pd-colocated",))  # none holds the FFN half
+
+
 def test_pd_pools_are_weighed_only_where_the_mesh_holds_them() -> None:
     from services.scheduler.plan_loop import ProvisioningLoop
     from services.scheduler.registry import Worker
@@ -143,14 +172,20 @@ def test_pd_pools_are_weighed_only_where_the_mesh_holds_them() -> None:
     def kinds(setting: str, n_attention: int, n_ffn: int, kv_address: str = "gloo://h:1") -> tuple[str, ...]:
         loop = ProvisioningLoop.__new__(ProvisioningLoop)
         loop.settings = SchedulerSettings(provision_kinds=setting)  # type: ignore[arg-type]
-        attention = [Worker(f"a{i}", "attention", kv_address=kv_address) for i in range(n_attention)]
+        attention = [Worker(f"a{i}", "attention", kv_address=kv_address, halves=halves) for i in range(n_attention)]
         return loop.kinds(attention, [Worker(f"f{i}", "ffn") for i in range(n_ffn)])
+
+    halves: tuple[Role, ...] = ()
 
     assert kinds("auto", 2, 2) == ("mixed", "pd")
     assert kinds("pd", 2, 2) == ("pd",)
     assert kinds("mixed", 4, 2) == ("mixed",)
     assert kinds("pd", 2, 1) == ("mixed",)  # a P/D plan needs an FFN worker per pool
     assert kinds("auto", 2, 2, kv_address="") == ("mixed",)  # the nats seam: no KV seam to hand off to
+    halves = ("ffn",)  # whole-model workers: replicas, and P/D pools of two or more of them
+    assert kinds("auto", 2, 2) == ("mixed", "pd", "colocated", "pd-colocated")
+    assert kinds("auto", 2, 0) == ("colocated", "pd-colocated") and kinds("pd-colocated", 2, 0) == ("pd-colocated",)
+    assert kinds("pd-colocated", 1, 0) == ("colocated",) and kinds("auto", 2, 0, kv_address="") == ("colocated",)
 
 
 def test_workers_out_of_the_plan_park_cold_where_the_window_pays_for_the_reload() -> None:

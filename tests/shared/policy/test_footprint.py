@@ -44,6 +44,11 @@ def _exhaustive(pred: Predictor, load: WindowLoad, spec: ClusterSpec, headroom: 
         dec = {p: decode_power(pred, p, hl, spec, RULE) for p in pools if p.attention_tp == 1}
         best["pd"] = min(pp + dp + (n - p.gpus - d.gpus) * parked for p, pp in pre.items() for d, dp in dec.items()
                          if p.gpus + d.gpus <= n)
+    if len(colocated) > 1:  # two replicas at least: a prefill pool and a decode pool of them
+        pre_i = {s: prefill_power(pred, s, hl, spec, RULE) for s in colocated}
+        dec_i = {s: decode_power(pred, s, hl, spec, RULE) for s in colocated}
+        best["pd-colocated"] = min(pp + dp + (n - p.gpus - d.gpus) * parked for p, pp in pre_i.items()
+                                   for d, dp in dec_i.items() if p.gpus + d.gpus <= n)
     return best
 
 
@@ -60,8 +65,8 @@ def test_each_kind_is_the_least_of_its_shapes_checked_exhaustively(mixtral: Pred
     exhaustive = _exhaustive(mixtral, load, spec, 1.3)
     for kind, plan in plans.items():
         assert plan.kind == kind and plan.predicted_power_w == pytest.approx(exhaustive[kind], rel=1e-9), kind
-        assert plan.gpus + plan.parked == spec.gpus and set(plan.pools()) == ({"prefill", "decode"} if kind == "pd"
-                                                                               else {kind})
+        pd = kind in ("pd", "pd-colocated")
+        assert plan.gpus + plan.parked == spec.gpus and set(plan.pools()) == ({"prefill", "decode"} if pd else {kind})
 
 
 def test_a_shared_pool_wins_where_the_split_cannot_shrink(mixtral: Predictor) -> None:
@@ -118,6 +123,7 @@ def test_a_split_that_cannot_hold_the_load_gives_way_to_a_kind_that_can() -> Non
     plans = candidate_plans(qwen, load, spec, RULE, 1.3, AFLEX_KINDS)
     assert not plans["pd"].feasible and plans["colocated"].feasible
     plan = elastic_plan(qwen, load, spec, RULE, kinds=AFLEX_KINDS, current_kind="pd")
-    assert plan.kind == "colocated" and plan.feasible
+    assert plan.kind in ("colocated", "pd-colocated") and plan.feasible  # TP8 replicas, in one pool or P/D pools
+    assert plan.predicted_power_w == min(p.predicted_power_w for p in plans.values() if p.feasible)
     alone = elastic_plan(qwen, load, spec, RULE, kinds=("pd",))  # no kind holds it: the split is kept
     assert alone.kind == "pd" and not alone.feasible

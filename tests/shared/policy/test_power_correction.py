@@ -88,6 +88,7 @@ def test_the_simulators_aflex_corrects_its_kinds_and_single_kind_policies_do_not
     from loadgen.sim.policies import policy_spec
     from shared.gpu.emulated import load_profile
     from shared.perf import cached_predictor
+    from shared.policy.footprint import AFLEX_KINDS
 
     prof, model = load_profile("a800"), get_model("mixtral-8x7b")
     arr = synthetic(1.0, 700.0, 1, prompt_mean=500, output_mean=50)
@@ -98,6 +99,6 @@ def test_the_simulators_aflex_corrects_its_kinds_and_single_kind_policies_do_not
         sim = Simulation(prof, model, arr, policy_spec("aflex"), SimConfig(gpus=8, accounting=accounting), pred)
         res = sim.run()
         assert sim.correction is not None and sim.correction.sums, accounting  # the plans in force were observed
-        assert set(res["power_factor"]) == {"pd", "colocated"}  # in the JSON
+        assert set(res["power_factor"]) == set(AFLEX_KINDS)  # in the JSON
         for kind, (obs_j, pred_j) in sim.correction.sums.items():
             assert obs_j > 0 and pred_j > 0 and 0.25 < sim.correction.factor(kind) < 4.0, (accounting, kind)
