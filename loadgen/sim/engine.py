@@ -117,7 +117,7 @@ class Simulation:
                 for pool_name in pools:
                     if pool_mode(pool_name) == name:
                         self.pools[pool_name].rule = rule
-        kind = "pd" if "prefill" in shapes else next(iter(shapes))
+        kind = next(iter(shapes)) if "prefill" not in shapes else "pd" if shapes["prefill"].split else "pd-colocated"
         if self.correction is not None:  # a plan merged with the pools in force is not the one priced
             plan = self.planner.last_plan
             known = plan is not None and plan.pools() == shapes

@@ -77,6 +77,8 @@ def _specs() -> dict[str, PolicySpec]:
         "aflex-mixed-only": s("aflex-mixed-only", "af", AFLEX_CLOCK, AFLEX, scaling=True, kinds=("mixed",)),
         "aflex-colocated-only": s("aflex-colocated-only", "af", AFLEX_CLOCK, AFLEX, scaling=True,
                                   kinds=("colocated",)),
+        "aflex-pd-colocated-only": s("aflex-pd-colocated-only", "af", AFLEX_CLOCK, AFLEX, scaling=True,
+                                     kinds=("pd-colocated",)),
         "aflex-no-opfreq": s("aflex-no-opfreq", "af", ClockRule(per_operator=False, objective=SHARED_CLOCK_OBJECTIVE),
                              AFLEX, scaling=True, kinds=AFLEX_KINDS),
         "aflex-fixed-depth": s("aflex-fixed-depth", "af", ClockRule(depths=(2,), objective=SHARED_CLOCK_OBJECTIVE),

@@ -14,13 +14,15 @@ needs at least 2 × (1 + the FFN's GPUs) GPUs, and a prefill pool whose long pro
 TP needs more, so at low load (or under `active` accounting, where a parked GPU costs the planner
 nothing) one TP2 or TP4 replica can be cheaper than any split plan. Every candidate is priced by the
 same predictors and power model, under the same SLO budgets, and the least predicted power wins.
-When the P/D plan cannot hold the load (infeasible), a feasible plan of another kind is taken; only
-when no kind holds it is the split kept. A split pool is not always the largest: on two 8-GPU nodes a
-split pool past a node runs its seam and FFN all-reduce over the network, so the planner keeps split
-pools inside a node (issue 38), where colocated TP8 replicas on both nodes hold more (code-Qwen3 at ×1:
-the split kept past its capacity reached P90 TTFT 22 s). On a live mesh whose workers each hold one
-half (`ClusterSpec.max_attention` / `max_ffn`), P/D can overflow its FFN workers alone, one per pool,
-while one mixed pool shares them and holds the load.
+When a plan cannot hold the load (infeasible), a feasible plan of another kind is taken; when no kind
+holds it, the plan that overloads its pools least (its `predicted_power_w` is `INFEASIBLE` times the
+overload). The split is not always the largest: on two 8-GPU nodes a split pool past a node runs its
+seam and FFN all-reduce over the network, so the planner keeps split pools inside a node (issue 38),
+where colocated TP8 replicas on both nodes hold more. On code-Qwen3 at ×1 (the burst load times the
+headroom outgrows every kind in most windows), keeping the split there reached P90 TTFT 6.4 s; the
+least-overloaded kind, two TP8 replicas, 495 ms at 3% less energy (docs/evaluation.md). On a live mesh
+whose workers each hold one half (`ClusterSpec.max_attention` / `max_ffn`), P/D can overflow its FFN
+workers alone, one per pool, while one mixed pool shares them and holds the load.
 Mixed A/F pools are left out of `AFLEX_KINDS`: the model sized them too large before its idle term
 was fixed, and they have not been measured since (docs/evaluation.md). A change
 of kind drains pools (requests finish where they are, their GPUs then move), so the current kind is
@@ -92,9 +94,8 @@ def weigh_kinds(pred: Predictor, load: WindowLoad, spec: ClusterSpec, rule: Cloc
     plans = candidate_plans(pred, load, spec, rule, headroom, kinds)
     if not plans:
         raise ValueError(f"{spec.gpus} GPUs hold no plan of kinds {', '.join(kinds)}")
-    pd = plans.get("pd")
-    if pd is not None and not any(p.feasible for p in plans.values()):
-        return pd, plans  # no kind holds the load: the split, whose prefill pool grows past any replica's TP
+    if not any(p.feasible for p in plans.values()):  # no kind holds the load: the one it overloads least
+        return min(plans.values(), key=lambda p: p.predicted_power_w), plans
     factor = power_factor or {}
 
     def power_w(p: Plan) -> float:

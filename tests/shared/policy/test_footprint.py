@@ -127,3 +127,10 @@ def test_a_split_that_cannot_hold_the_load_gives_way_to_a_kind_that_can() -> Non
     assert plan.predicted_power_w == min(p.predicted_power_w for p in plans.values() if p.feasible)
     alone = elastic_plan(qwen, load, spec, RULE, kinds=("pd",))  # no kind holds it: the split is kept
     assert alone.kind == "pd" and not alone.feasible
+    # a load no kind holds: the plan that overloads its pools least, whatever its kind
+    surge = WindowLoad(40.0, 2000.0, 300.0, 5000.0)
+    over = candidate_plans(qwen, surge, spec, RULE, 1.3, AFLEX_KINDS)
+    assert not any(p.feasible for p in over.values())
+    least = elastic_plan(qwen, surge, spec, RULE, kinds=AFLEX_KINDS, current_kind="pd")
+    assert least.predicted_power_w == min(p.predicted_power_w for p in over.values())
+    assert least.kind != "pd"  # the split inside a node overloads most (code-Qwen3's 6.4 s P90 TTFT)
