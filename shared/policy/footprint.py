@@ -33,6 +33,7 @@ The simulator's AFlex planner calls `elastic_plan`; so does the live scheduler (
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Mapping
 from dataclasses import replace
 
@@ -59,16 +60,20 @@ AFLEX_KINDS: tuple[PlanKind, ...] = ("pd", "colocated", "pd-colocated")
 
 def candidate_plans(pred: Predictor, load: WindowLoad, spec: ClusterSpec, rule: ClockRule,
                     headroom: float = 1.3, kinds: tuple[str, ...] = PLAN_KINDS) -> dict[str, Plan]:
-    """The least-power plan of each kind that fits the cluster (a kind that cannot hold the model is left out)."""
+    """The least-power plan of each kind that fits the cluster (a kind that cannot hold the model is left out:
+    e.g. split P/D pools of Qwen3-235B-A22B on 16 GPUs, whose experts form FFN groups of 8, not 7)."""
+    searches = {
+        "pd": (spec.gpus >= smallest_pd_gpus(spec),
+               lambda: provision(pred, load, spec, rule, headroom=headroom, min_pd_gpus=smallest_pd_gpus(spec))),
+        "mixed": (spec.gpus >= 1 + spec.ffn_min, lambda: provision_mixed(pred, load, spec, rule, headroom)),
+        "colocated": (bool(colocated_options(spec)), lambda: provision_colocated(pred, load, spec, rule, headroom)),
+        "pd-colocated": (bool(smallest_pd_instances(spec)), lambda: provision_pd(pred, load, spec, rule, headroom)),
+    }
     plans: dict[str, Plan] = {}
-    if "pd" in kinds and spec.gpus >= smallest_pd_gpus(spec):
-        plans["pd"] = provision(pred, load, spec, rule, headroom=headroom, min_pd_gpus=smallest_pd_gpus(spec))
-    if "mixed" in kinds and spec.gpus >= 1 + spec.ffn_min:
-        plans["mixed"] = provision_mixed(pred, load, spec, rule, headroom)
-    if "colocated" in kinds and colocated_options(spec):
-        plans["colocated"] = provision_colocated(pred, load, spec, rule, headroom)
-    if "pd-colocated" in kinds and smallest_pd_instances(spec):
-        plans["pd-colocated"] = provision_pd(pred, load, spec, rule, headroom)
+    for kind, (fits, search) in searches.items():
+        if kind in kinds and fits:
+            with contextlib.suppress(ValueError):  # no shape of this kind fits the cluster's groups
+                plans[kind] = search()
     return plans
 
 

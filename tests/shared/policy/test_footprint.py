@@ -134,3 +134,14 @@ def test_a_split_that_cannot_hold_the_load_gives_way_to_a_kind_that_can() -> Non
     least = elastic_plan(qwen, surge, spec, RULE, kinds=AFLEX_KINDS, current_kind="pd")
     assert least.predicted_power_w == min(p.predicted_power_w for p in over.values())
     assert least.kind != "pd"  # the split inside a node overloads most (code-Qwen3's 6.4 s P90 TTFT)
+
+
+def test_a_kind_no_shape_of_which_fits_is_left_out_not_raised() -> None:
+    """Qwen3-235B-A22B on 16 GPUs: its 128 experts form FFN groups of 8, so split P/D pools (two FFN groups
+    beside attention) do not fit, while one mixed pool does; the planner weighs the kinds that fit."""
+    model = get_model("qwen3-235b-a22b")
+    pred = cached_predictor(load_profile("h100"), model)
+    spec = ClusterSpec.for_model(model, 16, ttft_slo_s=0.4, tpot_slo_s=0.12, link_bytes_s=400e9, parked_power_w=34.0)
+    plans = candidate_plans(pred, WindowLoad(1.0, 1000.0, 200.0, 3000.0), spec, RULE, 1.3, PLAN_KINDS)
+    assert "pd" not in plans and "mixed" in plans
+    assert elastic_plan(pred, WindowLoad(1.0, 1000.0, 200.0, 3000.0), spec, RULE).kind in plans
