@@ -13,7 +13,8 @@ The axes (`MODELS`, `GPUS`, `LOADS`, `SLOS`, `CONTEXTS`) make 360 cells; the map
 then every model with every context, the GPU, load and SLO rotating through their values so that each value
 appears about equally often. Each replay is the trace's first `--window-s` seconds (1200 by default), at the
 load's multiple of its rate; long context is the synthetic agentic/RAG workload (8-32K-token prompts) at
-0.3 req/s times the load, its TTFT limit ten times the SLO set's. Traces: Azure LLM inference traces 2023 (`AFLEX_TRACES_DIR`, ../shared/traces).
+0.3 req/s times the load, its TTFT limit ten times the SLO set's. Traces: Azure LLM inference traces 2023
+(`AFLEX_TRACES_DIR`, ../shared/traces).
 
     python benchmarks/regime_map.py --json out/regime_map.json --md out/regime_map.md
     python benchmarks/regime_map.py --sample axes   # the one-factor-at-a-time cells only
