@@ -24,6 +24,7 @@ from loadgen.sim.models import attention_weight_bytes, ffn_weight_bytes, kv_byte
 from loadgen.sim.planning import SimPlanner
 from loadgen.sim.policies import PolicySpec
 from loadgen.sim.results import sim_results
+from loadgen.sim.slo_window import p90_ttft_ms, stretch_tpot_met
 from loadgen.sim.truth import IterationTruth
 from shared.gpu.emulated import GPUProfile
 from shared.kinds import ParkedState
@@ -147,13 +148,15 @@ class Simulation:
         predicted_w = plan_power_w(self.pred, plan, self.planner.load(start, now), self.spec, self.pol.clock)
         p90 = self._p90_ttft_ms(start, now)
         met = p90 is None or p90 <= self.cfg.ttft_slo_s * 1e3
+        seen = self.planner.load(start, now, True)  # the burst load that came: was the plan sized for it?
+        if now - start >= self.correction.min_span_s and seen.rate_rps <= self.planned_rate:
+            self.correction.judged(kind, stretch_tpot_met(self.arr.time_s, self.first, self.finish, self.arr.output,
+                                                           start, now, self.cfg.tpot_slo_s), seen.rate_rps)
         if predicted_w is None or self.correction.observe(kind, predicted_w, j - j0, now - start, met):
             self._stretch = (now, kind, plan, j)  # an overload's stretch is left out
 
     def _p90_ttft_ms(self, t0: float, t1: float) -> float | None:
-        """The P90 TTFT of the requests whose first token came in [t0, t1) (None: none did)."""
-        sel = (self.first >= t0) & (self.first < t1)
-        return float(np.percentile((self.first[sel] - self.arr.time_s[sel]) * 1e3, 90)) if sel.any() else None
+        return p90_ttft_ms(self.arr.time_s, self.first, t0, t1)
 
     def _provision(self, now: float, load: WindowLoad, scale_up_only: bool = False) -> None:
         # a tick between windows grows the pools of the kind in force; only a window changes kind. A tick that

@@ -118,8 +118,9 @@ class SimPlanner:
         if pol.kinds != ("pd",):
             kinds = (self.kind,) if same_kind and self.kind in pol.kinds else pol.kinds
             factor = self.correction.factors(kinds) if self.correction is not None else None
+            barred = self.correction.barred(kinds, load.rate_rps) if self.correction is not None else frozenset()
             plan, weighed = weigh_kinds(self.pred, load, self.spec, pol.clock, self.headroom, self.kind, kinds=kinds,
-                                        power_factor=factor)
+                                        power_factor=factor, barred=barred)
             self.last_weighed = {kind: round(p.predicted_power_w, 1) for kind, p in weighed.items()}
             return self._shapes(plan)
         return self._shapes(provision(self.pred, load, self.spec, pol.clock, headroom=self.headroom,

@@ -119,6 +119,9 @@ class Observed:
     load: WindowLoad  # the last window's
     p90_ttft_ms: float | None  # the last window's first tokens'
     stretch_load: WindowLoad | None  # the load since the plan in force began (its power correction's)
+    # the P90 TPOT of the requests that came since the plan in force began and finished, within the SLO (None:
+    # none finished, or the stretch is shorter than a verdict needs)
+    stretch_tpot_met: bool | None = None
 
 
 def assign(plan: Plan, attention_ids: list[str], ffn_ids: list[str], previous: dict[str, Assignment],
@@ -187,6 +190,7 @@ class Provisioner:
         self.headroom_rule = AdaptiveHeadroom(headroom)  # the simulator's AFlex rule, fed each window's TTFT
         self.ttft_slo_ms = ttft_slo_ms
         self.ttfts: deque[tuple[float, float]] = deque()  # (monotonic time of a first token, TTFT ms)
+        self.tpots: deque[tuple[float, float, float]] = deque()  # (finished, arrived: monotonic s; TPOT s)
         self.ttft_slo_s, self.tpot_slo_s, self.link_bytes_s = ttft_slo_ms / 1e3, tpot_slo_ms / 1e3, link_bytes_s
         self.min_attention, self.min_ffn = min_attention, min_ffn
         self.subwindow_s = min(subwindow_s, window_s / 2)  # a short (test) window still sees its bursts
@@ -203,6 +207,22 @@ class Provisioner:
 
     def first_token(self, mono: float, ttft_ms: float) -> None:
         self.ttfts.append((mono, ttft_ms))
+
+    def finished_tpot(self, now_mono: float, arrived_mono: float, tpot_s: float) -> None:
+        """A request finished with this TPOT: the stretch it came in is judged by it (`stretch_tpot_met`)."""
+        self.tpots.append((now_mono, arrived_mono, tpot_s))
+        while self.tpots and now_mono - self.tpots[0][0] > 2 * self.window_s:
+            self.tpots.popleft()
+
+    def stretch_tpot_met(self, now_mono: float) -> bool | None:
+        """Whether the requests that came since the plan in force began met the P90 TPOT SLO (None: too short a
+        stretch for a verdict, or none of them finished). The simulator's rule
+        (`loadgen.sim.slo_window.stretch_tpot_met`)."""
+        s = self.power.stretch
+        if s is None or now_mono - s.since_mono < self.power.correction.min_span_s:
+            return None
+        tpots = [t for _, arrived, t in self.tpots if arrived >= s.since_mono]
+        return None if not tpots else bool(np.percentile(tpots, 90) <= self.tpot_slo_s)
 
     def p90_ttft_ms(self, now_mono: float) -> float | None:
         """The P90 TTFT of the first tokens of the last window (None: none)."""
@@ -237,7 +257,7 @@ class Provisioner:
         stretch_load = None if stretch is None else self.loads.load(
             now_mono, max(self.window_s, now_mono - stretch.since_mono), self.subwindow_s, self.quantile)
         return Observed(self.loads.load(now_mono, span_s, self.subwindow_s, self.quantile),
-                        self.p90_ttft_ms(now_mono), stretch_load)
+                        self.p90_ttft_ms(now_mono), stretch_load, self.stretch_tpot_met(now_mono))
 
     def plan(self, now_mono: float, pred: Predictor, rule: ClockRule, attention_ids: list[str],
              ffn_ids: list[str], kinds: tuple[str, ...] | None = None,
@@ -258,12 +278,19 @@ class Provisioner:
         spec = self.spec(pred.args, pred.profile, groups, gpu_memory_bytes)
         headroom = self.headroom_rule.update(seen.p90_ttft_ms, self.ttft_slo_ms)
         kinds = kinds or self.kinds
+        stretch = self.power.stretch
+        if seen.stretch_load is not None and stretch is not None and seen.stretch_tpot_met is not None \
+                and self.latest is not None and seen.stretch_load.rate_rps <= self.latest.load.rate_rps:
+            # a kind that missed TPOT at a load its plan was sized for is not returned to at that load or above
+            self.power.correction.judged(stretch.plan.kind, seen.stretch_tpot_met, seen.stretch_load.rate_rps)
         if seen.stretch_load is not None:  # what the plan in force drew, against its model: its kind's factor
             met = seen.p90_ttft_ms is None or seen.p90_ttft_ms <= self.ttft_slo_ms
             self.power.observe(now_mono, pred, rule, seen.stretch_load, met)
         factor = self.power.factors(kinds)
+        barred = self.power.correction.barred(kinds, load.rate_rps)
         try:
-            plan, weighed = weigh_kinds(pred, load, spec, rule, headroom, self.kind, kinds=kinds, power_factor=factor)
+            plan, weighed = weigh_kinds(pred, load, spec, rule, headroom, self.kind, kinds=kinds, power_factor=factor,
+                                        barred=barred)
         except ValueError:  # no plan of these kinds fits (e.g. colocated, where no worker holds the whole model)
             if kinds == ("mixed",) or not ffn_ids:
                 raise

@@ -61,6 +61,8 @@ class ProvisioningLoop:
 
     def finished(self, state: RequestState) -> None:
         self.provisioner.loads.finished(state.request_id, len(state.output_ids))
+        if (tpot_s := state.tpot_s) is not None:
+            self.provisioner.finished_tpot(time.monotonic(), state.received_mono, tpot_s)
 
     def lost(self, worker: Worker) -> None:
         """A worker went silent: it holds no assignment now; if it served, plan again without waiting."""

@@ -34,7 +34,7 @@ The simulator's AFlex planner calls `elastic_plan`; so does the live scheduler (
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import replace
 
 from shared.kinds import PLAN_KINDS, PlanKind
@@ -84,31 +84,39 @@ def smallest_pd_gpus(spec: ClusterSpec) -> int:
 
 def elastic_plan(pred: Predictor, load: WindowLoad, spec: ClusterSpec, rule: ClockRule, headroom: float = 1.3,
                  current_kind: str | None = None, switch_saving: float = 0.05,
-                 kinds: tuple[str, ...] = PLAN_KINDS, power_factor: Mapping[str, float] | None = None) -> Plan:
+                 kinds: tuple[str, ...] = PLAN_KINDS, power_factor: Mapping[str, float] | None = None,
+                 barred: Collection[str] = ()) -> Plan:
     """The plan with the least predicted power among `candidate_plans` (feasible ones first); the current
     kind's plan is kept unless the best saves more than `switch_saving` of its power. Each kind's power is
-    ranked times `power_factor[kind]` (1.0 if absent); the plan returned keeps the model's prediction."""
-    return weigh_kinds(pred, load, spec, rule, headroom, current_kind, switch_saving, kinds, power_factor)[0]
+    ranked times `power_factor[kind]` (1.0 if absent); the plan returned keeps the model's prediction. A
+    `barred` kind (it missed an SLO at this load: `PowerCorrection.barred`) ranks with the infeasible plans."""
+    return weigh_kinds(pred, load, spec, rule, headroom, current_kind, switch_saving, kinds, power_factor,
+                       barred)[0]
 
 
 def weigh_kinds(pred: Predictor, load: WindowLoad, spec: ClusterSpec, rule: ClockRule, headroom: float = 1.3,
                 current_kind: str | None = None, switch_saving: float = 0.05,
-                kinds: tuple[str, ...] = PLAN_KINDS, power_factor: Mapping[str, float] | None = None
-                ) -> tuple[Plan, dict[str, Plan]]:
+                kinds: tuple[str, ...] = PLAN_KINDS, power_factor: Mapping[str, float] | None = None,
+                barred: Collection[str] = ()) -> tuple[Plan, dict[str, Plan]]:
     """`elastic_plan`'s choice and every kind's plan it weighed (what the plan telemetry says it chose from)."""
     plans = candidate_plans(pred, load, spec, rule, headroom, kinds)
     if not plans:
         raise ValueError(f"{spec.gpus} GPUs hold no plan of kinds {', '.join(kinds)}")
-    if not any(p.feasible for p in plans.values()):  # no kind holds the load: the one it overloads least
-        return min(plans.values(), key=lambda p: p.predicted_power_w), plans
+    # a barred kind gives way to any other that holds the load before the headroom (its overload, the factor
+    # `INFEASIBLE` is multiplied by, under `headroom`); where none does, every kind is weighed as usual
+    near = [p for p in plans.values() if p.kind not in barred and p.predicted_power_w < INFEASIBLE * headroom]
+    open_plans = near if barred and near else list(plans.values())
+    if not any(p.feasible for p in open_plans):  # no kind holds the load: the one it overloads least
+        return min(open_plans, key=lambda p: p.predicted_power_w), plans
     factor = power_factor or {}
 
     def power_w(p: Plan) -> float:
         return p.predicted_power_w * factor.get(p.kind, 1.0)
 
-    best = min(plans.values(), key=lambda p: (not p.feasible, power_w(p)))
+    best = min(open_plans, key=lambda p: (not p.feasible, power_w(p)))
     held = plans.get(current_kind) if current_kind is not None else None
-    if held is not None and held.feasible and power_w(held) * (1.0 - switch_saving) <= power_w(best):
+    if held is not None and held in open_plans and held.feasible \
+            and power_w(held) * (1.0 - switch_saving) <= power_w(best):
         return held, plans
     return best, plans
 

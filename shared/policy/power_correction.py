@@ -21,6 +21,15 @@ a kind the model does not favour. Pricing it at 1.0 was measured too: the runnin
 1 then held the other kind out for good, and code-Mixtral ×0.25 never left P/D pools (+7.5% energy,
 losing the cell to BiScale).
 
+A kind whose stretch missed the TPOT SLO (the P90 TPOT of the requests that came in it and finished), at a
+load its plan was sized for, is not returned to at that load or above (`barred`): the pool models
+misjudged that kind's decode there (colocated replicas whose decode steps share iterations with prefill
+chunks, under MLPerf's 40 ms TPOT), and a heavier load will not bring it back under. It gives way to any
+other kind that holds the load before the headroom (`footprint.weigh_kinds`); only where every kind has
+failed at this load is none barred. TTFT misses bar nothing: they come with bursts the forecast missed,
+which the headroom answers (`AdaptiveHeadroom`), and barring on them cost 1.9% on code-Mixtral and 51 ms
+of P90 TTFT on code-Qwen3 (docs/evaluation.md).
+
 The factor prices energy among kinds that meet the SLO. The pool models misjudge TTFT too: on the
 bursty Coding trace under `active`, colocated replicas drew 0.65 of their prediction while their P90
 TTFT missed the SLO (471 ms at ×1; the headroom corrects every kind alike). So a kind whose latest
@@ -42,6 +51,7 @@ class PowerCorrection:
     # kind -> (observed J, predicted J), both discounted alike
     sums: dict[str, tuple[float, float]] = field(default_factory=dict)
     missed: set[str] = field(default_factory=set)  # kinds whose latest stretch missed the SLO
+    failed_at_rps: dict[str, float] = field(default_factory=dict)  # the least load a kind's stretch missed an SLO at
 
     def observe(self, kind: str, predicted_w: float, observed_j: float, span_s: float, slo_met: bool = True) -> bool:
         """Fold in `span_s` seconds in which a plan of `kind`, predicted at `predicted_w`, drew `observed_j`
@@ -54,6 +64,16 @@ class PowerCorrection:
         self.sums[kind] = (keep * obs_j + observed_j, keep * pred_j + predicted_w * span_s)
         (self.missed.discard if slo_met else self.missed.add)(kind)
         return True
+
+    def judged(self, kind: str, slo_met: bool, load_rps: float) -> None:
+        """A stretch of `kind` (at least `min_span_s` long) met both SLOs or did not, at `load_rps`."""
+        if not slo_met:
+            self.failed_at_rps[kind] = min(load_rps, self.failed_at_rps.get(kind, load_rps))
+
+    def barred(self, kinds: tuple[str, ...], load_rps: float) -> frozenset[str]:
+        """The kinds of `kinds` that missed an SLO at `load_rps` or a lighter load; none when all of them did."""
+        out = frozenset(k for k in kinds if k in self.failed_at_rps and self.failed_at_rps[k] <= load_rps)
+        return out if len(out) < len(kinds) else frozenset()
 
     def factor(self, kind: str) -> float:
         """What `kind`'s predicted power is multiplied by (a kind never observed: the observed kinds' mean). A

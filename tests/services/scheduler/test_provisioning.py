@@ -164,6 +164,32 @@ def test_a_pd_plan_of_whole_model_workers_needs_no_ffn_worker_and_takes_replicas
         pv.plan(165.0, pred, RULE, whole, [], kinds=("pd-colocated",))  # none holds the FFN half
 
 
+def test_a_kind_whose_requests_missed_tpot_at_a_load_its_plan_held_is_not_returned_to() -> None:
+    """The live side of `PowerCorrection.barred`: the requests that came in the stretch of the plan in force
+    finished over the TPOT SLO, at a load it was sized for; the next plan takes another kind that holds the
+    load, and keeps away from it at that load (the simulator's rule: `slo_window.stretch_tpot_met`)."""
+    pv = _provisioner()
+    pred = cached_predictor(A800, QWEN)
+    whole = ["w0", "w1", "w2", "w3"]
+    kinds = ("colocated", "pd-colocated")
+
+    def plan(now: float) -> str:
+        for i in range(6):  # the same quiet load every time
+            pv.loads.admitted(f"r{now}-{i}", now - 50.0 + 8 * i, 200, 400)
+        return pv.plan(now, pred, RULE, whole, [], kinds=kinds, colocate_ids=whole,
+                       sizes=dict.fromkeys(whole, 2)).plan.kind  # TP2 whole-model workers
+
+    first = plan(160.0)
+    assert plan(220.0) == first  # met (no TPOT seen yet): kept
+    pv.finished_tpot(250.0, 230.0, 0.05)  # within 120 ms
+    assert plan(280.0) == first and not pv.power.correction.failed_at_rps
+    for i in range(10):
+        pv.finished_tpot(320.0 + i, 290.0 + i, 0.3)  # every request of this stretch at 300 ms a token
+    assert plan(340.0) != first and first in pv.power.correction.failed_at_rps
+    pv.finished_tpot(345.0, 341.0, 0.01)
+    assert plan(400.0) != first  # not returned to at this load
+
+
 def test_pd_pools_are_weighed_only_where_the_mesh_holds_them() -> None:
     from services.scheduler.plan_loop import ProvisioningLoop
     from services.scheduler.registry import Worker

@@ -38,6 +38,45 @@ def test_a_kind_that_missed_the_slo_gains_nothing_from_its_factor_until_it_meets
     assert c.factor("pd") == pytest.approx((0.5 * 1.1 + 0.5) / 1.5) and c.factor("pd") > c.factor("colocated")
 
 
+def test_a_kind_that_missed_its_slo_at_a_load_is_barred_there_and_above_unless_every_kind_did() -> None:
+    c = PowerCorrection()
+    c.judged("colocated", True, 12.0)
+    assert c.barred(("colocated", "pd-colocated"), 20.0) == frozenset()  # met: nothing barred
+    c.judged("colocated", False, 11.0)
+    c.judged("colocated", False, 15.0)  # the least load it missed at is kept
+    assert c.failed_at_rps == {"colocated": 11.0}
+    assert c.barred(("colocated", "pd-colocated"), 11.0) == {"colocated"}
+    assert c.barred(("colocated", "pd-colocated"), 10.9) == frozenset()  # a lighter load: it may come back
+    assert c.barred(("pd-colocated",), 20.0) == frozenset()  # not weighed: nothing to bar
+    c.judged("pd-colocated", False, 14.0)
+    assert c.barred(("colocated", "pd-colocated"), 12.0) == {"colocated"}
+    assert c.barred(("colocated", "pd-colocated"), 14.0) == frozenset()  # every kind missed here: none barred
+
+
+def test_a_barred_kind_gives_way_to_a_kind_that_holds_the_load_before_the_headroom() -> None:
+    from loadgen.sim.models import get_model
+    from shared.gpu.emulated import load_profile
+    from shared.perf import cached_predictor
+    from shared.policy import ClockRule, ClusterSpec, WindowLoad
+    from shared.policy.footprint import candidate_plans, elastic_plan
+
+    model = get_model("qwen3-32b")
+    pred = cached_predictor(load_profile("a800"), model)
+    spec = ClusterSpec.for_model(model, 16, ttft_slo_s=0.4, tpot_slo_s=0.12, link_bytes_s=400e9, parked_power_w=34.0)
+    load = WindowLoad(2.0, 1000.0, 200.0, 3000.0)
+    kinds = ("colocated", "pd-colocated")
+    plans = candidate_plans(pred, load, spec, ClockRule(), 1.3, kinds)
+    first = elastic_plan(pred, load, spec, ClockRule(), kinds=kinds)
+    other = next(k for k in kinds if k != first.kind)
+    assert plans[other].feasible
+    assert elastic_plan(pred, load, spec, ClockRule(), kinds=kinds, current_kind=first.kind,
+                        barred={first.kind}).kind == other  # kept before, for the switch's cost; not now
+    # where no other kind holds the load even before the headroom, the barred kind is weighed as usual
+    alone = elastic_plan(pred, load, spec, ClockRule(), kinds=(first.kind, "pd"), barred={first.kind})
+    assert plans[first.kind].feasible and (alone.kind == first.kind) == (
+        candidate_plans(pred, load, spec, ClockRule(), 1.3, ("pd",))["pd"].predicted_power_w >= 1.3e9)
+
+
 def test_the_factor_is_bounded_and_nothing_is_learned_from_no_prediction() -> None:
     c = PowerCorrection(bounds=(0.25, 4.0))
     assert not c.observe("pd", 0.0, 1e6, 300.0)
