@@ -54,6 +54,11 @@ from shared.policy.pool_sizing import (
     provision_mixed,
 )
 
+# P/D pools of replicas and one pool of them, priced by the same instance models, are a tie this close
+# (their error between the two: conv-Qwen3's priced 1.9% apart drew 0.4% apart the other way; code-Mixtral
+# under fixed-pool priced 1.2% apart drew 8% apart), and the one pool is taken: no KV handoff, one clock
+# pair to settle, nothing the decode pool idles on
+REPLICA_TIE_SHARE = 0.03
 # what AFlex weighs by default (why not "mixed": docs/evaluation.md); every kind: `shared.kinds.PLAN_KINDS`
 AFLEX_KINDS: tuple[PlanKind, ...] = ("pd", "colocated", "pd-colocated")
 
@@ -114,6 +119,10 @@ def weigh_kinds(pred: Predictor, load: WindowLoad, spec: ClusterSpec, rule: Cloc
         return p.predicted_power_w * factor.get(p.kind, 1.0)
 
     best = min(open_plans, key=lambda p: (not p.feasible, power_w(p)))
+    one_pool = next((p for p in open_plans if p.kind == "colocated" and p.feasible), None)
+    if best.kind == "pd-colocated" and one_pool is not None \
+            and power_w(one_pool) <= power_w(best) * (1.0 + REPLICA_TIE_SHARE):
+        best = one_pool  # replicas in P/D pools only where the instance models say they save more than their error
     held = plans.get(current_kind) if current_kind is not None else None
     if held is not None and held in open_plans and held.feasible \
             and power_w(held) * (1.0 - switch_saving) <= power_w(best):
