@@ -20,7 +20,7 @@ overload). The split is not always the largest: on two 8-GPU nodes a split pool 
 seam and FFN all-reduce over the network, so the planner keeps split pools inside a node (issue 38),
 where colocated TP8 replicas on both nodes hold more. On code-Qwen3 at ×1 (the burst load times the
 headroom outgrows every kind in most windows), keeping the split there reached P90 TTFT 6.4 s; the
-least-overloaded kind, two TP8 replicas, 495 ms at 3% less energy (docs/evaluation.md). On a live mesh
+least-overloaded kind, two TP8 replicas, 473 ms at 3% less energy (docs/evaluation.md). On a live mesh
 whose workers each hold one half (`ClusterSpec.max_attention` / `max_ffn`), P/D can overflow its FFN
 workers alone, one per pool, while one mixed pool shares them and holds the load.
 Mixed A/F pools are left out of `AFLEX_KINDS`: the model sized them too large before its idle term
