@@ -47,7 +47,7 @@ from shared.policy.decode_slack import DecodeSlack, iteration_budget_s
 from shared.policy.footprint import plan_power_w
 from shared.policy.headroom import AdaptiveHeadroom
 from shared.policy.parking_rule import model_parking_state, parked_power_w
-from shared.policy.pool_sizing import Plan
+from shared.policy.pool_sizing import Plan, pools_kind
 from shared.policy.power_correction import PowerCorrection
 from shared.policy.prefill_cap import AT_MAX, prefill_cap, queue_ttft_budget
 
@@ -118,7 +118,7 @@ class Simulation:
                 for pool_name in pools:
                     if pool_mode(pool_name) == name:
                         self.pools[pool_name].rule = rule
-        kind = next(iter(shapes)) if "prefill" not in shapes else "pd" if shapes["prefill"].split else "pd-colocated"
+        kind = pools_kind(shapes)
         if self.correction is not None:  # a plan merged with the pools in force is not the one priced
             plan = self.planner.last_plan
             known = plan is not None and plan.pools() == shapes
@@ -148,10 +148,10 @@ class Simulation:
         predicted_w = plan_power_w(self.pred, plan, self.planner.load(start, now), self.spec, self.pol.clock)
         p90 = self._p90_ttft_ms(start, now)
         met = p90 is None or p90 <= self.cfg.ttft_slo_s * 1e3
-        seen = self.planner.load(start, now, True)  # the burst load that came: was the plan sized for it?
-        if now - start >= self.correction.min_span_s and seen.rate_rps <= self.planned_rate:
-            self.correction.judged(kind, stretch_tpot_met(self.arr.time_s, self.first, self.finish, self.arr.output,
-                                                           start, now, self.cfg.tpot_slo_s), seen.rate_rps)
+        met_tpot = stretch_tpot_met(self.arr.time_s, self.first, self.finish, self.arr.output, start, now,
+                                    self.cfg.tpot_slo_s)
+        self.correction.judged(kind, met_tpot, self.planner.load(start, now, True).rate_rps, now - start,
+                               self.planned_rate)  # at the burst load that came
         if predicted_w is None or self.correction.observe(kind, predicted_w, j - j0, now - start, met):
             self._stretch = (now, kind, plan, j)  # an overload's stretch is left out
 

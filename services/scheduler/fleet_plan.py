@@ -280,9 +280,9 @@ class Provisioner:
         kinds = kinds or self.kinds
         stretch = self.power.stretch
         if seen.stretch_load is not None and stretch is not None and seen.stretch_tpot_met is not None \
-                and self.latest is not None and seen.stretch_load.rate_rps <= self.latest.load.rate_rps:
-            # a kind that missed TPOT at a load its plan was sized for is not returned to at that load or above
-            self.power.correction.judged(stretch.plan.kind, seen.stretch_tpot_met, seen.stretch_load.rate_rps)
+                and self.latest is not None:  # a kind that missed TPOT is not returned to at that load or above
+            self.power.correction.judged(stretch.plan.kind, seen.stretch_tpot_met, seen.stretch_load.rate_rps,
+                                         planned_rps=self.latest.load.rate_rps)
         if seen.stretch_load is not None:  # what the plan in force drew, against its model: its kind's factor
             met = seen.p90_ttft_ms is None or seen.p90_ttft_ms <= self.ttft_slo_ms
             self.power.observe(now_mono, pred, rule, seen.stretch_load, met)

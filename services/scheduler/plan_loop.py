@@ -84,7 +84,8 @@ class ProvisioningLoop:
     async def window(self) -> PlanDecision | None:
         """One provisioning window: the plan over the healthy registered workers, applied and published."""
         attention, ffn = self.registry.attention_workers(), self.registry.healthy("ffn")
-        if not attention or not (ffn or "pd-colocated" in self.kinds(attention, ffn)):
+        kinds = self.kinds(attention, ffn)
+        if not attention or not (ffn or "pd-colocated" in kinds):
             return None  # no FFN worker: whole-model workers, each `colocated` as it registered, unless P/D pools
         profile = self.profiles.of(attention[0])
         if self.args is None or profile is None:
@@ -101,7 +102,7 @@ class ProvisioningLoop:
             self.provisioner.power.energy.report(w.worker_id, w.gpu_energy_j)
         # the planning call in a thread: the dispatch loop goes on meanwhile (the first builds the predictors)
         decision = await asyncio.to_thread(self.provisioner.plan, now, pred, rule, [w.worker_id for w in attention],
-                                           [w.worker_id for w in ffn], self.kinds(attention, ffn),
+                                           [w.worker_id for w in ffn], kinds,
                                            self.provisioner.observe(now),
                                            [w.worker_id for w in attention if w.can_colocate],
                                            min((m for w in (*attention, *ffn) if (m := w.gpu_memory_bytes) > 0),

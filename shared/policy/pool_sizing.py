@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
 from shared.gpu.emulated import GPUProfile
@@ -187,7 +188,7 @@ class Plan:
         """"pd" (split prefill and decode pools), "pd-colocated" (prefill and decode pools of whole-model
         replicas), "mixed" (one A/F split pool) or "colocated" (whole-model replicas)."""
         if self.mixed is None:
-            return "pd" if self.prefill is None or self.prefill.split else "pd-colocated"
+            return pools_kind({"prefill": self.prefill} if self.prefill is not None else {})
         return "mixed" if self.mixed.split else "colocated"
 
     def pools(self) -> dict[str, PoolShape]:
@@ -195,6 +196,14 @@ class Plan:
         if self.mixed is not None:
             return {self.kind: self.mixed}
         return {k: v for k, v in (("prefill", self.prefill), ("decode", self.decode)) if v is not None}
+
+
+def pools_kind(pools: Mapping[str, PoolShape]) -> PlanKind:
+    """The kind of a plan with these pools by name (`Plan.pools`): P/D pools, split or of replicas, or its one
+    pool's own name ("mixed" or "colocated")."""
+    if "prefill" in pools or not pools:
+        return "pd" if not pools or pools["prefill"].split else "pd-colocated"
+    return "mixed" if "mixed" in pools else "colocated"
 
 
 INFEASIBLE = 1e9

@@ -65,8 +65,13 @@ class PowerCorrection:
         (self.missed.discard if slo_met else self.missed.add)(kind)
         return True
 
-    def judged(self, kind: str, slo_met: bool, load_rps: float) -> None:
-        """A stretch of `kind` (at least `min_span_s` long) met both SLOs or did not, at `load_rps`."""
+    def judged(self, kind: str, slo_met: bool, load_rps: float, span_s: float | None = None,
+               planned_rps: float | None = None) -> None:
+        """A stretch of `kind` met the TPOT SLO or did not, at `load_rps`. It counts only when it lasted
+        `min_span_s` (`span_s`; None: it did) and its plan was sized for that load (`planned_rps`: the load it
+        was planned for; None: it was): a miss past the plan's load is the forecast's, not the kind's."""
+        if (span_s is not None and span_s < self.min_span_s) or (planned_rps is not None and load_rps > planned_rps):
+            return
         if not slo_met:
             self.failed_at_rps[kind] = min(load_rps, self.failed_at_rps.get(kind, load_rps))
 

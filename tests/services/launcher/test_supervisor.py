@@ -24,6 +24,7 @@ from unittest import mock
 
 import pytest
 
+from services.launcher import layout
 from services.launcher import supervisor as sup
 from services.launcher.cli import build_parser, main
 from shared.settings import (
@@ -199,7 +200,7 @@ def test_on_a_cpu_host_the_default_is_the_whole_model_in_one_worker(argv: tuple[
     clean = {k: v for k, v in os.environ.items() if k not in ("AFLEX_PROVISION_KINDS", "AFLEX_DEVICE")}
     with mock.patch.dict(os.environ, {**clean, **env}, clear=True):
         specs = sup.build_commands(up_args(*argv))
-        assert sup.whole_model_here(up_args(*argv)) == whole
+        assert layout.whole_model_here(up_args(*argv)) == whole
     workers = [s for s in specs if s.role.endswith("worker")]
     scheduler = next(s for s in specs if s.role == "scheduler")  # it makes such a worker colocated on sight
     assert (scheduler.env.get("AFLEX_PROVISION_KINDS") == "colocated") == whole
